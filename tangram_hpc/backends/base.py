@@ -1,0 +1,66 @@
+"""The one interface every worker backend implements.
+
+A backend starts worker processes somewhere (this machine, Slurm jobs),
+reports what happened to them, and stops them.  The coordinator never knows
+which backend it drives: it calls :meth:`WorkerBackend.launch` with a shape,
+polls :meth:`WorkerBackend.poll` about once a second, and calls
+:meth:`WorkerBackend.reclaim` once a worker is drained.
+
+A started worker connects back to the coordinator on its own and registers
+with the ``handle`` it was given (environment variable
+``TANGRAM_WORKER_HANDLE``), which is how the coordinator ties a registered
+worker to the job that runs it.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from ..resources import WorkerShape
+
+
+@dataclass(slots=True, frozen=True)
+class BackendEvent:
+    """A change in a worker job's life.
+
+    state: ``pending`` (queued), ``running``, ``ended`` (exited by itself or
+    reclaimed), ``failed`` (could not start, crashed, node failure),
+    ``preempted``, ``timeout`` (hit its time limit).
+    """
+
+    handle: str
+    state: str
+    reason: str = ""
+
+
+@dataclass(slots=True, frozen=True)
+class WorkerLaunchSpec:
+    """Everything a worker process needs to find and join the coordinator."""
+
+    connection_file: str
+    shape: WorkerShape
+    extra_args: tuple[str, ...] = ()
+
+
+class WorkerBackend(ABC):
+    name: str = "abstract"
+
+    @abstractmethod
+    def launch(self, spec: WorkerLaunchSpec, count: int = 1) -> list[str]:
+        """Start ``count`` workers of ``spec.shape``; return their handles."""
+
+    @abstractmethod
+    def poll(self) -> list[BackendEvent]:
+        """State changes since the last poll (one cheap query for all jobs)."""
+
+    @abstractmethod
+    def reclaim(self, handle: str) -> None:
+        """Stop a worker (the coordinator drains it first)."""
+
+    def time_limit(self, handle: str) -> float | None:
+        """Wall-clock time at which the worker's job will be killed, if known."""
+        return None
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop every worker this backend started."""

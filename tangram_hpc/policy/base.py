@@ -1,0 +1,162 @@
+"""Interfaces of the pure policies.
+
+The live coordinator and the simulator drive the *same* policy objects
+through these methods, with the clock passed in as ``now``: a policy does no
+I/O and reads no clock of its own, so a simulated result is a result about
+the product.
+
+Two policies exist side by side:
+
+* a :class:`SchedulingPolicy` decides which pending action starts on which
+  worker with how many cores;
+* a :class:`PoolPolicy` decides how many workers of which shape to ask the
+  backend for and which idle ones to give back.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+from ..actions import ActionSpec
+from ..resources import WorkerInfo, WorkerShape
+
+
+@dataclass(slots=True, frozen=True)
+class Assignment:
+    """Start ``action_id`` on ``worker_id`` with ``cores`` cores."""
+
+    action_id: str
+    worker_id: str
+    cores: int
+
+
+class SchedulingPolicy(ABC):
+    """Places actions on workers.  Owns the resource accounting of its decisions.
+
+    Event methods are called by the driver (coordinator or simulator) in the
+    order events happen; :meth:`schedule` returns the starts to make now.  A
+    running action's resources are held until :meth:`finished` or
+    :meth:`remove_worker`.  On worker loss the driver resubmits the lost
+    actions with :meth:`submit` (a new attempt).
+    """
+
+    @abstractmethod
+    def add_worker(self, info: WorkerInfo, now: float) -> None: ...
+
+    @abstractmethod
+    def remove_worker(self, worker_id: str, now: float) -> list[str]:
+        """Forget a worker; return the ids of the actions that were running on it."""
+
+    @abstractmethod
+    def set_draining(self, worker_id: str, draining: bool) -> None:
+        """A draining worker gets no new actions (scale-down, time limit)."""
+
+    def update_worker(self, worker_id: str, *, services: frozenset[str] | None = None,
+                      envs: frozenset[str] | None = None, now: float = 0.0) -> None:
+        """Worker-reported state: GPU-resident services, hosted environments."""
+
+    @abstractmethod
+    def submit(self, action: ActionSpec, now: float) -> None: ...
+
+    @abstractmethod
+    def cancel(self, action_id: str) -> bool:
+        """Drop a pending action; False when it is not pending (running or unknown)."""
+
+    @abstractmethod
+    def finished(self, action_id: str, now: float, *, ok: bool = True, run_time: float | None = None) -> None:
+        """A running action ended: free its resources and learn from ``run_time``."""
+
+    @abstractmethod
+    def schedule(self, now: float) -> list[Assignment]: ...
+
+    def next_wakeup(self, now: float) -> float | None:
+        """Latest time the driver should call :meth:`schedule` again with no new event."""
+        return None
+
+    @property
+    @abstractmethod
+    def pending_count(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def running_count(self) -> int: ...
+
+    def pending_actions(self) -> list[ActionSpec]:
+        """Waiting actions (for the pool policy and status views); may be costly."""
+        return []
+
+    def unplaceable(self, now: float) -> list[tuple[str, str]]:
+        """Pending actions no current or future worker shape can run, with why.
+
+        The driver fails them with a clear error instead of holding them forever.
+        """
+        return []
+
+
+# -- pool sizing -------------------------------------------------------------
+
+@dataclass(slots=True)
+class WorkerStatus:
+    info: WorkerInfo
+    busy_cores: int = 0
+    running: int = 0
+    idle_since: float | None = None
+    envs: int = 0
+    draining: bool = False
+    started_at: float = 0.0
+    ends_at: float | None = None   # backend time limit, if any
+
+
+@dataclass(slots=True)
+class PoolView:
+    """What the pool policy sees at one decision point."""
+
+    now: float
+    pending: list[ActionSpec]
+    workers: list[WorkerStatus]
+    starting: list[tuple[WorkerShape, float]] = field(default_factory=list)  # (shape, requested at)
+    failures: list[tuple[float, str]] = field(default_factory=list)          # (time, reason) of failed starts
+
+
+@dataclass(slots=True, frozen=True)
+class Launch:
+    shape: WorkerShape
+    count: int = 1
+
+
+@dataclass(slots=True, frozen=True)
+class Reclaim:
+    worker_id: str
+    reason: str = "idle"
+
+
+class PoolPolicy(ABC):
+    @abstractmethod
+    def decide(self, view: PoolView) -> list[Launch | Reclaim]: ...
+
+    def explain(self) -> str:
+        """One line on the state of the policy (e.g. why it stopped launching)."""
+        return ""
+
+
+class StaticPool(PoolPolicy):
+    """Keep a fixed set of workers: launch them once, replace lost ones, never reclaim."""
+
+    def __init__(self, shapes: list[WorkerShape]):
+        self.shapes = list(shapes)
+
+    def decide(self, view: PoolView) -> list[Launch | Reclaim]:
+        have: dict[WorkerShape, int] = {}
+        for w in view.workers:
+            have[w.info.shape] = have.get(w.info.shape, 0) + 1
+        for shape, _ in view.starting:
+            have[shape] = have.get(shape, 0) + 1
+        out: list[Launch | Reclaim] = []
+        want: dict[WorkerShape, int] = {}
+        for s in self.shapes:
+            want[s] = want.get(s, 0) + 1
+        for shape, n in want.items():
+            missing = n - have.get(shape, 0)
+            if missing > 0:
+                out.append(Launch(shape, missing))
+        return out
