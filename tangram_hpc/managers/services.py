@@ -155,6 +155,10 @@ class ServiceManager:
     def devices(self) -> list[Device]:
         return [s.device for s in self._slots]
 
+    @property
+    def closed(self) -> bool:
+        return self._closing
+
     def capacity_mb(self) -> float:
         """Total memory budget over the devices (the worker's ``gpu_mem_mb``)."""
         return sum(s.device.memory_mb for s in self._slots)
