@@ -9,7 +9,7 @@ from tangram_hpc.managers.residency import Resident, choose_victims, eviction_va
 from tangram_hpc.managers.rewards import (HashingEmbeddingModel, compute_score_action, exact_match_score,
                                           run_compute_score)
 from tangram_hpc.managers.service_spec import (ServiceSpec, ServiceSpecError, load_service_specs,
-                                               parse_service_option)
+                                               parse_service_option, specs_from_cli)
 
 SERVICES_TOML = """
 [defaults]
@@ -69,6 +69,16 @@ def test_cli_service_option():
     for bad in ("nohead", "x=", "x=m:f,novalue"):
         with pytest.raises(ServiceSpecError):
             parse_service_option(bad)
+
+
+def test_worker_options_combine_file_and_flags(tmp_path):
+    path = tmp_path / "services.toml"
+    path.write_text(SERVICES_TOML)
+    names = [s.name for s in specs_from_cli(path, ["extra=tangram_hpc.managers.rewards:hashing_similarity"])]
+    assert names == ["minilm", "hash", "extra"]
+    with pytest.raises(ServiceSpecError, match="declared twice"):
+        specs_from_cli(path, ["hash=tangram_hpc.managers.rewards:hashing_similarity"])
+    assert specs_from_cli(None, None) == []
 
 
 def test_loader_must_return_a_scorer():

@@ -22,7 +22,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-__all__ = ["ServiceSpec", "ServiceSpecError", "load_service_specs", "parse_service_option", "resolve_loader"]
+__all__ = ["ServiceSpec", "ServiceSpecError", "load_service_specs", "parse_service_option", "resolve_loader",
+           "specs_from_cli"]
 
 DEFAULT_MAX_BATCH = 32
 DEFAULT_MAX_WAIT_MS = 5.0
@@ -176,3 +177,11 @@ def _scalar(raw: str) -> Any:
         except ValueError:
             pass
     return raw
+
+
+def specs_from_cli(services_file: str | Path | None, service_options: list[str] | None) -> list[ServiceSpec]:
+    """The services of a worker started with ``--services FILE`` and/or repeated ``--service ...``."""
+    specs = load_service_specs(services_file) if services_file else []
+    specs += [parse_service_option(opt) for opt in service_options or ()]
+    _check_unique(specs, "worker options")
+    return specs

@@ -13,6 +13,7 @@ RAM, so a restore costs one host-to-device copy, not a reload from disk.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -25,6 +26,8 @@ from .residency import Resident, choose_victims
 from .service_spec import ServiceSpec, ServiceSpecError
 
 __all__ = ["ServiceManager", "DoneCallback"]
+
+_log = logging.getLogger(__name__)
 
 #: ``done_callback(action_id, status, output, error, stats)``; ``output`` is
 #: the list of scores for the action's inputs (status ok), ``error`` a message
@@ -306,10 +309,23 @@ class ServiceManager:
                 _deliver(req, Status.ERROR, None, msg, {"service": None})
             if job is None:
                 continue
-            if job.kind == "host_load":
-                self._host_load(job.service)
-            else:
-                self._place_and_score(slot, job)
+            try:
+                if job.kind == "host_load":
+                    self._host_load(job.service)
+                else:
+                    self._place_and_score(slot, job)
+            except Exception as e:  # a bug here must not leave callers waiting forever
+                self._recover(job, e)
+
+    def _recover(self, job: _Job, exc: Exception) -> None:
+        _log.exception("service manager: unexpected error on %s", job.service.spec.name)
+        with self._cv:
+            for svc in (job.service, *job.victims):
+                svc.busy = False
+            self._cv.notify_all()
+        msg = f"service {job.service.spec.name}: internal error: {_describe(exc)}"
+        for r in job.batch:
+            _deliver(r, Status.ERROR, None, msg, {"service": job.service.spec.name})
 
     def _pick(self, slot: _Slot) -> tuple[_Job | None, float | None, list]:
         """Choose this device's next job (lock held).  Returns (job, seconds to wait, rejected)."""
