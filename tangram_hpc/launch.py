@@ -59,6 +59,13 @@ def add_coordinator_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--workers", type=int, default=2, help="CPU workers to keep (local backend; default 2)")
     g.add_argument("--worker-cores", type=int, default=0, help="cores per CPU worker (default: all CPUs)")
     g.add_argument("--worker-mem-mb", type=int, default=0)
+    g.add_argument("--reward-workers", type=int, default=0,
+                   help="reward-model service workers to keep (local backend; default 0)")
+    g.add_argument("--services", metavar="FILE", help="services TOML for the reward workers")
+    g.add_argument("--service", action="append", default=[], metavar="NAME=MODULE:LOADER[,KEY=VALUE...]",
+                   help="declare one service for the reward workers (repeatable)")
+    g.add_argument("--service-budget-mb", type=int, default=4096,
+                   help="device memory of a reward worker, or its host-RAM stand-in without GPUs (default 4096)")
     g = p.add_argument_group("scheduling")
     g.add_argument("--policy", choices=("elastic", "fifo"), default=os.environ.get("TANGRAM_POLICY", "fifo"),
                    help="placement policy")
@@ -81,12 +88,17 @@ def build_coordinator(args: argparse.Namespace) -> Coordinator:
                             max_attempts=args.max_attempts, max_pending_per_client=args.max_pending_per_client,
                             max_pending_total=args.max_pending, max_frame_bytes=args.max_frame_bytes)
     _reuse_ports(cfg)
+    svc: list[str] = ["--services", str(Path(args.services).resolve())] if args.services else []
+    for opt in args.service:
+        svc += ["--service", opt]
+    cfg.service_worker_args = tuple(svc + ["--kinds", "reward", "--service-budget-mb", str(args.service_budget_mb)])
     backend = pool = None
     if args.backend == "local":
         from .backends.local import LocalBackend
         backend = LocalBackend(Path(cfg.run_dir) / "workers")
         shape = WorkerShape(cores=args.worker_cores or len(os.sched_getaffinity(0)), mem_mb=args.worker_mem_mb)
-        pool = StaticPool([shape] * args.workers)
+        reward = WorkerShape(cores=1, gpu_mem_mb=args.service_budget_mb)
+        pool = StaticPool([shape] * args.workers + [reward] * args.reward_workers)
     elif args.backend == "slurm":
         backend, pool = _slurm(args, cfg)
     return Coordinator(cfg, make_policy(args.policy), pool=pool, backend=backend)
@@ -135,19 +147,23 @@ class LocalCluster:
     """A coordinator in a child process with ``workers`` local workers of ``cores`` cores."""
 
     def __init__(self, workers: int = 2, cores: int = 0, *, run_dir: str | os.PathLike | None = None,
-                 policy: str | None = None, extra_args: list[str] | None = None, wait_workers: bool = True,
-                 timeout: float = 60.0):
+                 policy: str | None = None, reward_workers: int = 0, services: list[str] | None = None,
+                 extra_args: list[str] | None = None, wait_workers: bool = True, timeout: float = 60.0):
         self.run_dir = Path(run_dir) if run_dir else default_run_dir()
         self.connection_file = self.run_dir / "connection.json"
         cmd = [sys.executable, "-m", "tangram_hpc.cli", "coordinator", "--run-dir", str(self.run_dir),
                "--workers", str(workers), "--worker-cores", str(cores)]
         if policy:
             cmd += ["--policy", policy]
+        if reward_workers:
+            cmd += ["--reward-workers", str(reward_workers)]
+            for opt in services or []:
+                cmd += ["--service", opt]
         cmd += list(extra_args or [])
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._log = open(self.run_dir / "coordinator.log", "ab")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        self.workers = workers
+        self.workers = workers + reward_workers
         try:
             deadline = time.monotonic() + timeout
             while not self.connection_file.exists():
@@ -158,8 +174,8 @@ class LocalCluster:
                     raise TimeoutError(f"coordinator wrote no connection file in {timeout:g}s")
                 time.sleep(0.02)
             self.info = wait_for_file(self.connection_file, timeout=5)
-            if wait_workers and workers:
-                self.wait_for_workers(workers, timeout)
+            if wait_workers and self.workers:
+                self.wait_for_workers(self.workers, timeout)
         except BaseException:
             self.close()
             raise

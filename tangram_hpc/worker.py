@@ -194,7 +194,7 @@ class Worker:
         self._send(P.REGISTER, {
             "id": self.id, "pid": os.getpid(), "cores": self.cores, "mem_mb": c.mem_mb, "gpus": c.gpus,
             "gpu_mem_mb": c.gpu_mem_mb, "kinds": list(c.kinds),
-            "services": sorted(self.services.names()) if self.services is not None else [],
+            "services": sorted(self.services.service_names) if self.services is not None else [],
             "handle": c.handle, "host": socket.gethostname(), "partition": os.environ.get("SLURM_JOB_PARTITION"),
             "envs": []})
 
@@ -361,6 +361,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--handler", action="append", default=[], metavar="KIND=MODULE:FUNC",
                    help="handler for a user-registered kind: FUNC(spec, cpus) -> (status, output, error)")
     p.add_argument("--heartbeat", type=float, default=1.0, help="seconds between heartbeats")
+    g = p.add_argument_group("reward-model services (GPU workers)")
+    g.add_argument("--services", metavar="FILE", help="TOML file declaring the services this worker hosts")
+    g.add_argument("--service", action="append", default=[], metavar="NAME=MODULE:LOADER[,KEY=VALUE...]",
+                   help="declare one service (repeatable)")
+    g.add_argument("--service-budget-mb", type=float, default=None,
+                   help="memory budget standing in for GPU memory when services run on the CPU (default 4096)")
+    g.add_argument("--no-preload", action="store_true", help="load services into host RAM on first use only")
 
 
 def config_from_args(args: argparse.Namespace) -> WorkerConfig:
@@ -377,9 +384,23 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         handlers[kind] = resolve(target)
         if kind not in kinds:
             kinds.append(kind)
+    services = None
+    gpus, gpu_mem = args.gpus, args.gpu_mem_mb
+    if args.services or args.service:
+        from .managers.devices import discover_devices
+        from .managers.service_spec import specs_from_cli
+        from .managers.services import ServiceManager
+        services = ServiceManager(specs_from_cli(args.services, args.service),
+                                  discover_devices(cpu_budget_mb=args.service_budget_mb))
+        if not args.no_preload:
+            services.preload()
+        gpus = gpus or sum(d.name != "cpu" for d in services.devices)
+        gpu_mem = gpu_mem or int(services.capacity_mb())
+    elif "reward" in kinds:
+        kinds.remove("reward")  # nothing to score with
     return WorkerConfig(connection=ConnectionInfo.read(path), cores=args.cores, mem_mb=args.mem_mb,
-                        gpus=args.gpus, gpu_mem_mb=args.gpu_mem_mb, handle=args.handle, run_dir=args.run_dir,
-                        heartbeat_s=args.heartbeat, kinds=tuple(kinds), handlers=handlers)
+                        gpus=gpus, gpu_mem_mb=gpu_mem, handle=args.handle, run_dir=args.run_dir,
+                        heartbeat_s=args.heartbeat, kinds=tuple(kinds), handlers=handlers, services=services)
 
 
 def run_worker(cfg: WorkerConfig) -> int:
