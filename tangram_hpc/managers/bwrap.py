@@ -152,7 +152,7 @@ class BwrapLayout:
     def argv(self, env_dir: Path, environ: dict[str, str], *, network: bool, tmp_mb: int,
              passwd_fd: int, group_fd: int) -> list[str]:
         """bwrap argv up to (and including) the ``--`` before the command."""
-        argv = [self.bwrap, "--die-with-parent", "--new-session", "--hostname", "sandbox"]
+        argv = [self.bwrap, "--die-with-parent", "--new-session", "--as-pid-1", "--hostname", "sandbox"]
         argv += _unshare_args(self.root_mode, network)
         argv += self._static
         if network:
@@ -160,8 +160,8 @@ class BwrapLayout:
         size = str(tmp_mb * 1024 * 1024)
         argv += ["--perms", "1777", "--size", size, "--tmpfs", "/tmp",
                  "--perms", "1777", "--size", size, "--tmpfs", "/dev/shm",
-                 "--ro-bind-data", str(passwd_fd), "/etc/passwd",
-                 "--ro-bind-data", str(group_fd), "/etc/group",
+                 "--perms", "0644", "--ro-bind-data", str(passwd_fd), "/etc/passwd",
+                 "--perms", "0644", "--ro-bind-data", str(group_fd), "/etc/group",
                  "--bind", str(env_dir), SANDBOX_DIR, "--chdir", SANDBOX_DIR, "--clearenv"]
         for k, v in environ.items():
             argv += ["--setenv", k, v]

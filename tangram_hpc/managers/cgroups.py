@@ -101,6 +101,14 @@ class CgroupScope:
         text = _read(self.memory_dir / "memory.oom_control")
         return _kv(text, "oom_kill") > 0 or int(_read(self.memory_dir / "memory.failcnt") or 0) > 0
 
+    def memory_peak_kb(self) -> int | None:
+        """Peak memory charged to the whole tree (None where the kernel does not say)."""
+        if self.memory_dir is None:
+            return None
+        name = "memory.peak" if self.version == 2 else "memory.max_usage_in_bytes"
+        text = _read(self.memory_dir / name).strip()
+        return int(text) // 1024 if text.isdigit() else None
+
     def pids_hit(self) -> bool:
         if self.pids_dir is None:
             return False
@@ -210,17 +218,21 @@ class Cgroups:
         name = f"{self._prefix}-{next(_counter)}"
         mem_dir = pids_dir = None
         try:
-            if self.memory_parent is not None and memory_mb:
+            if self.memory_parent is not None:
+                # Created even without a limit: its peak is the tree's memory use.
                 mem_dir = self.memory_parent / name
                 mem_dir.mkdir()
-                b = str(memory_mb * 1024 * 1024)
-                if self.version == 2:
+                b = str((memory_mb or 0) * 1024 * 1024)
+                ok = True
+                if not memory_mb:
+                    pass
+                elif self.version == 2:
                     ok = _write(mem_dir / "memory.max", b)
                     _write(mem_dir / "memory.swap.max", "0")
                 else:
                     ok = _write(mem_dir / "memory.limit_in_bytes", b)
                     _write(mem_dir / "memory.memsw.limit_in_bytes", b)
-                if not ok:
+                if memory_mb and not ok:
                     raise OSError("memory limit not writable")
             if self.pids_parent is not None and nproc:
                 pids_dir = self.pids_parent / name if self.version == 1 or mem_dir is None else mem_dir

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import resource
 import shutil
 import signal
 import sys
@@ -157,6 +158,7 @@ class SandboxManager:
         self.cgroups = Cgroups.detect() if use_cgroups else None
         # As root, commands run as a per-environment uid so RLIMIT_NPROC binds.  Without bwrap
         # that uid must be able to reach the environment directory on the host.
+        self.root.mkdir(parents=True, exist_ok=True)
         drop = self.root_mode and (self.layout is not None or _traversable(self.root))
         self.envs = EnvStore(self.root, templates or {}, default_template, env_ttl, warm_pool, drop)
         self._closed = False
@@ -273,7 +275,7 @@ class SandboxManager:
         scope: CgroupScope | None = None
         if self.cgroups is not None:
             scope = self.cgroups.scope(limits.memory_mb, limits.nproc)
-        mem_in_cgroup = scope is not None and scope.memory_dir is not None
+        mem_in_cgroup = scope is not None and scope.memory_dir is not None and bool(limits.memory_mb)
         rl = limits if not mem_in_cgroup else _without_as(limits)
         python = sys.executable
         cmd = wrapper_argv(rl, uid, uid, python) + argv
@@ -298,7 +300,9 @@ class SandboxManager:
                               cwd=cwd, env=popen_env, pass_fds=fds,
                               on_kill=scope.kill if scope is not None else None)
             note = None
+            peak = None
             if scope is not None:
+                peak = scope.memory_peak_kb()
                 if res.returncode != 0 and scope.oom_killed():
                     note = (f"memory limit exceeded: {limits.memory_mb} MiB (cgroup); "
                             f"killed by the OOM killer")
@@ -310,6 +314,12 @@ class SandboxManager:
                 scope.close()
             for fd in fds:
                 os.close(fd)
+        # wait4's peak RSS cannot be told from the worker's own size at fork time
+        # (the child starts as a copy of it); the cgroup's peak covers the whole tree.
+        if peak is not None:
+            res.max_rss_kb = peak
+        elif res.max_rss_kb <= resource.getrusage(resource.RUSAGE_SELF).ru_maxrss:
+            res.max_rss_kb = None
         if note is None and res.returncode != 0 and not res.timed_out:
             note = _hint(res, limits, mem_in_cgroup)
         enforced = {
@@ -417,7 +427,7 @@ def _exit_text(rc: int | None) -> str:
 
 def _hint(res: ProcResult, limits: Limits, mem_in_cgroup: bool) -> str:
     text = _exit_text(res.returncode)
-    tail = res.stderr[-4096:]
+    tail = res.stderr[-4096:] + b"\n" + res.stdout[-4096:]
     if limits.memory_mb and not mem_in_cgroup and any(
             s in tail for s in (b"MemoryError", b"Cannot allocate memory", b"bad_alloc", b"out of memory")):
         return f"{text}; memory limit of {limits.memory_mb} MiB (RLIMIT_AS) hit"
