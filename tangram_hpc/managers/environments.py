@@ -184,6 +184,7 @@ class EnvStore:
         self._uids: set[int] = set()
         self._warm: dict[str, list[tuple[Path, int | None]]] = {t: [] for t in self.templates}
         self._closed = False
+        self.warm_hits = 0  # environments served from the pool (observability, tests)
         self._warm_dir = self.root / ".warm"
         self._warm_dir.mkdir(exist_ok=True)
         self._thread: threading.Thread | None = None
@@ -231,6 +232,7 @@ class EnvStore:
             if not pool:
                 return False
             path, uid = pool.pop()
+            self.warm_hits += 1
             self._lock.notify_all()
         os.rename(path, dest)
         return uid
@@ -256,6 +258,11 @@ class EnvStore:
                     _rmtree(dest)
                     return
                 self._warm.setdefault(template, []).append((dest, uid))
+
+    def warm_count(self, template: str) -> int:
+        """Ready-made environments of ``template`` waiting in the pool."""
+        with self._lock:
+            return len(self._warm.get(template, ()))
 
     def acquire(self, env_id: str | None, template: str | None) -> Environment:
         """The environment ``env_id`` (created from ``template`` if new), marked busy.
@@ -528,4 +535,7 @@ def _rmtree(path: Path) -> None:
         except OSError:
             pass
     if os.path.lexists(path):
-        shutil.rmtree(path, onerror=onerror)
+        if sys.version_info >= (3, 12):
+            shutil.rmtree(path, onexc=onerror)
+        else:
+            shutil.rmtree(path, onerror=onerror)
