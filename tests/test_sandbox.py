@@ -350,3 +350,17 @@ def test_unsafe_mode_runs_with_limits(run_dir, capsys):
         assert t.status == Status.TIMEOUT
     finally:
         m.close()
+
+
+def test_python_limit_wrapper_when_util_linux_lacks_prlimit(run_dir, monkeypatch):
+    import tangram_hpc.managers.limits as limits_mod
+    real_which = shutil.which
+    monkeypatch.setattr(limits_mod.shutil, "which",
+                        lambda name: None if name in ("prlimit", "setpriv") else real_which(name))
+    with SandboxManager(run_dir / "envs", use_cgroups=False,
+                        default_limits=Limits(timeout_s=20, nproc=32)) as m:
+        r = m.run(act(py(FORK_LOOP)), [ALL_CPUS[0]])
+        assert r.status == Status.FAILED, r
+        assert int(r.output["stdout"].split()[3]) < 32
+        ok = m.run(act(py("import os; print(os.getuid() != 0)")), [ALL_CPUS[0]])
+        assert ok.output["stdout"] == "True\n"
