@@ -364,3 +364,14 @@ def test_python_limit_wrapper_when_util_linux_lacks_prlimit(run_dir, monkeypatch
         assert int(r.output["stdout"].split()[3]) < 32
         ok = m.run(act(py("import os; print(os.getuid() != 0)")), [ALL_CPUS[0]])
         assert ok.output["stdout"] == "True\n"
+
+
+def test_concurrent_actions_from_executor_threads(mgr):
+    from concurrent.futures import ThreadPoolExecutor
+    code = "import os, time; time.sleep(0.3); print(sorted(os.sched_getaffinity(0)))"
+    grants = [[c] for c in ALL_CPUS[:2]] * 2
+    with ThreadPoolExecutor(len(grants)) as pool:
+        outs = list(pool.map(lambda g: mgr.run(act(py(code), env=f"c{g[0]}"), g), grants))
+    for g, r in zip(grants, outs):
+        assert r.status == Status.OK, r
+        assert r.output["stdout"] == f"{g}\n"
