@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,17 +129,22 @@ class CgroupScope:
                     except ProcessLookupError:
                         pass
 
-    def close(self) -> None:
+    def close(self) -> list[Path]:
+        """Kill what is left and remove the directories; returns those still busy."""
         self.kill()
+        busy = []
         for d in {d for d in (self.memory_dir, self.pids_dir) if d is not None}:
-            for _ in range(200):
+            for _ in range(100):
                 try:
                     d.rmdir()
                     break
                 except FileNotFoundError:
                     break
                 except OSError:  # members still exiting
-                    time.sleep(0.005)
+                    time.sleep(0.01)
+            else:
+                busy.append(d)
+        return busy
 
 
 class Cgroups:
@@ -149,6 +155,29 @@ class Cgroups:
         self.memory_parent = memory_parent
         self.pids_parent = pids_parent
         self._prefix = f"tangram-{os.getpid()}"
+        self._lock = threading.Lock()
+        self._stale: list[Path] = []  # action cgroups whose members took long to exit
+
+    def release(self, scope: CgroupScope) -> None:
+        """Remove an action's cgroups (retrying older leftovers too)."""
+        busy = scope.close()
+        with self._lock:
+            self._stale.extend(busy)
+        self.sweep()
+
+    def sweep(self) -> None:
+        with self._lock:
+            stale, self._stale = self._stale, []
+        keep = []
+        for d in stale:
+            try:
+                d.rmdir()
+            except FileNotFoundError:
+                pass
+            except OSError:
+                keep.append(d)
+        with self._lock:
+            self._stale.extend(keep)
 
     def __repr__(self) -> str:
         return f"Cgroups(v{self.version}, memory={self.memory_parent}, pids={self.pids_parent})"

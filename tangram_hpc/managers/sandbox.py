@@ -242,6 +242,8 @@ class SandboxManager:
         if not self._closed:
             self._closed = True
             self.envs.close()
+            if self.cgroups is not None:
+                self.cgroups.sweep()
 
     def __enter__(self) -> "SandboxManager":
         return self
@@ -311,7 +313,7 @@ class SandboxManager:
                             f"{_exit_text(res.returncode)}")
         finally:
             if scope is not None:
-                scope.close()
+                self.cgroups.release(scope)
             for fd in fds:
                 os.close(fd)
         # wait4's peak RSS cannot be told from the worker's own size at fork time
