@@ -68,7 +68,7 @@ def _raw(ctx, address, identity=None):
     if identity:
         s.setsockopt(zmq.IDENTITY, identity)
     s.setsockopt(zmq.LINGER, 0)
-    s.setsockopt(zmq.RCVTIMEO, 5000)
+    s.setsockopt(zmq.RCVTIMEO, 2000)
     s.connect(address)
     return s
 
@@ -141,7 +141,7 @@ def test_coordinator_survives_garbage_on_worker_socket(small_frames):
 
 def test_pending_limit_per_client_gives_clear_error(small_frames):
     with small_frames.client() as c:
-        futs = c.submit_many([function("time:sleep", 0.5) for _ in range(60)])
+        futs = c.submit_many([function("time:sleep", 0.02) for _ in range(60)])
         res = c.gather(futs, timeout=60)
     rejected = [r for r in res if r.status == "error"]
     assert len(rejected) >= 10
