@@ -86,8 +86,13 @@ class Worker:
         self._leaving: str | None = None
         self._fast: dict[str, float] = {}   # function target -> recent run time (s)
         self._last_gc = time.monotonic()
-        self._threads = [threading.Thread(target=self._executor, name=f"exec-{i}", daemon=True)
+        self._light: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._executor, args=(self._tasks,), name=f"exec-{i}", daemon=True)
                          for i in range(max(1, self.cores))]
+        # Zero-core actions (I/O-bound calls, cheap functions not yet known to be fast) run here,
+        # unpinned, so they never wait behind commands holding cores.
+        self._threads += [threading.Thread(target=self._executor, args=(self._light,), name=f"light-{i}", daemon=True)
+                          for i in range(_LIGHT_THREADS)]
 
     def _sandbox_manager(self, run_dir: str):
         from .managers.sandbox import SandboxManager
@@ -109,11 +114,10 @@ class Worker:
         return o.status, o.output, o.error
 
     # -- executor threads ---------------------------------------------------
-    def _executor(self) -> None:
+    def _executor(self, tasks: queue.SimpleQueue) -> None:
         pinned: tuple[int, ...] | None = None
         allowed = self.cpus
         handlers = self.handlers
-        tasks = self._tasks
         while True:
             item = tasks.get()
             if item is None:
@@ -121,7 +125,7 @@ class Worker:
             spec, attempt, slots, gen = item
             cpus = sorted({allowed[s % len(allowed)] for s in slots}) or allowed
             key = tuple(cpus)
-            if key != pinned:
+            if key != pinned and slots:
                 try:
                     os.sched_setaffinity(0, cpus)
                     pinned = key
@@ -202,8 +206,8 @@ class Worker:
                     return 0
             return 0
         finally:
-            for _ in self._threads:
-                self._tasks.put(None)
+            for t in self._threads:
+                (self._light if t.name.startswith("light") else self._tasks).put(None)
             if self.services is not None:
                 self.services.close()
             if self.sandboxes is not None:
@@ -291,7 +295,7 @@ class Worker:
             except (ValueError, TypeError, ValidationError) as e:
                 log.warning("bad assignment: %s", e)
                 continue
-            n = max(1, ncores) if spec.kind != "reward" else 0
+            n = ncores  # zero-core (light) actions bind no core slot
             free = self._free_slots
             if len(free) >= n:
                 slots = free[-n:] if n else []
@@ -304,6 +308,8 @@ class Worker:
                 self._submit_reward(spec, attempt, slots, gen)
             elif spec.kind == "function" and self._fast.get(spec.payload.get("fn") if isinstance(spec.payload, dict) else None, 1.0) < _INLINE_S:
                 self._run_inline(spec, attempt, slots, gen)
+            elif ncores == 0:
+                self._light.put((spec, attempt, slots, gen))
             else:
                 self._tasks.put((spec, attempt, slots, gen))
 
@@ -387,6 +393,8 @@ class Worker:
 
 #: Functions whose recent run time is below this run inline on the I/O thread.
 _INLINE_S = 200e-6
+#: Threads for zero-core actions.
+_LIGHT_THREADS = 4
 
 _FROM_COORDINATOR = frozenset({P.WELCOME, P.ASSIGN, P.KILL, P.STOP, P.HEARTBEAT, P.ERROR})
 

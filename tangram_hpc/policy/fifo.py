@@ -5,11 +5,11 @@ from collections import deque
 
 from ..actions import ActionSpec
 from ..resources import WorkerInfo
-from .base import Assignment, SchedulingPolicy
+from .base import Assignment, SchedulingPolicy, light_capacity
 
 
 class _Worker:
-    __slots__ = ("info", "free_cores", "free_mem", "free_gpu_mem", "draining", "running")
+    __slots__ = ("info", "free_cores", "free_mem", "free_gpu_mem", "draining", "running", "light", "light_cap")
 
     def __init__(self, info: WorkerInfo):
         self.info = info
@@ -18,11 +18,14 @@ class _Worker:
         self.free_gpu_mem = info.gpu_mem_mb
         self.draining = False
         self.running: set[str] = set()
+        self.light = 0
+        self.light_cap = light_capacity(info)
 
     def fits(self, a: ActionSpec) -> bool:
         d = a.demand
         i = self.info
-        return (not self.draining and self.free_cores >= d.min_cores and a.kind in i.kinds
+        return (not self.draining and a.kind in i.kinds
+                and (self.free_cores >= d.min_cores if d.min_cores else self.light < self.light_cap)
                 and (not i.mem_mb or self.free_mem >= d.mem_mb)
                 and self.free_gpu_mem >= d.gpu_mem_mb
                 and (d.service is None or d.service in i.services))
@@ -73,6 +76,8 @@ class FifoPolicy(SchedulingPolicy):
         if w is not None:
             w.running.discard(action_id)
             w.free_cores += a.demand.min_cores
+            if not a.demand.min_cores:
+                w.light -= 1
             w.free_mem += a.demand.mem_mb
             w.free_gpu_mem += a.demand.gpu_mem_mb
 
@@ -90,6 +95,8 @@ class FifoPolicy(SchedulingPolicy):
             pending.popleft()
             d = a.demand
             chosen.free_cores -= d.min_cores
+            if not d.min_cores:
+                chosen.light += 1
             chosen.free_mem -= d.mem_mb
             chosen.free_gpu_mem -= d.gpu_mem_mb
             chosen.running.add(a.id)
