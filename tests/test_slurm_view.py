@@ -127,8 +127,10 @@ def test_live_view_sees_our_jobs(dev_cluster):
         assert node.alloc_cpus >= 2
     finally:
         subprocess.run(["scancel", str(held), str(run)], check=True)
-    recs = wait_until(lambda: [r for r in view.accounting([run, held]) if r.state == "CANCELLED"] or None,
-                      20, what="sacct records")
-    assert {r.job_id for r in view.accounting([run, held])} == {run, held}
-    assert any(r.job_id == run and r.alloc_cpus == 2 for r in recs)
+    def both_cancelled():
+        recs = {r.job_id: r for r in view.accounting([run, held])}
+        return recs if len(recs) == 2 and all(r.state == "CANCELLED" for r in recs.values()) else None
+    recs = wait_until(both_cancelled, 30, what="sacct records of both jobs")
+    assert recs[run].alloc_cpus == 2 and recs[run].end_time is not None
+    assert recs[held].start_time is None
     assert [r.job_id for r in view.accounting(name=f"{tag}-run", since=0)] == [run]
