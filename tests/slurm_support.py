@@ -55,3 +55,32 @@ def sbatch(*args: str) -> int:
     out = subprocess.run(["sbatch", "--parsable", "-o", "/dev/null", *args], capture_output=True,
                          text=True, check=True, timeout=30).stdout
     return int(out.strip().split(";")[0])
+
+
+TESTS_DIR = Path(__file__).resolve().parent
+
+
+def fake_worker(argv: list[str]) -> int:
+    """Stand-in for tangram_hpc.worker.main in backend tests: records how it was started.
+
+    Writes ``<dir of connection file>/<handle>.json`` with its argv and the
+    Slurm/GPU environment, then sleeps ``--sleep`` seconds or exits ``--exit``.
+    """
+    import argparse
+    import json
+    p = argparse.ArgumentParser()
+    p.add_argument("--connection-file", required=True)
+    p.add_argument("--cores", type=int, required=True)
+    p.add_argument("--gpus", type=int, default=0)
+    p.add_argument("--handle", required=True)
+    p.add_argument("--sleep", type=float, default=0.0)
+    p.add_argument("--exit", type=int, default=0)
+    a = p.parse_args(argv)
+    out = Path(a.connection_file).parent / f"{a.handle}.json"
+    env = {k: os.environ.get(k) for k in ("TANGRAM_WORKER_HANDLE", "CUDA_VISIBLE_DEVICES", "SLURM_JOB_ID",
+                                          "SLURM_CPUS_PER_TASK", "SLURM_JOB_NAME")}
+    out.write_text(json.dumps({"argv": argv, "cores": a.cores, "gpus": a.gpus, "env": env}))
+    if a.exit:
+        return a.exit
+    time.sleep(a.sleep)
+    return 0
