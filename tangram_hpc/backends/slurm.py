@@ -398,7 +398,8 @@ def add_slurm_arguments(parser: argparse.ArgumentParser) -> None:
                    help="how to query Slurm (auto: pyslurm when it matches the running Slurm)")
 
 
-def config_from_args(args: argparse.Namespace) -> SlurmBackendConfig:
+def config_from_args(args: argparse.Namespace, run_dir: str | os.PathLike | None = None) -> SlurmBackendConfig:
+    """The backend config from parsed coordinator options; ``run_dir`` overrides ``args.run_dir``."""
     extra = {}
     for item in getattr(args, "slurm_sbatch", []) or []:
         key, sep, value = item.partition("=")
@@ -410,11 +411,12 @@ def config_from_args(args: argparse.Namespace) -> SlurmBackendConfig:
         account=args.slurm_account, qos=args.slurm_qos, time_min=args.slurm_time,
         mem_per_core_mb=args.slurm_mem_per_core, extra_sbatch=extra,
         setup=tuple(getattr(args, "slurm_setup", []) or ()),
-        run_dir=str(args.run_dir) if getattr(args, "run_dir", None) else None,
+        run_dir=str(run_dir or getattr(args, "run_dir", None) or "") or None,
         submit_per_minute=args.slurm_submit_rate, submit_burst=args.slurm_submit_burst,
         breaker_failures=args.slurm_breaker, breaker_window_s=args.slurm_breaker_window,
         breaker_cooldown_s=args.slurm_breaker_cooldown, cluster_view=args.slurm_view)
 
 
-def backend_from_args(args: argparse.Namespace) -> SlurmBackend:
-    return SlurmBackend(config_from_args(args))
+def backend_from_args(args: argparse.Namespace, run_dir: str | os.PathLike | None = None) -> SlurmBackend:
+    """The coordinator's Slurm backend; pass the coordinator's resolved run directory."""
+    return SlurmBackend(config_from_args(args, run_dir))
