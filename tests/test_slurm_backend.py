@@ -13,7 +13,7 @@ from slurm_support import TESTS_DIR, dev_cluster, wait_until  # noqa: F401
 from tangram_hpc.backends.base import WorkerLaunchSpec
 from tangram_hpc.backends.slurm import (
     SLURM_JOBS_LOG, LaunchRefused, SlurmBackend, SlurmBackendConfig, add_slurm_arguments,
-    config_from_args)
+    config_from_args, pool_from_args)
 from tangram_hpc.resources import WorkerShape
 from tangram_hpc.slurm.cli_view import CliClusterView
 
@@ -202,3 +202,7 @@ def test_cli_arguments_build_the_config(tmp_path):
     cfg = config_from_args(args)
     assert (cfg.partition, cfg.time_min, cfg.extra_sbatch, cfg.breaker_failures, cfg.run_dir) == \
         ("cpu", 30, {"constraint": "ib"}, 3, str(tmp_path))
+    assert config_from_args(args, run_dir="/elsewhere").run_dir == "/elsewhere"
+    args = p.parse_args(["--slurm-worker-cores", "2", "--slurm-max-workers", "3", "--slurm-gpu-workers", "1"])
+    pool = pool_from_args(args)
+    assert (pool.config.cpu_shape.cores, pool.config.max_workers, pool.config.gpu_shape.gpus) == (2, 3, 1)

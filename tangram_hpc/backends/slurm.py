@@ -23,7 +23,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import msgpack
 
@@ -32,8 +32,11 @@ from ..slurm import ClusterView, JobInfo, PartitionInfo, SlurmCommandError, clus
 from .base import BackendEvent, WorkerBackend, WorkerLaunchSpec
 from .guards import CircuitBreaker, LaunchRefused, SubmitRateLimiter
 
+if TYPE_CHECKING:
+    from ..slurm.pool import BacklogPool
+
 __all__ = ["SlurmBackend", "SlurmBackendConfig", "LaunchRefused", "add_slurm_arguments",
-           "backend_from_args", "run_worker", "SLURM_JOBS_LOG"]
+           "backend_from_args", "pool_from_args", "config_from_args", "run_worker", "SLURM_JOBS_LOG"]
 
 log = logging.getLogger(__name__)
 
@@ -396,6 +399,18 @@ def add_slurm_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--slurm-breaker-cooldown", type=float, default=120.0, metavar="S")
     g.add_argument("--slurm-view", choices=("auto", "cli", "pyslurm"), default="auto",
                    help="how to query Slurm (auto: pyslurm when it matches the running Slurm)")
+    g = parser.add_argument_group("slurm worker pool (grows with the backlog, shrinks when idle)")
+    g.add_argument("--slurm-worker-cores", type=int, default=4, help="cores per CPU worker job")
+    g.add_argument("--slurm-worker-mem-mb", type=int, default=0, help="memory per CPU worker job (0: default)")
+    g.add_argument("--slurm-max-workers", type=int, default=8, help="most CPU worker jobs, queued ones included")
+    g.add_argument("--slurm-min-workers", type=int, default=0, help="CPU workers kept even when idle")
+    g.add_argument("--slurm-gpu-workers", type=int, default=0, help="most GPU worker jobs (0: none)")
+    g.add_argument("--slurm-gpus-per-worker", type=int, default=1)
+    g.add_argument("--slurm-gpu-worker-cores", type=int, default=2)
+    g.add_argument("--slurm-idle", type=float, default=30.0, metavar="S",
+                   help="reclaim a worker idle this long while nothing waits")
+    g.add_argument("--slurm-replace-before", type=float, default=120.0, metavar="S",
+                   help="drain and replace a worker this long before its job's time limit")
 
 
 def config_from_args(args: argparse.Namespace, run_dir: str | os.PathLike | None = None) -> SlurmBackendConfig:
@@ -415,6 +430,20 @@ def config_from_args(args: argparse.Namespace, run_dir: str | os.PathLike | None
         submit_per_minute=args.slurm_submit_rate, submit_burst=args.slurm_submit_burst,
         breaker_failures=args.slurm_breaker, breaker_window_s=args.slurm_breaker_window,
         breaker_cooldown_s=args.slurm_breaker_cooldown, cluster_view=args.slurm_view)
+
+
+def pool_from_args(args: argparse.Namespace, backend: SlurmBackend | None = None) -> "BacklogPool":
+    """The backlog pool for the coordinator's Slurm workers (partition-aware through ``backend``)."""
+    from ..slurm.pool import BacklogPool, BacklogPoolConfig
+    gpu = None
+    if args.slurm_gpu_workers:
+        gpu = WorkerShape(cores=args.slurm_gpu_worker_cores, gpus=args.slurm_gpus_per_worker)
+    cfg = BacklogPoolConfig(
+        cpu_shape=WorkerShape(cores=args.slurm_worker_cores, mem_mb=args.slurm_worker_mem_mb),
+        gpu_shape=gpu, max_workers=args.slurm_max_workers, max_gpu_workers=args.slurm_gpu_workers,
+        min_workers=args.slurm_min_workers, idle_s=args.slurm_idle,
+        replace_before_s=args.slurm_replace_before)
+    return BacklogPool(cfg, partitions=backend.partitions if backend is not None else None)
 
 
 def backend_from_args(args: argparse.Namespace, run_dir: str | os.PathLike | None = None) -> SlurmBackend:
