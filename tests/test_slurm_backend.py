@@ -98,6 +98,22 @@ def test_launch_run_reclaim_and_account(tmp_path, dev_cluster):
 
 
 @pytest.mark.slurm
+def test_launch_from_inside_an_allocation(tmp_path, dev_cluster, monkeypatch):
+    # what the coordinator sees when it runs in an sbatch job with --mem
+    for k, v in {"SLURM_JOB_ID": "1", "SLURM_MEM_PER_NODE": "2048", "SLURM_CPUS_PER_TASK": "2",
+                 "SBATCH_PARTITION": "nosuch"}.items():
+        monkeypatch.setenv(k, v)
+    be, _ = make_backend(tmp_path)
+    [h] = be.launch(spec(tmp_path, WorkerShape(cores=1)))
+    ev = collect(be, lambda e: "ended" in states(e, h) or "failed" in states(e, h))
+    assert [e.reason for e in ev if e.handle == h][-1] == "completed", ev
+    started = json.loads((tmp_path / f"{h}.json").read_text())
+    assert started["env"]["SLURM_JOB_ID"] == be.job_id(h) and started["env"]["SLURM_CPUS_PER_TASK"] == "1"
+    import os
+    assert os.environ["SLURM_MEM_PER_NODE"] == "2048"   # restored for the coordinator
+
+
+@pytest.mark.slurm
 def test_one_squeue_per_poll_for_many_jobs(tmp_path, dev_cluster):
     be, view = make_backend(tmp_path)
     try:

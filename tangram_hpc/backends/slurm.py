@@ -15,6 +15,7 @@ rate-limited and raises :class:`LaunchRefused` when the breaker is open;
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
 import os
@@ -95,6 +96,28 @@ def run_worker(entry: str, argv: list[str], handle: str) -> int:
         # a non-zero worker exit must show as a failed job in squeue/sacct
         raise RuntimeError(f"worker {handle} exited with status {rc}")
     return 0
+
+
+_JOB_ENV_PREFIXES = ("SLURM_", "SBATCH_", "SRUN_", "SALLOC_", "SLURMD_")
+_KEEP_ENV = frozenset({"SLURM_CONF"})
+
+
+@contextlib.contextmanager
+def _outside_allocation():
+    """Submit as if from outside any job.
+
+    The coordinator usually runs inside its own allocation; its SLURM_* and
+    SBATCH_* variables would otherwise leak into worker jobs (exported by
+    sbatch) and clash with theirs, e.g. srun refusing SLURM_MEM_PER_NODE
+    next to the worker's SLURM_MEM_PER_CPU.
+    """
+    saved = {k: v for k, v in os.environ.items() if k.startswith(_JOB_ENV_PREFIXES) and k not in _KEEP_ENV}
+    for k in saved:
+        del os.environ[k]
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
 
 
 @dataclass
@@ -232,7 +255,8 @@ class SlurmBackend(WorkerBackend):
         self._executor.update_parameters(**self._parameters(shape, handle))
         partition = self._partition_for(shape)
         try:
-            job = self._executor.submit(run_worker, self.config.entry, argv, handle)
+            with _outside_allocation():
+                job = self._executor.submit(run_worker, self.config.entry, argv, handle)
         except Exception as e:  # sbatch refused (bad account, QOS limit, controller down)
             reason = f"sbatch failed: {str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}"
             self.breaker.record_failure(now, reason)
