@@ -183,7 +183,9 @@ def test_vanished_job_resolved_by_one_sacct_call(tmp_path, dev_cluster):
 
 @pytest.mark.slurm
 def test_failed_starts_open_the_breaker(tmp_path, dev_cluster):
-    be, _ = make_backend(tmp_path, breaker_failures=2, breaker_window_s=600, breaker_cooldown_s=600)
+    # healthy_after_s well above the crash-at-start time even on a loaded machine
+    be, _ = make_backend(tmp_path, breaker_failures=2, breaker_window_s=600, breaker_cooldown_s=600,
+                         healthy_after_s=30.0)
     hs = be.launch(spec(tmp_path, WorkerShape(cores=1), "--exit", "3"), count=2)
     ev = collect(be, lambda e: all("failed" in states(e, h) for h in hs))
     assert all("failed" in e.reason for e in ev if e.state == "failed")
