@@ -17,6 +17,7 @@ COMMANDS = {
     "worker": ("tangram_hpc.worker", "run a worker that joins a coordinator"),
     "submit": ("tangram_hpc.commands", "submit one action from the shell and print its result"),
     "status": ("tangram_hpc.commands", "show a coordinator's workers, queue and counters"),
+    "report": ("tangram_hpc.report", "usage report of a run: sacct records joined with the action log"),
     "demo": ("tangram_hpc.demo", "run a synthetic agentic-RL step on a local coordinator and print ACT statistics"),
 }
 

@@ -80,6 +80,8 @@ def add_coordinator_arguments(p: argparse.ArgumentParser) -> None:
                    help="unfinished actions one client may have (default 1,000,000)")
     g.add_argument("--max-pending", type=int, default=2_000_000, help="unfinished actions in all (default 2,000,000)")
     g.add_argument("--max-frame-bytes", type=int, default=16 << 20, help="largest frame accepted (default 16 MiB)")
+    from .backends.slurm import add_slurm_arguments
+    add_slurm_arguments(p)
 
 
 def build_coordinator(args: argparse.Namespace) -> Coordinator:
@@ -114,7 +116,9 @@ def build_coordinator(args: argparse.Namespace) -> Coordinator:
 
 
 def _slurm(args: argparse.Namespace, cfg: CoordinatorConfig):
-    raise SystemExit("the Slurm backend is not available in this build")
+    from .backends.slurm import backend_from_args, pool_from_args
+    backend = backend_from_args(args, run_dir=cfg.run_dir)
+    return backend, pool_from_args(args, backend)
 
 
 def _reuse_ports(cfg: CoordinatorConfig) -> None:
