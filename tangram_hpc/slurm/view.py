@@ -69,30 +69,3 @@ def slurm_version() -> str | None:
     parts = out.split()
     return parts[-1] if parts else None
 
-
-def cluster_view(prefer: str = "auto", *, timeout: float = 30.0) -> ClusterView:
-    """The cluster view to use here.
-
-    ``prefer="auto"``: pyslurm when it imports and was built for the running
-    Slurm's major release, otherwise the CLI JSON view.  ``"cli"`` or
-    ``"pyslurm"`` force one (forcing pyslurm raises when it cannot work).
-    The chosen view's ``why`` says why it was chosen.
-    """
-    if prefer not in ("auto", "cli", "pyslurm"):
-        raise ValueError(f"unknown cluster view {prefer!r}: auto, cli or pyslurm")
-    from .cli_view import CliClusterView
-    if prefer == "cli":
-        view: ClusterView = CliClusterView(timeout=timeout)
-        view.why = "CLI JSON view requested"
-        return view
-    from .pyslurm_view import PyslurmClusterView, pyslurm_mismatch
-    problem = pyslurm_mismatch(slurm_version())
-    if problem is None:
-        view = PyslurmClusterView()
-        view.why = "pyslurm matches the running Slurm"
-        return view
-    if prefer == "pyslurm":
-        raise SlurmCommandError(f"pyslurm cannot be used: {problem}")
-    view = CliClusterView(timeout=timeout)
-    view.why = f"CLI JSON view ({problem})"
-    return view
