@@ -86,6 +86,7 @@ class Worker:
         self._leaving: str | None = None
         self._fast: dict[str, float] = {}   # function target -> recent run time (s)
         self._last_gc = time.monotonic()
+        self._cancel_fds: dict[str, int] = {}   # running sandbox action -> write end of its cancel pipe
         self._light: queue.SimpleQueue = queue.SimpleQueue()
         self._threads = [threading.Thread(target=self._executor, args=(self._tasks,), name=f"exec-{i}", daemon=True)
                          for i in range(max(1, self.cores))]
@@ -110,7 +111,14 @@ class Worker:
                 mgr.ensure(spec.env)
             except Exception as e:
                 return Status.ERROR, None, f"could not restore environment {spec.env} from its snapshot: {e}"
-        o = mgr.run(spec, cpus)
+        r, w = os.pipe()
+        self._cancel_fds[spec.id] = w
+        try:
+            o = mgr.run(spec, cpus, cancel_fd=r)
+        finally:
+            self._cancel_fds.pop(spec.id, None)
+            os.close(r)
+            os.close(w)
         return o.status, o.output, o.error
 
     # -- executor threads ---------------------------------------------------
@@ -337,12 +345,20 @@ class Worker:
         self.services.submit(spec.id, spec.demand.service, payload.get("inputs"), done)
 
     def _on_kill(self, items: list) -> None:
-        # Queued reward actions can be withdrawn; a running command ends at its own timeout
-        # (the sandbox enforces spec.timeout), and its late result is dropped by the coordinator.
-        if self.services is not None:
-            for item in items:
-                if isinstance(item, list) and len(item) == 2 and isinstance(item[0], str):
-                    self.services.cancel(item[0])
+        # A running sandbox command is killed through its cancel pipe and a queued reward request
+        # withdrawn; a running Python function cannot be interrupted, and its late result is
+        # dropped by the coordinator.
+        for item in items:
+            if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)):
+                continue
+            fd = self._cancel_fds.get(item[0])
+            if fd is not None:
+                try:
+                    os.write(fd, b"\0")
+                except OSError:
+                    pass  # it just finished
+            elif self.services is not None:
+                self.services.cancel(item[0])
 
     def _send_done(self) -> None:
         self._wake_sent = False

@@ -81,6 +81,19 @@ def test_cancel_pending_and_running(client):
     assert all(f.result(10).ok for f in blockers)
 
 
+def test_cancel_kills_a_running_command(client):
+    spec = sandbox("sleep 30")
+    fut = client.submit(spec)
+    deadline = time.time() + 10
+    while client.status()["running"] == 0 and time.time() < deadline:
+        time.sleep(0.05)
+    t0 = time.time()
+    client.cancel(spec.id)
+    r = fut.result(10)
+    assert r.status == Status.CANCELLED and "process tree killed" in r.error
+    assert time.time() - t0 < 5
+
+
 def test_idempotency_key_runs_once(client):
     key = "idem-" + os.urandom(4).hex()
     a = client.submit(ActionSpec(kind="function", payload={"fn": "os:urandom", "args": [8]}, idempotency_key=key))

@@ -40,6 +40,7 @@ class ProcResult:
     max_rss_kb: int
     timed_out: bool = False
     flooded: bool = False
+    cancelled: bool = False
 
     @property
     def truncated(self) -> bool:
@@ -71,12 +72,14 @@ class _Sink:
 def run_bounded(argv: Sequence[str], *, cpus: Iterable[int] | None, stdin: bytes | None,
                 timeout: float | None, keep_bytes: int, kill_bytes: int | None,
                 cwd: str | None = None, env: dict[str, str] | None = None,
-                pass_fds: Sequence[int] = (), on_kill: Callable[[], None] | None = None
-                ) -> ProcResult:
+                pass_fds: Sequence[int] = (), on_kill: Callable[[], None] | None = None,
+                cancel_fd: int | None = None) -> ProcResult:
     """Run ``argv`` to completion or until a limit; never raises for the child's behaviour.
 
     ``on_kill`` is called after the process group is killed (e.g. to kill a
-    cgroup too).  Raises OSError only when the child cannot be started.
+    cgroup too).  When ``cancel_fd`` becomes readable the child is killed and
+    the result says ``cancelled``.  Raises OSError only when the child cannot
+    be started.
     """
     saved = None
     if cpus is not None:
@@ -93,7 +96,7 @@ def run_bounded(argv: Sequence[str], *, cpus: Iterable[int] | None, stdin: bytes
             os.sched_setaffinity(0, saved)
 
     out, err = _Sink(keep_bytes), _Sink(keep_bytes)
-    timed_out = flooded = killed = False
+    timed_out = flooded = killed = cancelled = False
 
     def kill() -> None:
         nonlocal killed
@@ -115,6 +118,8 @@ def run_bounded(argv: Sequence[str], *, cpus: Iterable[int] | None, stdin: bytes
     pidfd = _pidfd(proc.pid)
     if pidfd is not None:
         sel.register(pidfd, selectors.EVENT_READ)
+    if cancel_fd is not None:
+        sel.register(cancel_fd, selectors.EVENT_READ)
     pending = memoryview(stdin) if stdin else None
     if pending is not None:
         os.set_blocking(proc.stdin.fileno(), False)
@@ -144,6 +149,12 @@ def run_bounded(argv: Sequence[str], *, cpus: Iterable[int] | None, stdin: bytes
                 if fd == pidfd:
                     sel.unregister(fd)
                     exited_at = time.monotonic()
+                    continue
+                if fd == cancel_fd:
+                    sel.unregister(fd)
+                    cancelled = True
+                    kill()
+                    exited_at = exited_at or time.monotonic()
                     continue
                 if pending is not None and fd == proc.stdin.fileno():
                     try:
@@ -187,7 +198,7 @@ def run_bounded(argv: Sequence[str], *, cpus: Iterable[int] | None, stdin: bytes
         proc.stdout.close()
         proc.stderr.close()
     return ProcResult(proc.returncode, bytes(out.buf), bytes(err.buf), out.dropped, err.dropped,
-                      wall, ru.ru_utime + ru.ru_stime, ru.ru_maxrss, timed_out, flooded)
+                      wall, ru.ru_utime + ru.ru_stime, ru.ru_maxrss, timed_out, flooded, cancelled)
 
 
 def _pidfd(pid: int) -> int | None:

@@ -179,13 +179,17 @@ class SandboxManager:
         if not self.available:
             raise BwrapUnavailable(self._refusal())
 
-    def run(self, spec: ActionSpec, cpus: list[int] | tuple[int, ...] | None) -> SandboxOutcome:
-        """Run one sandbox action on exactly ``cpus``; never raises for the action's behaviour."""
+    def run(self, spec: ActionSpec, cpus: list[int] | tuple[int, ...] | None,
+            cancel_fd: int | None = None) -> SandboxOutcome:
+        """Run one sandbox action on exactly ``cpus``; never raises for the action's behaviour.
+
+        Writing to ``cancel_fd`` (the read end is passed) kills the command's process tree.
+        """
         if not self.available:
             return SandboxOutcome(Status.ERROR, None, self._refusal())
         try:
             if sf.is_run_code(spec.payload):
-                return self._run_code(spec, cpus)
+                return self._run_code(spec, cpus, cancel_fd)
             req = parse_payload(spec.payload)
             limits = self._limits(spec, req.limits)
         except (PayloadError, LimitsError, sf.RunCodeError) as exc:
@@ -199,7 +203,8 @@ class SandboxManager:
             return SandboxOutcome(Status.ERROR, None, str(exc))
         try:
             self.envs.write_files(env, req.files)
-            res, enforced, note = self._exec(env, req.argv, req.stdin, req.env, limits, cpus, req.network)
+            res, enforced, note = self._exec(env, req.argv, req.stdin, req.env, limits, cpus, req.network,
+                                             cancel_fd)
         except (EnvError, OSError) as exc:
             return SandboxOutcome(Status.ERROR, None, f"sandbox could not run the command: {exc}")
         finally:
@@ -209,6 +214,8 @@ class SandboxManager:
             "truncated": res.truncated, "wall_s": round(res.wall_s, 6), "cpu_s": round(res.cpu_s, 6),
             "max_rss_kb": res.max_rss_kb, "enforced": enforced,
         }
+        if res.cancelled:
+            return SandboxOutcome(Status.CANCELLED, out, "cancelled while running; process tree killed")
         if res.timed_out:
             return SandboxOutcome(Status.TIMEOUT, out,
                                   f"timed out after {limits.timeout_s:g}s; process tree killed")
@@ -298,8 +305,8 @@ class SandboxManager:
         return lim.merged(overrides)
 
     def _exec(self, env: Environment, argv: list[str], stdin: bytes | None,
-              extra_env: Mapping[str, str], limits: Limits, cpus, network: bool
-              ) -> tuple[ProcResult, dict, str | None]:
+              extra_env: Mapping[str, str], limits: Limits, cpus, network: bool,
+              cancel_fd: int | None = None) -> tuple[ProcResult, dict, str | None]:
         ncpus = len(cpus) if cpus else 1
         inside = SANDBOX_DIR if self.layout is not None else str(env.path)
         environ = self._environ(inside, ncpus, env)
@@ -331,7 +338,7 @@ class SandboxManager:
             res = run_bounded(full, cpus=cpus, stdin=stdin, timeout=limits.timeout_s,
                               keep_bytes=limits.output_bytes, kill_bytes=limits.output_kill_bytes,
                               cwd=cwd, env=popen_env, pass_fds=fds,
-                              on_kill=scope.kill if scope is not None else None)
+                              on_kill=scope.kill if scope is not None else None, cancel_fd=cancel_fd)
             note = None
             peak = None
             if scope is not None:
@@ -379,7 +386,7 @@ class SandboxManager:
         environ["MAKEFLAGS"] = f"-j{ncpus}"
         return environ
 
-    def _run_code(self, spec: ActionSpec, cpus) -> SandboxOutcome:
+    def _run_code(self, spec: ActionSpec, cpus, cancel_fd: int | None = None) -> SandboxOutcome:
         req = sf.parse_run_code(spec.payload)
         base = self._limits(spec, {"memory_mb": req.memory_mb} if req.memory_mb else None)
         try:
@@ -397,14 +404,18 @@ class SandboxManager:
             ok = True
             if compile_argv is not None:
                 res, _, _ = self._exec(env, compile_argv, None, {}, base.merged(
-                    {"timeout_s": req.compile_timeout}), cpus, False)
+                    {"timeout_s": req.compile_timeout}), cpus, False, cancel_fd)
+                if res.cancelled:
+                    return SandboxOutcome(Status.CANCELLED, None, "cancelled while compiling")
                 compile_result = sf.command_result(timed_out=res.timed_out, returncode=res.returncode,
                                                    stdout=res.text("stdout"), stderr=res.text("stderr"),
                                                    wall_s=res.wall_s)
                 ok = not res.timed_out and res.returncode == 0
             if ok:
                 res, _, _ = self._exec(env, run_argv, req.stdin, {}, base.merged(
-                    {"timeout_s": req.run_timeout}), cpus, False)
+                    {"timeout_s": req.run_timeout}), cpus, False, cancel_fd)
+                if res.cancelled:
+                    return SandboxOutcome(Status.CANCELLED, None, "cancelled while running")
                 run_result = sf.command_result(timed_out=res.timed_out, returncode=res.returncode,
                                                stdout=res.text("stdout"), stderr=res.text("stderr"),
                                                wall_s=res.wall_s)
