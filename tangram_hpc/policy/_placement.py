@@ -130,6 +130,7 @@ class _KindLoad:
     capacity: int = 0        # cores of non-draining workers serving the kind
     rigid: int = 0           # min cores of fixed-size actions in the system
     elastic: int = 0         # elastic actions in the system (pending + running)
+    by_max: dict = field(default_factory=dict)    # elastic actions in the system per max_cores
     workers: list = field(default_factory=list)   # heap of (-free, seq, version, worker)
 
 
@@ -350,6 +351,7 @@ class PlacementPolicy(SchedulingPolicy):
         kl = self._kind(action.kind)
         if rec.elastic:
             kl.elastic += 1
+            kl.by_max[d.max_cores] = kl.by_max.get(d.max_cores, 0) + 1
         else:
             kl.rigid += d.min_cores
         self._n_pending += 1
@@ -425,6 +427,12 @@ class PlacementPolicy(SchedulingPolicy):
         kl = self._kind(rec.spec.kind)
         if rec.elastic:
             kl.elastic -= 1
+            m = rec.spec.demand.max_cores
+            left = kl.by_max[m] - 1
+            if left:
+                kl.by_max[m] = left
+            else:
+                del kl.by_max[m]
         else:
             kl.rigid -= rec.spec.demand.min_cores
 
@@ -687,9 +695,26 @@ class PlacementPolicy(SchedulingPolicy):
             w.envs.discard(env)
 
 
-def load_share(capacity: int, rigid: int, elastic: int) -> float:
-    """Cores one elastic action should get when ``elastic`` of them share what rigid ones leave."""
-    return max(0.0, capacity - rigid) / max(1, elastic)
+def water_level(cores: float, by_max: dict[int, int]) -> float:
+    """Fair share ``L`` with ``sum(min(max_i, L)) == cores`` over the elastic actions ``by_max``.
+
+    Actions that cannot use the level (small ``max_cores``) leave their
+    remainder to the others; ``inf`` when everybody can have its maximum.
+    """
+    if cores <= 0:
+        return 0.0
+    left = cores
+    n = sum(by_max.values())
+    for m in sorted(by_max):
+        if n <= 0:
+            break
+        if m * n <= left:
+            cnt = by_max[m]
+            left -= m * cnt
+            n -= cnt
+            continue
+        return left / n
+    return float("inf")
 
 
 def ceil_div(a: float, b: float) -> int:

@@ -34,10 +34,12 @@ Cores -- heSRPT-inspired shares.
     part.  Without preemption we decide the core count once, at start: an
     elastic action (``max_cores > min_cores``) gets
 
-        share = (cores of the kind - cores held or wanted by fixed-size actions)
-                / elastic actions in the system (waiting + running)
+        share = L such that  sum over elastic actions in the system of min(max_cores, L)
+                           = cores of the kind - cores held or wanted by fixed-size actions
 
-    clamped to ``[min_cores, min(max_cores, free cores of the worker)]`` and
+    (water-filling: what an action with a small ``max_cores`` cannot use goes
+    to the others), clamped to ``[min_cores, min(max_cores, free cores of the
+    worker)]`` and
     cut back to the point where one more core would speed it up by less than
     ``min_gain`` (Amdahl with the learned parallel fraction).  With an idle pool
     the share is the whole pool, so an action alone gets all the cores it can
@@ -68,7 +70,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..resources import WorkerShape
-from ._placement import PlacementPolicy, _Queue, _Rec, _Worker
+from ._placement import PlacementPolicy, _Queue, _Rec, _Worker, water_level
 from .predict import Predictor
 
 __all__ = ["ElasticScheduler"]
@@ -118,8 +120,8 @@ class ElasticScheduler(PlacementPolicy):
         if hi <= lo:
             return lo
         kl = self._kinds[rec.spec.kind]
-        share = max(0.0, kl.capacity - kl.rigid) / max(1, kl.elastic)
-        c = max(lo, min(hi, int(share)))
+        share = water_level(kl.capacity - kl.rigid, kl.by_max)
+        c = max(lo, min(hi, int(share) if share != float("inf") else hi))
         if c > lo:
             # stop where the next core buys less than min_gain (Amdahl knee)
             p = self.predictor.parallel_fraction(rec.spec)

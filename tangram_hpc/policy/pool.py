@@ -14,7 +14,10 @@ time of a worker:
     missing      = wanted - free cores now - cores of workers already starting
 
 and launches ``ceil(missing / shape.cores)`` workers, at least one when work
-waits and no worker of the kind exists or is starting.  Workers already
+waits and no worker of the kind exists or is starting.  Elastic actions
+shrink instead of waiting when the pool is busy, so a backlog alone would
+under-provision: the controller also launches when busy cores exceed
+``target_util`` of the capacity (and does not reclaim below it).  Workers already
 starting count as capacity, so a backlog does not trigger a second wave of
 launches while the first is still queued in the batch system.  Launches are
 capped by the per-kind and total maxima and by a rate limit (``max_launch_rate``
@@ -106,6 +109,7 @@ class PoolConfig:
     breaker_window_s: float = 600.0
     breaker_cooldown_s: float = 900.0
     time_limit_margin_s: float = 120.0
+    target_util: float = 0.75
 
     def __post_init__(self) -> None:
         if not self.shapes:
@@ -158,11 +162,15 @@ class PoolController(PoolPolicy):
 
         count: dict[str, int] = {}
         free: dict[str, int] = {}
+        busy: dict[str, int] = {}
+        cap: dict[str, int] = {}
         for ws in view.workers:
             k = ws.info.shape.kind
             count[k] = count.get(k, 0) + 1
+            busy[k] = busy.get(k, 0) + ws.busy_cores
             if not ws.draining and not self._expiring(ws, now):
                 free[k] = free.get(k, 0) + max(0, ws.info.cores - ws.busy_cores)
+                cap[k] = cap.get(k, 0) + ws.info.cores
         starting: dict[str, int] = {}
         starting_cores: dict[str, int] = {}
         for shape, _at in view.starting:
@@ -182,6 +190,8 @@ class PoolController(PoolPolicy):
                 continue
             if waiting.get(k):
                 continue
+            if busy.get(k, 0) > cfg.target_util * (cap.get(k, 0) - ws.info.cores):
+                continue                      # the rest would run too hot without it
             if ws.idle_since is None or now - ws.idle_since < cfg.idle_ttl_s:
                 continue
             if kept[k] - 1 < cfg.min_workers.get(k, 0):
@@ -199,7 +209,7 @@ class PoolController(PoolPolicy):
             self._launches.popleft()
         budget = cfg.max_launch_rate - len(self._launches)
         reasons = []
-        kinds = sorted(set(waiting) | set(cfg.min_workers))
+        kinds = sorted(set(waiting) | set(cfg.min_workers) | set(busy))
         for k in kinds:
             shapes = [s for s in cfg.shapes if s.kind == k and s.cores >= biggest.get(k, 0)]
             if not shapes:
@@ -216,6 +226,11 @@ class PoolController(PoolPolicy):
                 need = math.ceil(missing / shape0.cores) if missing > 0 else 0
                 if have == 0:
                     need = max(need, 1)
+            # keep utilisation under the target: elastic actions get fewer cores
+            # (and run longer) when the pool runs hot even if nothing waits
+            hot = busy.get(k, 0) / cfg.target_util - cap.get(k, 0) - starting_cores.get(k, 0)
+            if hot > 0:
+                need = max(need, math.ceil(hot / shapes[0].cores))
             need = max(need, cfg.min_workers.get(k, 0) - have)
             if need <= 0:
                 continue

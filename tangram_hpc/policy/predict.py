@@ -10,11 +10,13 @@ this module keeps:
   (roughly lognormal): one 10-minute outlier must not make every later
   prediction ten times too long.  ``median = exp(mu)``, ``mean = exp(mu + var/2)``.
 * the *parallel fraction* ``p`` of Amdahl's law, ``t(c) = d1 * ((1 - p) + p / c)``,
-  learned by weighted least squares of the observed run time on ``1/c``
-  (``t = a + b/c`` with ``a = d1 (1-p)``, ``b = d1 p``).  The fit only counts
-  once the observations span at least two core counts; until then the prior
-  ``p`` stands.  The elastic scheduler grants different core counts depending
-  on load, so the spread comes by itself.
+  fitted to the mean log run time observed at each granted core count (a
+  grid search over ``p`` with the one-core time profiled out; log space
+  because the noise is multiplicative, and a linear fit of ``t`` on ``1/c``
+  is thrown off by a few long runs).  The fit only counts once runs at two
+  core counts exist; until then the prior ``p`` stands.  The elastic
+  scheduler grants different core counts depending on load, so the spread
+  comes by itself.
 
 A run time observed at ``c`` cores is turned into a one-core duration with
 the current ``p`` before it enters the mean, so observations at any core
@@ -26,7 +28,7 @@ Pure: no clock, no I/O; the same observations give the same predictions.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..actions import ActionSpec
 
@@ -43,19 +45,37 @@ class ClassStats:
     n: int = 0
     mu: float = 0.0          # EWMA of log(one-core duration)
     var: float = 0.0         # EWMA of the squared deviation of log(d1)
-    # weighted least squares of t on x = 1/c, with exponential forgetting
-    sw: float = 0.0
-    sx: float = 0.0
-    sy: float = 0.0
-    sxx: float = 0.0
-    sxy: float = 0.0
-    p: float | None = None   # learned parallel fraction, None until the fit is defined
+    # per granted core count: [weight, mean log run time] with bounded weight (slow forgetting)
+    by_cores: dict = field(default_factory=dict)
+    p: float | None = None   # learned parallel fraction, None until two core counts were seen
 
     def median(self) -> float:
         return math.exp(self.mu)
 
     def mean(self) -> float:
         return math.exp(self.mu + 0.5 * self.var)
+
+
+_P_GRID = tuple(i / 40 for i in range(41))
+_BUCKET_CAP = 200.0     # a core count's mean log time forgets after about this many runs
+
+
+def fit_parallel_fraction(by_cores: dict, prior: float, prior_weight: float = 2.0) -> float:
+    """Amdahl's p that best explains the mean log run time seen at each core count.
+
+    Least squares in log space (durations are multiplicative-noisy), with
+    the unknown one-core time profiled out and a weak pull towards ``prior``.
+    """
+    best, best_cost = prior, float("inf")
+    items = [(c, wm[0], wm[1]) for c, wm in by_cores.items()]
+    wsum = sum(w for _, w, _ in items)
+    for p in _P_GRID:
+        res = [(w, m - math.log((1.0 - p) + p / c)) for c, w, m in items]
+        mean = sum(w * r for w, r in res) / wsum
+        cost = sum(w * (r - mean) ** 2 for w, r in res) + prior_weight * (p - prior) ** 2
+        if cost < best_cost:
+            best, best_cost = p, cost
+    return best
 
 
 class Predictor:
@@ -136,19 +156,15 @@ class Predictor:
             st = self._classes[spec.action_class] = ClassStats()
         a = self.alpha
         if spec.demand.max_cores > 1:
-            x = 1.0 / cores
-            keep = 1.0 - a
-            st.sw = st.sw * keep + 1.0
-            st.sx = st.sx * keep + x
-            st.sy = st.sy * keep + run_time
-            st.sxx = st.sxx * keep + x * x
-            st.sxy = st.sxy * keep + x * run_time
-            den = st.sw * st.sxx - st.sx * st.sx
-            if den > 1e-9 * st.sw * st.sw:
-                b = (st.sw * st.sxy - st.sx * st.sy) / den
-                a0 = (st.sy - b * st.sx) / st.sw
-                if a0 + b > 0:
-                    st.p = min(1.0, max(0.0, b / (a0 + b)))
+            bucket = st.by_cores.get(cores)
+            y_t = math.log(max(run_time, 1e-6))
+            if bucket is None:
+                st.by_cores[cores] = [1.0, y_t]
+            else:
+                bucket[0] = min(bucket[0] + 1.0, _BUCKET_CAP)
+                bucket[1] += (y_t - bucket[1]) / bucket[0]
+            if len(st.by_cores) >= 2 and (st.p is None or st.n % 4 == 0):
+                st.p = fit_parallel_fraction(st.by_cores, self.prior_parallel)
         p = self.parallel_fraction(spec)
         d1 = run_time / ((1.0 - p) + p / cores)
         y = math.log(max(d1, 1e-6))
