@@ -183,12 +183,14 @@ class Plan:
         r = w.rollout
         turn_classes = [i for i, a in enumerate(w.actions) if a.weight > 0]
         weights = np.array([w.actions[i].weight for i in turn_classes], dtype=float)
-        weights /= weights.sum()
+        if len(turn_classes):
+            weights /= weights.sum()
+        else:               # reward-only rollouts (turns = 0)
+            turn_classes, weights = [0], np.ones(1)
         finals: list[int] = []
         for i, a in enumerate(w.actions):
             finals.extend([i] * a.final)
         F = len(finals)
-        mus = np.array([math.log(a.duration_s.median) for a in w.actions])
         sig = np.array([a.duration_s.sigma for a in w.actions])
         all_cls, all_think, starts, lens = [], [], [], []
         base = 0
@@ -215,7 +217,8 @@ class Plan:
             lens.append(L)
             base += n
         c = np.concatenate(all_cls)
-        d1 = np.exp(mus[c] + sig[c] * rng.normal(0.0, 1.0, c.shape[0]))
+        med = np.array([a.duration_s.median for a in w.actions])
+        d1 = med[c] * np.exp(sig[c] * rng.normal(0.0, 1.0, c.shape[0]))
         return cls(w, c.astype(np.int32), d1, np.concatenate(all_think), starts, lens)
 
 
