@@ -28,6 +28,9 @@ __all__ = [
     "BUILTIN_KINDS",
     "register_kind",
     "known_kinds",
+    "sandbox",
+    "function",
+    "reward",
 ]
 
 #: Kinds every worker understands.  ``sandbox``: a shell command in a stateful
@@ -298,3 +301,47 @@ class ActionFailed(RuntimeError):
     def __init__(self, result: ActionResult):
         self.result = result
         super().__init__(f"action {result.id} {result.status}: {result.error or ''}".rstrip(": "))
+
+
+# -- constructors for the common kinds ---------------------------------------
+
+def _cores(cores: int | tuple[int, int]) -> tuple[int, int]:
+    if isinstance(cores, tuple):
+        return cores
+    return cores, cores
+
+
+def sandbox(cmd: str | list[str], *, env: str | None = None, cores: int | tuple[int, int] = 1,
+            mem_mb: int = 0, stdin: str | None = None, files: dict[str, str] | None = None,
+            **kw: Any) -> ActionSpec:
+    """A command in a (stateful, if ``env`` is given) sandbox; ``cores=(1, 8)`` lets it grow to 8."""
+    lo, hi = _cores(cores)
+    payload: dict[str, Any] = {"cmd": cmd}
+    if stdin is not None:
+        payload["stdin"] = stdin
+    if files:
+        payload["files"] = files
+    return ActionSpec(kind="sandbox", payload=payload, env=env, demand=Demand(lo, hi, mem_mb), **kw)
+
+
+def function(fn: Any, *args: Any, cores: int | tuple[int, int] = 1, **kwargs: Any) -> ActionSpec:
+    """Call an importable function on a worker: ``function("pkg.mod:score", x)`` or ``function(score, x)``.
+
+    Keyword arguments go to the function; pass ActionSpec fields (``timeout``,
+    ``label``, ...) through ``ActionSpec`` directly when they are needed.
+    """
+    if callable(fn):
+        fn = f"{fn.__module__}:{fn.__qualname__}"
+    lo, hi = _cores(cores)
+    payload: dict[str, Any] = {"fn": fn}
+    if args:
+        payload["args"] = list(args)
+    if kwargs:
+        payload["kwargs"] = kwargs
+    return ActionSpec(kind="function", payload=payload, demand=Demand(lo, hi))
+
+
+def reward(service: str, inputs: list, *, gpu_mem_mb: int = 0, **kw: Any) -> ActionSpec:
+    """Score ``inputs`` with the named reward-model service."""
+    return ActionSpec(kind="reward", payload={"inputs": inputs},
+                      demand=Demand(0, 0, 0, gpu_mem_mb, service), **kw)

@@ -49,5 +49,5 @@ class WorkerInfo:
 
     @property
     def shape(self) -> WorkerShape:
-        per_gpu = self.gpu_mem_mb // self.gpus if self.gpus else 0
+        per_gpu = self.gpu_mem_mb // self.gpus if self.gpus else self.gpu_mem_mb
         return WorkerShape(self.cores, self.mem_mb, self.gpus, per_gpu, self.partition)

@@ -566,10 +566,18 @@ class PlacementPolicy(SchedulingPolicy):
         self._start(rec, w, now, out)
         return True
 
+    @staticmethod
+    def _can_host(w: _Worker, svc: str) -> bool:
+        """A worker that declares the services it can host takes only those; one that declares none, any."""
+        hostable = w.info.services
+        return not hostable or svc in hostable
+
     def _service_ready_on(self, w: _Worker, rec: _Rec, now: float) -> bool:
         d = rec.spec.demand
         if d.service in w.services:
             return True
+        if not self._can_host(w, d.service):
+            return False
         ev = self._evictable(w, d.gpu_mem_mb)
         if ev is None:
             return False
@@ -599,7 +607,7 @@ class PlacementPolicy(SchedulingPolicy):
         for w in self._workers.values():
             if w.draining or w.gpu_mem < d.gpu_mem_mb or rec.spec.kind not in w.kinds:
                 continue
-            if svc in w.services or not self._fits(w, d):
+            if svc in w.services or not self._fits(w, d) or not self._can_host(w, svc):
                 continue
             ev = self._evictable(w, d.gpu_mem_mb)
             if ev is None:

@@ -105,6 +105,11 @@ class WorkerStatus:
     draining: bool = False
     started_at: float = 0.0
     ends_at: float | None = None   # backend time limit, if any
+    shape: WorkerShape | None = None  # the shape it was launched as, when a backend launched it
+
+    @property
+    def launched_shape(self) -> WorkerShape:
+        return self.shape or self.info.shape
 
 
 @dataclass(slots=True)
@@ -148,7 +153,7 @@ class StaticPool(PoolPolicy):
     def decide(self, view: PoolView) -> list[Launch | Reclaim]:
         have: dict[WorkerShape, int] = {}
         for w in view.workers:
-            have[w.info.shape] = have.get(w.info.shape, 0) + 1
+            have[w.launched_shape] = have.get(w.launched_shape, 0) + 1
         for shape, _ in view.starting:
             have[shape] = have.get(shape, 0) + 1
         out: list[Launch | Reclaim] = []

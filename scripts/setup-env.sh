@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Create .venv with tangram-hpc installed in it (idempotent).
+#   scripts/setup-env.sh            runtime + test dependencies
+#   WITH_MODEL=1 scripts/setup-env.sh   also torch (CPU) and the MiniLM reward model
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    missing=()
+    command -v bwrap >/dev/null || missing+=(bubblewrap)
+    "$PY" -c 'import ensurepip, venv' 2>/dev/null || missing+=(python3-venv)
+    if [ ${#missing[@]} -gt 0 ]; then
+        echo "installing ${missing[*]} ..." >&2
+        apt-get update -qq >/dev/null
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+    fi
+fi
+
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip >/dev/null
+if [ "${WITH_MODEL:-0}" = 1 ]; then
+    # Pin the CPU build first: an unpinned torch would pull a multi-GB CUDA build.
+    .venv/bin/python -m pip install -q "torch==2.13.0"
+    .venv/bin/python -m pip install -q -e '.[test,reward]'
+else
+    .venv/bin/python -m pip install -q -e '.[test]'
+fi

@@ -1,0 +1,64 @@
+"""``tangram-hpc``: the command line.
+
+Each subcommand lives with the code it drives and exposes
+``add_arguments(parser)`` and ``main(args) -> int``; this module only wires
+them together, so ``tangram-hpc X --help`` is documented where X is built.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+#: subcommand -> (module, one-line help)
+COMMANDS = {
+    "coordinator": ("tangram_hpc.launch", "run a coordinator (and its workers, through a backend)"),
+    "worker": ("tangram_hpc.worker", "run a worker that joins a coordinator"),
+    "submit": ("tangram_hpc.commands", "submit one action from the shell and print its result"),
+    "status": ("tangram_hpc.commands", "show a coordinator's workers, queue and counters"),
+    "demo": ("tangram_hpc.demo", "run a synthetic agentic-RL step on a local coordinator and print ACT statistics"),
+}
+
+_ENTRY = {  # modules hosting several subcommands name their functions per command
+    "submit": ("add_submit_arguments", "submit_main"),
+    "status": ("add_status_arguments", "status_main"),
+    "coordinator": ("add_coordinator_arguments", "coordinator_main"),
+}
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser; only the chosen command's module is imported (start-up stays fast)."""
+    chosen = next((a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")), None)
+    p = argparse.ArgumentParser(
+        prog="tangram-hpc",
+        description="Action-level elastic scheduling of sandboxes and reward models for agentic RL.",
+        epilog="Run 'tangram-hpc COMMAND --help' for the options of a command.")
+    p.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_) in COMMANDS.items():
+        sp = sub.add_parser(name, help=help_, description=help_[0].upper() + help_[1:] + ".")
+        if name == chosen:
+            add_name, _ = _ENTRY.get(name, ("add_arguments", "main"))
+            getattr(importlib.import_module(module), add_name)(sp)
+        sp.set_defaults(_module=module, _command=name)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    if not getattr(args, "_module", None):
+        parser.print_help()
+        return 2
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    _, main_name = _ENTRY.get(args._command, ("add_arguments", "main"))
+    mod = importlib.import_module(args._module)
+    if args._command == "worker":
+        return mod.run_worker(mod.config_from_args(args))
+    return int(getattr(mod, main_name)(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

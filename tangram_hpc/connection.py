@@ -1,0 +1,73 @@
+"""The connection file: how clients and workers find (and authenticate to) a coordinator.
+
+The coordinator writes it atomically with mode 0600 into its run directory
+(or wherever ``--connection-file`` says, e.g. a shared directory that a
+training job reads).  It is JSON because it is read once per process, by
+people as well as programs.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ENV_VAR = "TANGRAM_CONNECTION"
+
+
+@dataclass(slots=True)
+class ConnectionInfo:
+    client_address: str
+    worker_address: str
+    coordinator_id: str = ""
+    run_dir: str = ""
+    created: float = field(default_factory=time.time)
+    #: CurveZMQ: the coordinator's public key, and the path of the key file
+    #: holding the client/worker key pair it accepts.  Empty when insecure.
+    server_public_key: str = ""
+    client_key_file: str = ""
+    version: int = 1
+
+    @property
+    def secure(self) -> bool:
+        return bool(self.server_public_key)
+
+    def write(self, path: str | os.PathLike) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(asdict(self), f, indent=2)
+        os.replace(tmp, path)
+
+    @classmethod
+    def read(cls, path: str | os.PathLike) -> "ConnectionInfo":
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no connection file at {path}: is the coordinator running?") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"connection file {path} is not valid JSON: {e}") from None
+        known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
+        if "client_address" not in known or "worker_address" not in known:
+            raise ValueError(f"connection file {path} lacks the coordinator addresses")
+        return cls(**known)
+
+
+def wait_for_file(path: str | os.PathLike, timeout: float = 60.0, poll: float = 0.05) -> ConnectionInfo:
+    """Wait until a coordinator has written its connection file, then read it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return ConnectionInfo.read(path)
+        except (FileNotFoundError, ValueError):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no coordinator connection file at {path} after {timeout:.0f}s") from None
+            time.sleep(poll)
+
+
+def default_connection_file() -> str | None:
+    return os.environ.get(ENV_VAR)

@@ -1,0 +1,7 @@
+"""Worker-side resource managers: sandboxes on CPU workers."""
+from .environments import EmptyTemplate, PythonEnvTemplate, TreeTemplate
+from .limits import Limits
+from .sandbox import BwrapUnavailable, SandboxManager, SandboxOutcome
+
+__all__ = ["SandboxManager", "SandboxOutcome", "Limits", "BwrapUnavailable",
+           "EmptyTemplate", "TreeTemplate", "PythonEnvTemplate"]

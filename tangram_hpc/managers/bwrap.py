@@ -1,0 +1,174 @@
+"""The bubblewrap command line of one sandboxed action.
+
+What the command sees (everything else of the host is absent, not merely
+read-only): ``/usr`` and the ``/bin``, ``/sbin``, ``/lib*`` links or
+directories, a short list of ``/etc`` files programs need (dynamic linker
+cache, certificates, time zone, alternatives), a generated ``/etc/passwd``
+and ``/etc/group`` naming only the sandbox user, the Python installation the
+worker runs on (read-only, at its own path so venvs keep working), a new
+``/proc`` of its own PID namespace, a minimal ``/dev``, private tmpfs ``/tmp``
+and ``/dev/shm``, and its environment directory read-write at
+:data:`SANDBOX_DIR`, which is also the working directory and ``$HOME``.
+
+Two modes, chosen by who runs the worker:
+
+* worker is an ordinary user: bwrap creates a user namespace (``--unshare-all``)
+  and the command runs as that user inside it.
+* worker is root: bwrap runs without a user namespace (so that it may set up
+  mounts from paths only root can read, e.g. ``/root/.pyenv``) and the exec
+  wrapper drops the command to the environment's own unprivileged uid before it
+  starts; bwrap sets ``no_new_privs`` so no setuid binary can climb back.
+  Running as a non-root uid is what makes ``RLIMIT_NPROC`` bind: the kernel
+  exempts uid 0 from it, which would let a fork bomb through.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["SANDBOX_DIR", "BwrapUnavailable", "BwrapLayout", "probe_bwrap", "python_prefixes"]
+
+#: Where the environment directory appears inside the sandbox.
+SANDBOX_DIR = "/sandbox"
+
+_SYSTEM_TOP = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+_ETC_FILES = (
+    "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "ssl", "ca-certificates",
+    "ca-certificates.conf", "pki", "localtime", "timezone", "zoneinfo", "nsswitch.conf",
+    "host.conf", "hosts", "gai.conf", "protocols", "services", "mime.types", "magic",
+    "magic.mime", "os-release", "debian_version", "lsb-release", "locale.alias", "locale.conf",
+    "inputrc", "bash.bashrc", "profile", "environment", "fonts", "python3", "gitconfig",
+)
+_NET_ETC_FILES = ("resolv.conf",)
+
+
+class BwrapUnavailable(RuntimeError):
+    """bubblewrap is missing or cannot create the namespaces it needs here."""
+
+
+def probe_bwrap(bwrap: str) -> str | None:
+    """Try a trivial sandbox; return None when it works, else why it does not."""
+    if not bwrap or not os.path.isfile(bwrap) or not os.access(bwrap, os.X_OK):
+        return f"bubblewrap not found at {bwrap!r}"
+    argv = [bwrap, "--die-with-parent", "--ro-bind", "/usr", "/usr"]
+    for top in _SYSTEM_TOP:
+        argv += _top_level_bind(top)
+    argv += ["--proc", "/proc", "--dev", "/dev"]
+    argv += _unshare_args(root_mode=os.geteuid() == 0, network=False)
+    argv += ["--", "/usr/bin/env", "true"]
+    try:
+        r = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"bubblewrap at {bwrap!r} could not run: {exc}"
+    if r.returncode != 0:
+        msg = r.stderr.decode(errors="replace").strip() or f"exit code {r.returncode}"
+        return f"bubblewrap at {bwrap!r} cannot create a sandbox here: {msg}"
+    return None
+
+
+def _top_level_bind(top: str) -> list[str]:
+    if os.path.islink(top):
+        return ["--symlink", os.readlink(top), top]
+    if os.path.isdir(top):
+        return ["--ro-bind", top, top]
+    return []
+
+
+def _unshare_args(root_mode: bool, network: bool) -> list[str]:
+    if root_mode:
+        # No user namespace: see the module docstring for why.
+        args = ["--unshare-ipc", "--unshare-pid", "--unshare-uts", "--unshare-cgroup-try"]
+        if not network:
+            args.append("--unshare-net")
+        return args
+    args = ["--unshare-all"]
+    if network:
+        args.append("--share-net")
+    return args
+
+
+def python_prefixes() -> list[str]:
+    """Directories that make ``sys.executable`` work, outside ``/usr``.
+
+    The venv (``sys.prefix``) and the installation it was made from
+    (``sys.base_prefix``), each at its real path and, when reached through a
+    symlink, at the linked path too.  Only those directories are exposed:
+    a venv inside a project tree does not expose the project.
+    """
+    seen: list[str] = []
+    for p in (sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix,
+              os.path.dirname(os.path.dirname(os.path.realpath(sys.executable)))):
+        for q in (os.path.abspath(p), os.path.realpath(p)):
+            if q in seen or q == "/" or _under(q, "/usr"):
+                continue
+            seen.append(q)
+    # A prefix inside another one is already visible.
+    return [p for p in seen if not any(p != o and _under(p, o) for o in seen)]
+
+
+def _under(path: str, parent: str) -> bool:
+    return path == parent or path.startswith(parent.rstrip("/") + "/")
+
+
+@dataclass
+class BwrapLayout:
+    """Builds the bwrap argv; the static part is computed once per manager."""
+
+    bwrap: str
+    root_mode: bool = field(default_factory=lambda: os.geteuid() == 0)
+    extra_ro: tuple[str, ...] = ()
+    _static: list[str] = field(default_factory=list, init=False)
+    _static_net: list[str] = field(default_factory=list, init=False)
+
+    def __post_init__(self) -> None:
+        binds: list[tuple[str, str]] = [("/usr", "/usr")]
+        args: list[str] = []
+        for top in _SYSTEM_TOP:
+            args += _top_level_bind(top)
+        args += ["--perms", "0755", "--dir", "/etc"]
+        for name in _ETC_FILES:
+            src = os.path.join("/etc", name)
+            if os.path.exists(src):
+                binds.append((src, src))
+        for p in python_prefixes() + [os.path.abspath(p) for p in self.extra_ro]:
+            binds.append((p, p))
+        made = {"/", "/usr", "/etc", SANDBOX_DIR, "/tmp", "/proc", "/dev"} | set(_SYSTEM_TOP)
+        for src, dest in binds:
+            # Parents bwrap would otherwise create 0700 when run as root.
+            for anc in _ancestors(dest):
+                if anc not in made:
+                    args += ["--perms", "0755", "--dir", anc]
+                    made.add(anc)
+            args += ["--ro-bind", src, dest]
+            made.add(dest)
+        args += ["--proc", "/proc", "--dev", "/dev"]
+        self._static = args
+        self._static_net = [a for name in _NET_ETC_FILES if os.path.exists(f"/etc/{name}")
+                            for a in ("--ro-bind", f"/etc/{name}", f"/etc/{name}")]
+
+    def argv(self, env_dir: Path, environ: dict[str, str], *, network: bool, tmp_mb: int,
+             passwd_fd: int, group_fd: int) -> list[str]:
+        """bwrap argv up to (and including) the ``--`` before the command."""
+        argv = [self.bwrap, "--die-with-parent", "--new-session", "--as-pid-1", "--hostname", "sandbox"]
+        argv += _unshare_args(self.root_mode, network)
+        argv += self._static
+        if network:
+            argv += self._static_net
+        size = str(tmp_mb * 1024 * 1024)
+        argv += ["--perms", "1777", "--size", size, "--tmpfs", "/tmp",
+                 "--perms", "1777", "--size", size, "--tmpfs", "/dev/shm",
+                 "--perms", "0644", "--ro-bind-data", str(passwd_fd), "/etc/passwd",
+                 "--perms", "0644", "--ro-bind-data", str(group_fd), "/etc/group",
+                 "--bind", str(env_dir), SANDBOX_DIR, "--chdir", SANDBOX_DIR, "--clearenv"]
+        for k, v in environ.items():
+            argv += ["--setenv", k, v]
+        argv.append("--")
+        return argv
+
+
+def _ancestors(path: str) -> list[str]:
+    parts = Path(path).parts[1:-1]
+    return ["/" + "/".join(parts[: i + 1]) for i in range(len(parts))]

@@ -1,0 +1,283 @@
+"""Per-action cgroups, where the worker is allowed to create them.
+
+A cgroup limits a whole process tree at once -- memory over all processes
+(RLIMIT_AS is per process and counts address space, not use) and the number
+of tasks (``pids.max``) -- and can kill every member even if some escaped the
+process group.  Two layouts are handled:
+
+* cgroup v2: the worker's own cgroup must offer the ``memory`` and ``pids``
+  controllers.  If the worker is the only process there, it moves itself
+  into a ``tangram-worker`` leaf and enables the controllers for its
+  siblings (the usual delegation dance); action cgroups are then created
+  next to that leaf.
+* cgroup v1: the ``memory`` and ``pids`` hierarchies, each where the worker
+  may create a child of its own cgroup.
+
+Where neither works :meth:`Cgroups.detect` returns None and the rlimits
+alone apply.  The command joins its cgroups through a ``/bin/sh`` one-liner
+before exec'ing bubblewrap, so nothing runs in the threaded worker between
+fork and exec.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["Cgroups", "CgroupScope"]
+
+_counter = itertools.count()
+
+
+def _read(p: Path) -> str:
+    try:
+        return p.read_text()
+    except OSError:
+        return ""
+
+
+def _write(p: Path, v: str) -> bool:
+    try:
+        with open(p, "w") as f:
+            f.write(v)
+        return True
+    except OSError:
+        return False
+
+
+def _kv(text: str, key: str) -> int:
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[0] == key:
+            return int(parts[1])
+    return 0
+
+
+def _mounts() -> list[tuple[str, str, str]]:
+    """(mount point, fs type, super options) of cgroup mounts."""
+    out = []
+    for line in _read(Path("/proc/self/mountinfo")).splitlines():
+        pre, _, post = line.partition(" - ")
+        fields, post_f = pre.split(), post.split()
+        if len(post_f) >= 3 and post_f[0] in ("cgroup", "cgroup2"):
+            out.append((fields[4].replace("\\040", " "), post_f[0], post_f[2]))
+    return out
+
+
+def _own_paths() -> dict[str, str]:
+    """controller ('' for v2) -> this process's cgroup path."""
+    out = {}
+    for line in _read(Path("/proc/self/cgroup")).splitlines():
+        hid, ctrls, path = line.split(":", 2)
+        if hid == "0" and ctrls == "":
+            out[""] = path
+        for c in ctrls.split(","):
+            if c:
+                out[c] = path
+    return out
+
+
+@dataclass
+class CgroupScope:
+    """The cgroup directories of one running action."""
+
+    version: int
+    memory_dir: Path | None
+    pids_dir: Path | None
+
+    @property
+    def procs_files(self) -> list[str]:
+        dirs = {d for d in (self.memory_dir, self.pids_dir) if d is not None}
+        return [str(d / "cgroup.procs") for d in sorted(dirs)]
+
+    def oom_killed(self) -> bool:
+        if self.memory_dir is None:
+            return False
+        if self.version == 2:
+            return _kv(_read(self.memory_dir / "memory.events"), "oom_kill") > 0
+        text = _read(self.memory_dir / "memory.oom_control")
+        return _kv(text, "oom_kill") > 0 or int(_read(self.memory_dir / "memory.failcnt") or 0) > 0
+
+    def memory_peak_kb(self) -> int | None:
+        """Peak memory charged to the whole tree (None where the kernel does not say)."""
+        if self.memory_dir is None:
+            return None
+        name = "memory.peak" if self.version == 2 else "memory.max_usage_in_bytes"
+        text = _read(self.memory_dir / name).strip()
+        return int(text) // 1024 if text.isdigit() else None
+
+    def pids_hit(self) -> bool:
+        if self.pids_dir is None:
+            return False
+        return _kv(_read(self.pids_dir / "pids.events"), "max") > 0
+
+    def kill(self) -> None:
+        for d in {d for d in (self.memory_dir, self.pids_dir) if d is not None}:
+            if self.version == 2 and _write(d / "cgroup.kill", "1"):
+                continue
+            for _ in range(50):  # members may fork while we kill; pids.max bounds the rounds
+                pids = [int(x) for x in _read(d / "cgroup.procs").split()]
+                if not pids:
+                    break
+                for pid in pids:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+
+    def close(self) -> list[Path]:
+        """Kill what is left and remove the directories; returns those still busy."""
+        self.kill()
+        busy = []
+        for d in {d for d in (self.memory_dir, self.pids_dir) if d is not None}:
+            for _ in range(100):
+                try:
+                    d.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:  # members still exiting
+                    time.sleep(0.01)
+            else:
+                busy.append(d)
+        return busy
+
+
+class Cgroups:
+    """Where this worker creates action cgroups (see the module docstring)."""
+
+    def __init__(self, version: int, memory_parent: Path | None, pids_parent: Path | None):
+        self.version = version
+        self.memory_parent = memory_parent
+        self.pids_parent = pids_parent
+        self._prefix = f"tangram-{os.getpid()}"
+        self._lock = threading.Lock()
+        self._stale: list[Path] = []  # action cgroups whose members took long to exit
+
+    def release(self, scope: CgroupScope) -> None:
+        """Remove an action's cgroups (retrying older leftovers too)."""
+        busy = scope.close()
+        with self._lock:
+            self._stale.extend(busy)
+        self.sweep()
+
+    def sweep(self) -> None:
+        with self._lock:
+            stale, self._stale = self._stale, []
+        keep = []
+        for d in stale:
+            try:
+                d.rmdir()
+            except FileNotFoundError:
+                pass
+            except OSError:
+                keep.append(d)
+        with self._lock:
+            self._stale.extend(keep)
+
+    def __repr__(self) -> str:
+        return f"Cgroups(v{self.version}, memory={self.memory_parent}, pids={self.pids_parent})"
+
+    @classmethod
+    def detect(cls) -> "Cgroups | None":
+        try:
+            return cls._detect_v2() or cls._detect_v1()
+        except (OSError, ValueError):
+            return None
+
+    @classmethod
+    def _detect_v2(cls) -> "Cgroups | None":
+        own = _own_paths().get("")
+        mnt = next((m for m, t, _ in _mounts() if t == "cgroup2"), None)
+        if own is None or mnt is None:
+            return None
+        base = Path(mnt) / own.lstrip("/")
+        avail = set(_read(base / "cgroup.controllers").split())
+        if not {"memory", "pids"} <= avail:
+            return None
+        enabled = set(_read(base / "cgroup.subtree_control").split())
+        if not {"memory", "pids"} <= enabled:
+            leaf = base / "tangram-worker"
+            try:
+                leaf.mkdir(exist_ok=True)
+            except OSError:
+                return None
+            if not _write(leaf / "cgroup.procs", str(os.getpid())):
+                _try_rmdir(leaf)
+                return None
+            if not _write(base / "cgroup.subtree_control", "+memory +pids"):
+                _write(base / "cgroup.procs", str(os.getpid()))
+                _try_rmdir(leaf)
+                return None
+        probe = base / f"tangram-probe-{os.getpid()}"
+        try:
+            probe.mkdir()
+            probe.rmdir()
+        except OSError:
+            return None
+        return cls(2, base, base)
+
+    @classmethod
+    def _detect_v1(cls) -> "Cgroups | None":
+        own = _own_paths()
+        parents: dict[str, Path] = {}
+        for mnt, fstype, opts in _mounts():
+            if fstype != "cgroup":
+                continue
+            for ctrl in ("memory", "pids"):
+                if ctrl in opts.split(",") and ctrl in own and ctrl not in parents:
+                    base = Path(mnt) / own[ctrl].lstrip("/")
+                    probe = base / f"tangram-probe-{os.getpid()}"
+                    try:
+                        probe.mkdir()
+                        probe.rmdir()
+                    except OSError:
+                        continue
+                    parents[ctrl] = base
+        if not parents:
+            return None
+        return cls(1, parents.get("memory"), parents.get("pids"))
+
+    def scope(self, memory_mb: int | None, nproc: int | None) -> CgroupScope | None:
+        """Create the cgroups of one action (None if creating them failed)."""
+        name = f"{self._prefix}-{next(_counter)}"
+        mem_dir = pids_dir = None
+        try:
+            if self.memory_parent is not None:
+                # Created even without a limit: its peak is the tree's memory use.
+                mem_dir = self.memory_parent / name
+                mem_dir.mkdir()
+                b = str((memory_mb or 0) * 1024 * 1024)
+                ok = True
+                if not memory_mb:
+                    pass
+                elif self.version == 2:
+                    ok = _write(mem_dir / "memory.max", b)
+                    _write(mem_dir / "memory.swap.max", "0")
+                else:
+                    ok = _write(mem_dir / "memory.limit_in_bytes", b)
+                    _write(mem_dir / "memory.memsw.limit_in_bytes", b)
+                if memory_mb and not ok:
+                    raise OSError("memory limit not writable")
+            if self.pids_parent is not None and nproc:
+                pids_dir = self.pids_parent / name if self.version == 1 or mem_dir is None else mem_dir
+                pids_dir.mkdir(exist_ok=True)
+                if not _write(pids_dir / "pids.max", str(nproc)):
+                    raise OSError("pids.max not writable")
+        except OSError:
+            CgroupScope(self.version, mem_dir, pids_dir).close()
+            return None
+        if mem_dir is None and pids_dir is None:
+            return None
+        return CgroupScope(self.version, mem_dir, pids_dir)
+
+
+def _try_rmdir(p: Path) -> None:
+    try:
+        p.rmdir()
+    except OSError:
+        pass

@@ -1,0 +1,143 @@
+"""Which accelerators a GPU worker may use, and how much memory services may take on each.
+
+GPUs come from the job's allocation: ``CUDA_VISIBLE_DEVICES`` when set, else
+Slurm's gres variables (``SLURM_STEP_GPUS``, then ``SLURM_JOB_GPUS``), and
+torch.cuda when torch is installed.  With no usable GPU there is one ``cpu``
+device whose memory budget is a byte budget standing in for GPU memory, so
+the residency and eviction logic runs (and is tested) on any machine.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass
+from typing import Mapping
+
+__all__ = ["Device", "discover_devices", "visible_gpu_ids", "DEFAULT_CPU_BUDGET_MB", "CPU_BUDGET_ENV"]
+
+#: Budget of the CPU stand-in device when none is configured.
+DEFAULT_CPU_BUDGET_MB = 4096
+CPU_BUDGET_ENV = "TANGRAM_SERVICE_CPU_BUDGET_MB"
+#: Share of a GPU's memory given to services; the rest is left for activations
+#: and the CUDA context.
+GPU_MEMORY_SHARE = 0.9
+HOST = "cpu"
+
+
+@dataclass(slots=True, frozen=True)
+class Device:
+    """One place services are made resident.
+
+    ``name`` is what the model's ``to()`` is called with (``"cuda:0"``,
+    ``"cpu"``); ``memory_mb`` the budget services may occupy on it;
+    ``physical_id`` the GPU id from the allocation, for reports.
+    """
+
+    name: str
+    memory_mb: float
+    physical_id: str | None = None
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.name.startswith("cuda")
+
+    @property
+    def index(self) -> int | None:
+        return int(self.name.split(":", 1)[1]) if self.is_gpu else None
+
+    def with_budget(self, memory_mb: float) -> "Device":
+        return Device(self.name, memory_mb, self.physical_id)
+
+
+def visible_gpu_ids(env: Mapping[str, str] | None = None) -> list[str] | None:
+    """GPU ids this process was given, from CUDA_VISIBLE_DEVICES or Slurm's gres variables.
+
+    None when no variable says anything (then torch.cuda decides); an empty
+    list when one says "no GPU".
+    """
+    env = os.environ if env is None else env
+    for var in ("CUDA_VISIBLE_DEVICES", "SLURM_STEP_GPUS", "SLURM_JOB_GPUS"):
+        raw = env.get(var)
+        if raw is None:
+            continue
+        raw = raw.strip()
+        # An explicitly empty / disabled list means "no GPU", not "look further".
+        if raw in ("", "-1", "NoDevFiles", "none"):
+            return []
+        return _expand_ids(raw)
+    return None
+
+
+def _expand_ids(raw: str) -> list[str]:
+    ids: list[str] = []
+    for part in raw.split(","):
+        part = part.strip()
+        lo, dash, hi = part.partition("-")
+        if dash and lo.isdigit() and hi.isdigit():
+            ids.extend(str(i) for i in range(int(lo), int(hi) + 1))
+        elif part:
+            ids.append(part)
+    return ids
+
+
+def discover_devices(*, memory_budget_mb: float | None = None, cpu_budget_mb: float | None = None,
+                     use_torch: bool = True, env: Mapping[str, str] | None = None) -> list[Device]:
+    """The devices services may use, each with its memory budget.
+
+    ``memory_budget_mb`` caps every GPU's budget (default: 90% of its memory);
+    ``cpu_budget_mb`` sets the CPU stand-in's budget (default: the
+    ``TANGRAM_SERVICE_CPU_BUDGET_MB`` variable, else 4096).  When only Slurm's
+    variables name the GPUs, CUDA_VISIBLE_DEVICES is set from them before
+    CUDA starts so torch sees exactly the allocation.
+    """
+    real_env = env is None
+    env = os.environ if env is None else env
+    ids = visible_gpu_ids(env)
+    if real_env and ids and "CUDA_VISIBLE_DEVICES" not in os.environ and not _cuda_started():
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids)
+    if ids != [] and use_torch and importlib.util.find_spec("torch") is not None:
+        gpus = _torch_gpus(ids, memory_budget_mb)
+        if gpus:
+            return gpus
+    budget = cpu_budget_mb
+    if budget is None:
+        budget = float(env.get(CPU_BUDGET_ENV, DEFAULT_CPU_BUDGET_MB))
+    return [Device(HOST, float(budget))]
+
+
+def _cuda_started() -> bool:
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_initialized())
+
+
+def _torch_gpus(ids: list[str] | None, memory_budget_mb: float | None) -> list[Device]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    devices = []
+    for i in range(torch.cuda.device_count()):
+        total_mb = torch.cuda.get_device_properties(i).total_memory / 2**20
+        budget = total_mb * GPU_MEMORY_SHARE
+        if memory_budget_mb is not None:
+            budget = min(budget, memory_budget_mb)
+        devices.append(Device(f"cuda:{i}", budget, ids[i] if ids and i < len(ids) else str(i)))
+    return devices
+
+
+def release_device_cache(device: Device) -> None:
+    """Give freed blocks back to the driver after an eviction so the budget stays honest."""
+    if device.is_gpu:
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            torch.cuda.empty_cache()
+
+
+def bind_thread(device: Device) -> None:
+    """Make ``device`` the current CUDA device of the calling (scoring) thread."""
+    if device.is_gpu:
+        torch = sys.modules.get("torch")
+        if torch is None:
+            import torch
+        torch.cuda.set_device(device.index)

@@ -1,0 +1,541 @@
+"""Stateful sandbox environments: directories that outlive single actions.
+
+An environment is a directory under the manager's root, created from a
+*template* the first time an action names it, kept between the actions of
+a trajectory, and removed by :meth:`EnvStore.drop` or when unused for longer
+than its TTL.  A background thread keeps ``warm_pool`` ready-made
+environments per template so that a new trajectory does not wait for a copy
+of a project tree or the creation of a Python env.
+
+When the worker runs as root every environment gets its own unprivileged
+uid (the sandboxed command runs as that uid, see
+:mod:`tangram_hpc.managers.bwrap`) and its files are owned by it.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import re
+import shutil
+import stat
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Protocol
+
+__all__ = [
+    "Template", "EmptyTemplate", "TreeTemplate", "PythonEnvTemplate", "template_from_config",
+    "Environment", "EnvStore", "EnvError", "UID_RANGE",
+]
+
+#: Uids handed to environments when the worker is root: far above normal
+#: user and subordinate-uid ranges.
+UID_RANGE = (0x6A000000, 0x6A000000 + (1 << 20))
+
+
+class EnvError(RuntimeError):
+    """An environment could not be created, found, written, saved or restored."""
+
+
+class Template(Protocol):
+    """How a new environment directory is filled."""
+
+    def populate(self, path: Path) -> None: ...
+
+
+@dataclass(frozen=True)
+class EmptyTemplate:
+    """An empty directory."""
+
+    def populate(self, path: Path) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class TreeTemplate:
+    """A copy of a project tree (symlinks kept as symlinks)."""
+
+    source: Path
+    ignore: tuple[str, ...] = ()
+
+    def populate(self, path: Path) -> None:
+        src = Path(self.source)
+        if not src.is_dir():
+            raise EnvError(f"template source {src} is not a directory")
+        shutil.copytree(src, path, symlinks=True, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns(*self.ignore) if self.ignore else None)
+
+
+@dataclass(frozen=True)
+class PythonEnvTemplate:
+    """A Python venv at ``.venv`` of the environment, over an optional base template.
+
+    The venv is made from the worker's interpreter (visible read-only in the
+    sandbox) with ``--system-site-packages`` by default, and ``packages`` are
+    installed into it with pip on the worker at creation time (the sandbox
+    itself has no network).  Console scripts are rewritten to
+    ``#!/usr/bin/env python`` so they run at the sandbox path too; the
+    sandbox puts ``.venv/bin`` first on ``PATH``.
+    """
+
+    packages: tuple[str, ...] = ()
+    system_site_packages: bool = True
+    pip_args: tuple[str, ...] = ()
+    base: Any = None
+
+    def populate(self, path: Path) -> None:
+        if self.base is not None:
+            self.base.populate(path)
+        venv = path / ".venv"
+        cmd = [sys.executable, "-m", "venv", "--without-pip", str(venv)]
+        if self.system_site_packages:
+            cmd.insert(4, "--system-site-packages")
+        _check(cmd)
+        if self.packages:
+            _check([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"),
+                    "install", "--no-input", *self.pip_args, *self.packages])
+            _rewrite_shebangs(venv / "bin")
+
+
+def _check(cmd: list[str]) -> None:
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise EnvError(f"{' '.join(cmd[:4])} ... failed: {r.stderr.strip()[-2000:]}")
+
+
+def _rewrite_shebangs(bindir: Path) -> None:
+    for f in bindir.iterdir():
+        if f.is_symlink() or not f.is_file():
+            continue
+        with open(f, "rb") as fh:
+            head = fh.read(2)
+            if head != b"#!":
+                continue
+            first = fh.readline()
+            rest = fh.read()
+        if b"python" in first:
+            f.write_bytes(b"#!/usr/bin/env python\n" + rest)
+
+
+def template_from_config(cfg: Any) -> Template:
+    """A template from a config map: ``{"kind": "empty"|"tree"|"python", ...}``."""
+    if not isinstance(cfg, Mapping):
+        if hasattr(cfg, "populate"):
+            return cfg
+        raise EnvError(f"template config must be a map, got {cfg!r}")
+    kind = cfg.get("kind", "empty")
+    if kind == "empty":
+        return EmptyTemplate()
+    if kind == "tree":
+        return TreeTemplate(Path(cfg["source"]), tuple(cfg.get("ignore", ())))
+    if kind == "python":
+        base = template_from_config(cfg["base"]) if cfg.get("base") else None
+        return PythonEnvTemplate(tuple(cfg.get("packages", ())),
+                                 bool(cfg.get("system_site_packages", True)),
+                                 tuple(cfg.get("pip_args", ())), base)
+    raise EnvError(f"unknown template kind {kind!r}: empty, tree or python")
+
+
+@dataclass
+class Environment:
+    id: str
+    path: Path
+    template: str
+    uid: int | None
+    created: float
+    last_used: float
+    throwaway: bool = False
+    busy: int = 0
+    ready: threading.Event = field(default_factory=threading.Event, repr=False)
+    failure: BaseException | None = field(default=None, repr=False)
+
+
+_SAFE = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+def _dirname(env_id: str) -> str:
+    return f"{_SAFE.sub('_', env_id)[:48]}-{hashlib.sha1(env_id.encode()).hexdigest()[:12]}"
+
+
+class EnvStore:
+    """Registry of the environments of one manager (thread-safe)."""
+
+    def __init__(self, root: Path, templates: Mapping[str, Any], default_template: str,
+                 ttl: float | None, warm_pool: int, drop_privileges: bool):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.root, 0o711)  # environment uids must traverse it, not list it
+        self.templates: dict[str, Template] = {"empty": EmptyTemplate()}
+        for name, t in templates.items():
+            self.templates[name] = template_from_config(t)
+        if default_template not in self.templates:
+            raise EnvError(f"default template {default_template!r} is not configured")
+        self.default_template = default_template
+        self.ttl = ttl
+        self.warm_pool = warm_pool
+        self.drop_privileges = drop_privileges
+        self._lock = threading.Condition()
+        self._envs: dict[str, Environment] = {}
+        self._uids: set[int] = set()
+        self._warm: dict[str, list[tuple[Path, int | None]]] = {t: [] for t in self.templates}
+        self._closed = False
+        self.warm_hits = 0  # environments served from the pool (observability, tests)
+        self._warm_dir = self.root / ".warm"
+        self._warm_dir.mkdir(exist_ok=True)
+        self._thread: threading.Thread | None = None
+        if warm_pool > 0:
+            self._thread = threading.Thread(target=self._fill_warm, name="sandbox-warm-pool",
+                                            daemon=True)
+            self._thread.start()
+
+    # -- uids ------------------------------------------------------------------
+    def _new_uid(self) -> int | None:
+        if not self.drop_privileges:
+            return None
+        with self._lock:
+            while True:
+                uid = random.randrange(*UID_RANGE)
+                if uid not in self._uids:
+                    self._uids.add(uid)
+                    return uid
+
+    def _free_uid(self, uid: int | None) -> None:
+        if uid is not None:
+            with self._lock:
+                self._uids.discard(uid)
+
+    # -- creation ----------------------------------------------------------------
+    def _build(self, template: str, dest: Path) -> int | None:
+        """Create a populated, owned directory at ``dest`` (which must not exist)."""
+        uid = self._new_uid()
+        tmp = self._warm_dir / f".build-{os.urandom(6).hex()}"
+        try:
+            tmp.mkdir(mode=0o755)
+            self.templates[template].populate(tmp)
+            if uid is not None:
+                chown_tree(tmp, uid)
+            os.rename(tmp, dest)
+        except BaseException:
+            self._free_uid(uid)
+            _rmtree(tmp)
+            raise
+        return uid
+
+    def _take_warm(self, template: str, dest: Path) -> int | None | bool:
+        with self._lock:
+            pool = self._warm.get(template)
+            if not pool:
+                return False
+            path, uid = pool.pop()
+            self.warm_hits += 1
+            self._lock.notify_all()
+        os.rename(path, dest)
+        return uid
+
+    def _fill_warm(self) -> None:
+        while True:
+            with self._lock:
+                while not self._closed and all(len(p) >= self.warm_pool for p in self._warm.values()):
+                    self._lock.wait()
+                if self._closed:
+                    return
+                template = next(t for t, p in self._warm.items() if len(p) < self.warm_pool)
+            dest = self._warm_dir / f"{template}-{os.urandom(6).hex()}"
+            try:
+                uid = self._build(template, dest)
+            except Exception:  # a broken template must not kill the pool for the others
+                with self._lock:
+                    self._warm.pop(template, None)
+                continue
+            with self._lock:
+                if self._closed:
+                    self._free_uid(uid)
+                    _rmtree(dest)
+                    return
+                self._warm.setdefault(template, []).append((dest, uid))
+
+    def warm_count(self, template: str) -> int:
+        """Ready-made environments of ``template`` waiting in the pool."""
+        with self._lock:
+            return len(self._warm.get(template, ()))
+
+    def acquire(self, env_id: str | None, template: str | None) -> Environment:
+        """The environment ``env_id`` (created from ``template`` if new), marked busy.
+
+        ``env_id`` None gives a throwaway environment, removed on release.
+        """
+        template = template or self.default_template
+        if template not in self.templates:
+            raise EnvError(f"unknown template {template!r}; configured: {sorted(self.templates)}")
+        throwaway = env_id is None
+        key = env_id if env_id is not None else f"_throwaway-{os.urandom(8).hex()}"
+        with self._lock:
+            if self._closed:
+                raise EnvError("sandbox manager is closed")
+            env = self._envs.get(key)
+            if env is not None:
+                env.busy += 1
+                creator = False
+            else:
+                now = time.monotonic()
+                env = Environment(key, self.root / _dirname(key), template, None, now, now,
+                                  throwaway, busy=1)
+                self._envs[key] = env
+                creator = True
+        if creator:
+            try:
+                if env.path.exists():  # left behind by an earlier manager on this root
+                    _rmtree(env.path)
+                uid = self._take_warm(template, env.path)
+                env.uid = self._build(template, env.path) if uid is False else uid
+            except BaseException as exc:
+                env.failure = exc
+                with self._lock:
+                    self._envs.pop(key, None)
+                env.ready.set()
+                raise EnvError(f"cannot create environment {key!r} from template {template!r}: {exc}") from exc
+            env.ready.set()
+        else:
+            env.ready.wait()
+            if env.failure is not None:
+                raise EnvError(f"environment {key!r} failed to be created: {env.failure}")
+        return env
+
+    def release(self, env: Environment) -> None:
+        with self._lock:
+            env.busy -= 1
+            env.last_used = time.monotonic()
+            gone = env.throwaway and env.busy == 0
+            if gone:
+                self._envs.pop(env.id, None)
+        if gone:
+            self._remove(env)
+
+    # -- lifetime ----------------------------------------------------------------
+    def ids(self) -> frozenset[str]:
+        with self._lock:
+            return frozenset(k for k, e in self._envs.items() if not e.throwaway and e.ready.is_set())
+
+    def get(self, env_id: str) -> Environment:
+        with self._lock:
+            env = self._envs.get(env_id)
+        if env is None or not env.ready.is_set() or env.failure is not None:
+            raise EnvError(f"no environment {env_id!r} on this worker")
+        return env
+
+    def drop(self, env_id: str) -> bool:
+        with self._lock:
+            env = self._envs.pop(env_id, None)
+        if env is None:
+            return False
+        env.ready.wait()
+        self._remove(env)
+        return True
+
+    def gc(self, now: float | None = None) -> list[str]:
+        """Remove idle environments older than the TTL; ``now`` is ``time.monotonic()``."""
+        if self.ttl is None:
+            return []
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            old = [e for e in self._envs.values()
+                   if e.busy == 0 and e.ready.is_set() and now - e.last_used > self.ttl]
+            for e in old:
+                del self._envs[e.id]
+        for e in old:
+            self._remove(e)
+        return [e.id for e in old]
+
+    def _remove(self, env: Environment) -> None:
+        _rmtree(env.path)
+        self._free_uid(env.uid)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+            envs = list(self._envs.values())
+            self._envs.clear()
+            warm = [p for pool in self._warm.values() for p, _ in pool]
+            self._warm = {}
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+        for e in envs:
+            self._remove(e)
+        for p in warm:
+            _rmtree(p)
+        _rmtree(self._warm_dir)
+
+    # -- files -----------------------------------------------------------------
+    def write_files(self, env: Environment, files: Mapping[str, str | bytes]) -> None:
+        """Write payload files into the environment without following links out of it."""
+        for rel, content in files.items():
+            data = content.encode() if isinstance(content, str) else bytes(content)
+            write_inside(env.path, rel, data, env.uid)
+
+    # -- snapshot / restore -----------------------------------------------------------
+    def snapshot(self, env_id: str, snapshot_dir: Path) -> str:
+        env = self.get(env_id)
+        snapshot_dir = Path(snapshot_dir)
+        snapshot_dir.mkdir(parents=True, exist_ok=True)
+        name = f"{_dirname(env_id)}-{int(time.time())}-{os.urandom(4).hex()}.tar.gz"
+        final = snapshot_dir / name
+        part = snapshot_dir / (name + ".partial")
+        try:
+            with tarfile.open(part, "w:gz", compresslevel=1) as tar:
+                tar.add(env.path, arcname=".", recursive=True)
+            os.replace(part, final)
+        except BaseException:
+            part.unlink(missing_ok=True)
+            raise
+        return str(final)
+
+    def restore(self, env_id: str, snapshot: str, template: str | None = None) -> Environment:
+        """Recreate ``env_id`` from a snapshot, replacing any local copy."""
+        src = Path(snapshot)
+        if not src.is_file():
+            raise EnvError(f"snapshot {snapshot} not found")
+        self.drop(env_id)
+        uid = self._new_uid()
+        tmp = self._warm_dir / f".restore-{os.urandom(6).hex()}"
+        dest = self.root / _dirname(env_id)
+        try:
+            tmp.mkdir(mode=0o755)
+            with tarfile.open(src, "r:*") as tar:
+                members = [_safe_member(m) for m in tar.getmembers()]
+                if hasattr(tarfile, "tar_filter"):
+                    tar.extractall(tmp, members=members, filter="tar")
+                else:
+                    tar.extractall(tmp, members=members)
+            os.chmod(tmp, 0o755)
+            if uid is not None:
+                chown_tree(tmp, uid)
+            if dest.exists():
+                _rmtree(dest)
+            os.rename(tmp, dest)
+        except BaseException as exc:
+            self._free_uid(uid)
+            _rmtree(tmp)
+            if isinstance(exc, (EnvError, KeyboardInterrupt)):
+                raise
+            raise EnvError(f"cannot restore {env_id!r} from {snapshot}: {exc}") from exc
+        now = time.monotonic()
+        env = Environment(env_id, dest, template or self.default_template, uid, now, now)
+        env.ready.set()
+        with self._lock:
+            old = self._envs.get(env_id)
+            self._envs[env_id] = env
+        if old is not None and old.path != dest:
+            self._remove(old)
+        return env
+
+
+def _safe_member(m: tarfile.TarInfo) -> tarfile.TarInfo:
+    name = m.name
+    parts = Path(name).parts
+    if name.startswith("/") or ".." in parts:
+        raise EnvError(f"snapshot member {name!r} escapes the environment")
+    if not (m.isfile() or m.isdir() or m.issym() or m.islnk()):
+        raise EnvError(f"snapshot member {name!r} is a device or fifo")
+    if m.islnk() and (m.linkname.startswith("/") or ".." in Path(m.linkname).parts):
+        raise EnvError(f"snapshot hard link {name!r} points outside the environment")
+    m.mode &= 0o777 if not m.isdir() else 0o1777
+    return m
+
+
+def write_inside(root: Path, rel: str, data: bytes, uid: int | None) -> None:
+    """Create ``root/rel`` with ``data``; refuse paths that leave ``root`` or pass a symlink.
+
+    Each directory is opened relative to the previous one with O_NOFOLLOW, so
+    a symlink planted by sandboxed code cannot redirect a write (the worker
+    may be root) to a host file.
+    """
+    if not isinstance(rel, str) or not rel or rel.startswith("/") or "\0" in rel:
+        raise EnvError(f"file path {rel!r} must be a relative path")
+    parts = [p for p in rel.split("/") if p not in ("", ".")]
+    if not parts or ".." in parts:
+        raise EnvError(f"file path {rel!r} must stay inside the environment")
+    dirfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for part in parts[:-1]:
+            try:
+                os.mkdir(part, 0o755, dir_fd=dirfd)
+                if uid is not None:
+                    os.chown(part, uid, uid, dir_fd=dirfd, follow_symlinks=False)
+            except FileExistsError:
+                pass
+            try:
+                nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dirfd)
+            except OSError as exc:
+                raise EnvError(f"file path {rel!r}: {part!r} is not a plain directory") from exc
+            os.close(dirfd)
+            dirfd = nxt
+        try:
+            fd = os.open(parts[-1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644,
+                         dir_fd=dirfd)
+        except OSError as exc:
+            raise EnvError(f"file path {rel!r} cannot be written: {exc}") from exc
+        try:
+            if uid is not None:
+                os.fchown(fd, uid, uid)
+            with os.fdopen(fd, "wb", closefd=False) as fh:
+                fh.write(data)
+        finally:
+            os.close(fd)
+    finally:
+        os.close(dirfd)
+
+
+def read_inside(root: Path, rel: str, limit: int) -> bytes | None:
+    """Up to ``limit`` bytes of ``root/rel`` if it is a regular file reached without symlinks."""
+    parts = [p for p in rel.split("/") if p not in ("", ".")]
+    if not parts or ".." in parts or rel.startswith("/"):
+        return None
+    try:
+        dirfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return None
+    try:
+        for part in parts[:-1]:
+            nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dirfd)
+            os.close(dirfd)
+            dirfd = nxt
+        fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dirfd)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None
+            with os.fdopen(fd, "rb", closefd=False) as fh:
+                return fh.read(limit)
+        finally:
+            os.close(fd)
+    except OSError:
+        return None
+    finally:
+        os.close(dirfd)
+
+
+def chown_tree(path: Path, uid: int) -> None:
+    os.chown(path, uid, uid, follow_symlinks=False)
+    for dirpath, dirnames, filenames in os.walk(path):
+        for n in dirnames + filenames:
+            os.chown(os.path.join(dirpath, n), uid, uid, follow_symlinks=False)
+
+
+def _rmtree(path: Path) -> None:
+    def onerror(func, p, exc_info):  # sandboxed code may have removed write permission
+        try:
+            os.chmod(os.path.dirname(p), 0o700)
+            os.chmod(p, 0o700, follow_symlinks=False) if not os.path.islink(p) else None
+            func(p)
+        except OSError:
+            pass
+    if os.path.lexists(path):
+        if sys.version_info >= (3, 12):
+            shutil.rmtree(path, onexc=onerror)
+        else:
+            shutil.rmtree(path, onerror=onerror)

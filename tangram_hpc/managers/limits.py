@@ -1,0 +1,119 @@
+"""Per-action resource limits of a sandboxed command.
+
+Limits are applied *inside* the child, never in the worker: the command is
+started through a tiny exec wrapper (util-linux ``prlimit`` and ``setpriv``,
+or a few lines of Python where those are missing) that lowers its own
+rlimits, drops to the environment's uid when the worker is root, and execs
+the command.  Cgroup limits, when the worker may create cgroups, are added on
+top by :mod:`tangram_hpc.managers.cgroups`.
+"""
+from __future__ import annotations
+
+import shutil
+import sys
+from dataclasses import dataclass, fields, replace
+from typing import Any, Mapping
+
+__all__ = ["Limits", "LimitsError", "wrapper_argv"]
+
+_MB = 1024 * 1024
+
+
+class LimitsError(ValueError):
+    """A ``limits`` map in a payload that does not follow the schema."""
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What one action may use.  ``None`` means unlimited.
+
+    timeout_s: wall-clock seconds before the whole process tree is killed.
+    cpu_s: CPU seconds per process (RLIMIT_CPU; SIGXCPU then SIGKILL).
+    memory_mb: memory of the action: a cgroup memory limit over the whole
+        tree where the worker may create cgroups, else RLIMIT_AS per process.
+    nproc: processes/threads the action may have at once (a pids cgroup
+        and RLIMIT_NPROC, which applies because the command never runs as
+        root: see :mod:`tangram_hpc.managers.bwrap`).
+    output_bytes: bytes of stdout and of stderr kept; the rest is dropped
+        and the kept text ends with a truncation marker.
+    output_kill_bytes: total bytes of output after which the action is
+        killed as an output flood (None: drain and drop forever).
+    file_mb: largest file the action may write (RLIMIT_FSIZE).
+    nofile: open file descriptors (RLIMIT_NOFILE).
+    tmp_mb: size of the private tmpfs on /tmp and /dev/shm.
+    """
+
+    timeout_s: float | None = 600.0
+    cpu_s: int | None = None
+    memory_mb: int | None = None
+    nproc: int | None = 512
+    output_bytes: int = 1 * _MB
+    output_kill_bytes: int | None = 64 * _MB
+    file_mb: int | None = 4096
+    nofile: int | None = 4096
+    tmp_mb: int = 512
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if v is None and f.name not in ("output_bytes", "tmp_mb"):
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v <= 0:
+                raise LimitsError(f"limits.{f.name} must be a positive number, got {v!r}")
+            if f.name != "timeout_s" and not float(v).is_integer():
+                raise LimitsError(f"limits.{f.name} must be an integer, got {v!r}")
+
+    def merged(self, overrides: Mapping[str, Any] | None) -> "Limits":
+        """These limits with the keys of a payload's ``limits`` map replaced."""
+        if not overrides:
+            return self
+        if not isinstance(overrides, Mapping):
+            raise LimitsError("payload limits must be a map")
+        known = {f.name for f in fields(self)}
+        unknown = set(overrides) - known
+        if unknown:
+            raise LimitsError(f"unknown limits {sorted(map(str, unknown))}; known: {sorted(known)}")
+        clean = {k: (int(v) if k != "timeout_s" and isinstance(v, float) and v.is_integer() else v)
+                 for k, v in overrides.items()}
+        return replace(self, **clean)
+
+
+def _python_wrapper_code() -> str:
+    # Runs inside the sandbox: argv = [nofile, nproc, as, cpu, fsize, uid, gid, "--", cmd...].
+    # "-" means leave alone.  Kept in one line-free string so it can go through -c.
+    return (
+        "import os,resource as r,sys\n"
+        "a=sys.argv[1:];i=a.index('--');v=a[:i];c=a[i+1:]\n"
+        "for n,x in zip((r.RLIMIT_NOFILE,r.RLIMIT_NPROC,r.RLIMIT_AS,r.RLIMIT_CPU,r.RLIMIT_FSIZE),v[:5]):\n"
+        " x!='-' and r.setrlimit(n,(int(x),int(x)))\n"
+        "if v[5]!='-':\n"
+        " g=int(v[6]);os.setgroups([]);os.setresgid(g,g,g);u=int(v[5]);os.setresuid(u,u,u)\n"
+        "os.execvp(c[0],c)\n"
+    )
+
+
+def wrapper_argv(limits: Limits, uid: int | None, gid: int | None,
+                 python: str = sys.executable) -> list[str]:
+    """argv prefix that applies ``limits`` (and drops to ``uid``) then execs the command.
+
+    Prefers ``prlimit``/``setpriv`` (tiny C programs, ~1 ms) and falls back to
+    ``python -I -S -c`` (~15 ms) where util-linux lacks them.
+    """
+    rl = {
+        "nofile": limits.nofile,
+        "nproc": limits.nproc,
+        "as": limits.memory_mb * _MB if limits.memory_mb else None,
+        "cpu": limits.cpu_s,
+        "fsize": limits.file_mb * _MB if limits.file_mb else None,
+    }
+    prlimit = shutil.which("prlimit")
+    setpriv = shutil.which("setpriv") if uid is not None else None
+    if prlimit and (uid is None or setpriv):
+        argv = [prlimit] + [f"--{k}={int(v)}" for k, v in rl.items() if v] + ["--"]
+        if uid is not None:
+            argv += [setpriv, f"--reuid={uid}", f"--regid={gid}", "--clear-groups",
+                     "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--"]
+        return argv
+    vals = [str(int(v)) if v else "-" for v in rl.values()]
+    vals += [str(uid) if uid is not None else "-", str(gid) if gid is not None else "-"]
+    return [python, "-I", "-S", "-c", _python_wrapper_code(), *vals, "--"]

@@ -1,0 +1,453 @@
+"""``SandboxManager``: runs ``sandbox`` actions of a CPU worker in isolated, stateful environments.
+
+Payload of a ``sandbox`` action (all keys optional except ``cmd``)::
+
+    {"cmd": "pytest -x" | ["python", "-c", "..."],   # str: run by /bin/sh -c
+     "stdin": str | bytes | None,
+     "env": {"VAR": "value"},                         # added to the small clean environment
+     "files": {"rel/path": str | bytes},              # written into the environment first
+     "template": "name",                              # used only when the environment is created
+     "network": False,                                # True needs allow_network on the manager
+     "limits": {"timeout_s": 30, "memory_mb": 2048, "nproc": 256, "cpu_s": 60,
+                "output_bytes": 1048576, "output_kill_bytes": 67108864,
+                "file_mb": 4096, "nofile": 4096, "tmp_mb": 512}}
+
+Output: ``{"returncode", "stdout", "stderr", "truncated", "wall_s", "cpu_s",
+"max_rss_kb", "enforced"}`` (stdout/stderr decoded as UTF-8 with errors
+replaced; ``enforced`` says which mechanism applied each limit).  A payload
+with ``language`` and ``code`` is a SandboxFusion ``run_code`` request instead
+(:mod:`tangram_hpc.managers.sandboxfusion`).
+
+Status: ``ok`` when the command exits 0; ``failed`` when it exits non-zero,
+is killed by a limit or floods its output (the output is still attached);
+``timeout`` when its wall-clock limit killed it; ``error`` when it could not
+be run at all (bad payload, no bubblewrap, environment creation failed).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import shutil
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from ..actions import ActionSpec, Status
+from . import sandboxfusion as sf
+from .bwrap import SANDBOX_DIR, BwrapLayout, BwrapUnavailable, probe_bwrap
+from .cgroups import Cgroups, CgroupScope
+from .environments import EnvError, EnvStore, Environment, read_inside
+from .limits import Limits, LimitsError, wrapper_argv
+from .process import ProcResult, run_bounded
+
+__all__ = ["SandboxManager", "SandboxOutcome", "PayloadError", "BwrapUnavailable"]
+
+log = logging.getLogger(__name__)
+
+_ENV_NAME = __import__("re").compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS",
+                "PYTEST_XDIST_AUTO_NUM_WORKERS", "TANGRAM_NCPUS")
+_FETCH_LIMIT = 16 * 1024 * 1024
+_unsafe_warned = False
+
+
+class PayloadError(ValueError):
+    """A sandbox payload that does not follow the schema."""
+
+
+@dataclass(slots=True)
+class SandboxOutcome:
+    status: str
+    output: Any = None
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class _Request:
+    argv: list[str]
+    stdin: bytes | None
+    env: dict[str, str]
+    files: dict[str, bytes | str]
+    template: str | None
+    network: bool
+    limits: Mapping[str, Any] | None
+
+
+def parse_payload(p: Any) -> _Request:
+    if not isinstance(p, Mapping):
+        raise PayloadError("sandbox payload must be a map with a 'cmd'")
+    unknown = set(p) - {"cmd", "stdin", "env", "files", "template", "network", "limits"}
+    if unknown:
+        raise PayloadError(f"unknown sandbox payload keys {sorted(map(str, unknown))}")
+    cmd = p.get("cmd")
+    if isinstance(cmd, str) and cmd:
+        argv = ["/bin/sh", "-c", cmd]
+    elif isinstance(cmd, (list, tuple)) and cmd and all(isinstance(a, str) for a in cmd):
+        argv = list(cmd)
+    else:
+        raise PayloadError("payload cmd must be a non-empty string or list of strings")
+    stdin = p.get("stdin")
+    if isinstance(stdin, str):
+        stdin = stdin.encode()
+    elif stdin is not None and not isinstance(stdin, (bytes, bytearray)):
+        raise PayloadError("payload stdin must be str, bytes or None")
+    env = p.get("env") or {}
+    if not isinstance(env, Mapping) or not all(
+            isinstance(k, str) and _ENV_NAME.match(k) and isinstance(v, str) and "\0" not in v
+            for k, v in env.items()):
+        raise PayloadError("payload env must map variable names to strings")
+    files = p.get("files") or {}
+    if not isinstance(files, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, (str, bytes, bytearray)) for k, v in files.items()):
+        raise PayloadError("payload files must map relative paths to str or bytes")
+    template = p.get("template")
+    if template is not None and not isinstance(template, str):
+        raise PayloadError("payload template must be a string")
+    network = p.get("network", False)
+    if not isinstance(network, bool):
+        raise PayloadError("payload network must be a bool")
+    return _Request(argv, bytes(stdin) if stdin else None, dict(env), dict(files), template,
+                    network, p.get("limits"))
+
+
+class SandboxManager:
+    """Runs sandbox actions of one CPU worker; safe to call from several executor threads.
+
+    Parameters
+    ----------
+    root: directory holding this worker's environments (created; removed entries on close).
+    snapshot_dir: where :meth:`snapshot` writes (a shared filesystem on a cluster).
+    unsafe: run commands as plain subprocesses when bubblewrap is unusable
+        (limits still apply; no filesystem, network or PID isolation).
+    templates: name -> template (:mod:`tangram_hpc.managers.environments`) or config map
+        ``{"kind": "tree", "source": "/path"}``; ``"empty"`` always exists.
+    default_template: template of environments whose first action names none.
+    env_ttl: seconds an idle environment is kept before :meth:`gc` removes it (None: forever).
+    warm_pool: ready-made environments kept per template (0: none, no thread).
+    default_limits: limits of an action whose payload does not override them.
+    bwrap: path or name of the bubblewrap binary.
+    allow_network: whether payloads may ask for ``network: True``.
+    use_cgroups: create per-action cgroups where the worker may.
+    extra_ro_binds: more host directories made visible read-only at the same path.
+    """
+
+    def __init__(self, root: Path | str, snapshot_dir: Path | str | None = None, *,
+                 unsafe: bool = False, templates: Mapping[str, Any] | None = None,
+                 default_template: str = "empty", env_ttl: float | None = 3600.0,
+                 warm_pool: int = 0, default_limits: Limits | None = None,
+                 bwrap: str = "bwrap", allow_network: bool = False, use_cgroups: bool = True,
+                 extra_ro_binds: tuple[str, ...] = ()):
+        self.root = Path(root)
+        self.snapshot_dir = Path(snapshot_dir) if snapshot_dir is not None else None
+        self.default_limits = default_limits or Limits()
+        self.allow_network = allow_network
+        self.root_mode = os.geteuid() == 0
+        path = bwrap if os.sep in bwrap else (shutil.which(bwrap) or bwrap)
+        self.unavailable_reason = probe_bwrap(path)
+        self.unsafe = unsafe and self.unavailable_reason is not None
+        if self.unavailable_reason is not None:
+            if unsafe:
+                _warn_unsafe(self.unavailable_reason)
+            self.layout = None
+        else:
+            self.layout = BwrapLayout(path, root_mode=self.root_mode, extra_ro=tuple(extra_ro_binds))
+        self.cgroups = Cgroups.detect() if use_cgroups else None
+        # As root, commands run as a per-environment uid so RLIMIT_NPROC binds.  Without bwrap
+        # that uid must be able to reach the environment directory on the host.
+        self.root.mkdir(parents=True, exist_ok=True)
+        drop = self.root_mode and (self.layout is not None or _traversable(self.root))
+        self.envs = EnvStore(self.root, templates or {}, default_template, env_ttl, warm_pool, drop)
+        self._closed = False
+
+    # -- public API ---------------------------------------------------------------
+    @property
+    def available(self) -> bool:
+        """Whether sandbox actions can run (isolated, or unsafe by explicit choice)."""
+        return self.layout is not None or self.unsafe
+
+    @property
+    def isolation(self) -> str:
+        return "bwrap" if self.layout is not None else ("unsafe" if self.unsafe else "none")
+
+    def check(self) -> None:
+        """Raise :class:`BwrapUnavailable` (with the fix) if actions cannot run."""
+        if not self.available:
+            raise BwrapUnavailable(self._refusal())
+
+    def run(self, spec: ActionSpec, cpus: list[int] | tuple[int, ...] | None) -> SandboxOutcome:
+        """Run one sandbox action on exactly ``cpus``; never raises for the action's behaviour."""
+        if not self.available:
+            return SandboxOutcome(Status.ERROR, None, self._refusal())
+        try:
+            if sf.is_run_code(spec.payload):
+                return self._run_code(spec, cpus)
+            req = parse_payload(spec.payload)
+            limits = self._limits(spec, req.limits)
+        except (PayloadError, LimitsError, sf.RunCodeError) as exc:
+            return SandboxOutcome(Status.ERROR, None, f"bad sandbox payload: {exc}")
+        if req.network and not self.allow_network:
+            return SandboxOutcome(Status.ERROR, None,
+                                  "payload asks for network but this worker does not allow it")
+        try:
+            env = self.envs.acquire(spec.env, req.template)
+        except EnvError as exc:
+            return SandboxOutcome(Status.ERROR, None, str(exc))
+        try:
+            self.envs.write_files(env, req.files)
+            res, enforced, note = self._exec(env, req.argv, req.stdin, req.env, limits, cpus, req.network)
+        except (EnvError, OSError) as exc:
+            return SandboxOutcome(Status.ERROR, None, f"sandbox could not run the command: {exc}")
+        finally:
+            self.envs.release(env)
+        out = {
+            "returncode": res.returncode, "stdout": res.text("stdout"), "stderr": res.text("stderr"),
+            "truncated": res.truncated, "wall_s": round(res.wall_s, 6), "cpu_s": round(res.cpu_s, 6),
+            "max_rss_kb": res.max_rss_kb, "enforced": enforced,
+        }
+        if res.timed_out:
+            return SandboxOutcome(Status.TIMEOUT, out,
+                                  f"timed out after {limits.timeout_s:g}s; process tree killed")
+        if res.flooded:
+            return SandboxOutcome(Status.FAILED, out, f"output flood: more than "
+                                  f"{limits.output_kill_bytes} bytes of output; process tree killed")
+        if res.returncode != 0:
+            return SandboxOutcome(Status.FAILED, out, note or _exit_text(res.returncode))
+        return SandboxOutcome(Status.OK, out, None)
+
+    def snapshot(self, env_id: str) -> str:
+        """Save ``env_id`` to a tar.gz in ``snapshot_dir``; returns its path."""
+        if self.snapshot_dir is None:
+            raise EnvError("this sandbox manager has no snapshot_dir")
+        return self.envs.snapshot(env_id, self.snapshot_dir)
+
+    def restore(self, env_id: str, snapshot: str) -> None:
+        """Recreate ``env_id`` here from a :meth:`snapshot` (of this or another worker)."""
+        self.envs.restore(env_id, snapshot)
+
+    def drop(self, env_id: str) -> bool:
+        return self.envs.drop(env_id)
+
+    def environments(self) -> frozenset[str]:
+        return self.envs.ids()
+
+    def gc(self, now: float | None = None) -> list[str]:
+        """Remove environments idle past the TTL (``now``: ``time.monotonic()``)."""
+        return self.envs.gc(now)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.envs.close()
+            if self.cgroups is not None:
+                self.cgroups.sweep()
+
+    def __enter__(self) -> "SandboxManager":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals ----------------------------------------------------------------
+    def _refusal(self) -> str:
+        return (f"sandbox actions refused: {self.unavailable_reason}. Install bubblewrap "
+                f"(Debian/Ubuntu: apt-get install bubblewrap) and allow unprivileged user "
+                f"namespaces, or run the worker with --unsafe-sandbox (SandboxManager(unsafe=True)) "
+                f"to run commands without isolation")
+
+    def _limits(self, spec: ActionSpec, overrides: Mapping[str, Any] | None) -> Limits:
+        lim = self.default_limits
+        if spec.demand.mem_mb and lim.memory_mb is None:
+            lim = lim.merged({"memory_mb": spec.demand.mem_mb})
+        if spec.timeout is not None:
+            lim = lim.merged({"timeout_s": spec.timeout})
+        return lim.merged(overrides)
+
+    def _exec(self, env: Environment, argv: list[str], stdin: bytes | None,
+              extra_env: Mapping[str, str], limits: Limits, cpus, network: bool
+              ) -> tuple[ProcResult, dict, str | None]:
+        ncpus = len(cpus) if cpus else 1
+        inside = SANDBOX_DIR if self.layout is not None else str(env.path)
+        environ = self._environ(inside, ncpus, env)
+        environ.update(extra_env)
+        uid = env.uid
+        scope: CgroupScope | None = None
+        if self.cgroups is not None:
+            scope = self.cgroups.scope(limits.memory_mb, limits.nproc)
+        mem_in_cgroup = scope is not None and scope.memory_dir is not None and bool(limits.memory_mb)
+        rl = limits if not mem_in_cgroup else _without_as(limits)
+        python = sys.executable
+        cmd = wrapper_argv(rl, uid, uid, python) + argv
+        fds: list[int] = []
+        try:
+            if self.layout is not None:
+                puid = uid if uid is not None else os.getuid()
+                pgid = uid if uid is not None else os.getgid()
+                fds = [_memfd("passwd", f"sandbox:x:{puid}:{pgid}:sandbox:{SANDBOX_DIR}:/bin/sh\n"
+                              "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"),
+                       _memfd("group", f"sandbox:x:{pgid}:\nnogroup:x:65534:\n")]
+                full = self.layout.argv(env.path, environ, network=network, tmp_mb=limits.tmp_mb,
+                                        passwd_fd=fds[0], group_fd=fds[1]) + cmd
+                popen_env, cwd = None, None
+            else:
+                full, popen_env, cwd = cmd, environ, str(env.path)
+            if scope is not None:
+                full = ["/bin/sh", "-c", 'for f in ' + " ".join(f"'{p}'" for p in scope.procs_files)
+                        + '; do echo $$ > "$f" || exit 126; done; exec "$@"', "sh"] + full
+            res = run_bounded(full, cpus=cpus, stdin=stdin, timeout=limits.timeout_s,
+                              keep_bytes=limits.output_bytes, kill_bytes=limits.output_kill_bytes,
+                              cwd=cwd, env=popen_env, pass_fds=fds,
+                              on_kill=scope.kill if scope is not None else None)
+            note = None
+            peak = None
+            if scope is not None:
+                peak = scope.memory_peak_kb()
+                if res.returncode != 0 and scope.oom_killed():
+                    note = (f"memory limit exceeded: {limits.memory_mb} MiB (cgroup); "
+                            f"killed by the OOM killer")
+                elif res.returncode != 0 and scope.pids_hit():
+                    note = (f"process limit reached: nproc={limits.nproc} (pids cgroup); "
+                            f"{_exit_text(res.returncode)}")
+        finally:
+            if scope is not None:
+                self.cgroups.release(scope)
+            for fd in fds:
+                os.close(fd)
+        # wait4's peak RSS cannot be told from the worker's own size at fork time
+        # (the child starts as a copy of it); the cgroup's peak covers the whole tree.
+        if peak is not None:
+            res.max_rss_kb = peak
+        elif res.max_rss_kb <= resource.getrusage(resource.RUSAGE_SELF).ru_maxrss:
+            res.max_rss_kb = None
+        if note is None and res.returncode != 0 and not res.timed_out:
+            note = _hint(res, limits, mem_in_cgroup)
+        enforced = {
+            "isolation": self.isolation,
+            "memory": None if not limits.memory_mb else ("cgroup" if mem_in_cgroup else "rlimit_as"),
+            "nproc": None if not limits.nproc else "+".join(
+                x for x in ("cgroup" if scope is not None and scope.pids_dir is not None else "",
+                            "rlimit" if uid is not None or not self.root_mode else "") if x) or None,
+            "cpus": sorted(cpus) if cpus else None,
+        }
+        return res, enforced, note
+
+    def _environ(self, inside: str, ncpus: int, env: Environment) -> dict[str, str]:
+        pybin = os.path.dirname(sys.executable)
+        path = f"{pybin}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+        environ = {"HOME": inside, "USER": "sandbox", "LOGNAME": "sandbox", "SHELL": "/bin/sh",
+                   "LANG": "C.UTF-8", "TMPDIR": "/tmp", "TANGRAM_SANDBOX": "1"}
+        if (env.path / ".venv" / "bin").is_dir():
+            environ["VIRTUAL_ENV"] = f"{inside}/.venv"
+            path = f"{inside}/.venv/bin:{path}"
+        environ["PATH"] = path
+        for var in _THREAD_VARS:
+            environ[var] = str(ncpus)
+        environ["MAKEFLAGS"] = f"-j{ncpus}"
+        return environ
+
+    def _run_code(self, spec: ActionSpec, cpus) -> SandboxOutcome:
+        req = sf.parse_run_code(spec.payload)
+        base = self._limits(spec, {"memory_mb": req.memory_mb} if req.memory_mb else None)
+        try:
+            env = self.envs.acquire(spec.env, req.template)
+        except EnvError as exc:
+            return SandboxOutcome(Status.ERROR, sf.response(None, None, {}, str(exc)), str(exc))
+        compile_result = run_result = None
+        fetched: dict[str, bytes] = {}
+        try:
+            lang = sf.LANGUAGES[req.language]
+            files = dict(req.files)
+            files[f"{sf.CODE_DIR}/{lang.filename}"] = req.code.encode()
+            self.envs.write_files(env, files)
+            compile_argv, run_argv = req.argvs()
+            ok = True
+            if compile_argv is not None:
+                res, _, _ = self._exec(env, compile_argv, None, {}, base.merged(
+                    {"timeout_s": req.compile_timeout}), cpus, False)
+                compile_result = sf.command_result(timed_out=res.timed_out, returncode=res.returncode,
+                                                   stdout=res.text("stdout"), stderr=res.text("stderr"),
+                                                   wall_s=res.wall_s)
+                ok = not res.timed_out and res.returncode == 0
+            if ok:
+                res, _, _ = self._exec(env, run_argv, req.stdin, {}, base.merged(
+                    {"timeout_s": req.run_timeout}), cpus, False)
+                run_result = sf.command_result(timed_out=res.timed_out, returncode=res.returncode,
+                                               stdout=res.text("stdout"), stderr=res.text("stderr"),
+                                               wall_s=res.wall_s)
+            for name in req.fetch_files:
+                data = read_inside(env.path, name, _FETCH_LIMIT)
+                if data is not None:
+                    fetched[name] = data
+        except (EnvError, OSError) as exc:
+            return SandboxOutcome(Status.ERROR, sf.response(compile_result, run_result, {}, str(exc)),
+                                  str(exc))
+        finally:
+            self.envs.release(env)
+        return SandboxOutcome(Status.OK, sf.response(compile_result, run_result, fetched))
+
+
+def _without_as(limits: Limits) -> Limits:
+    # The cgroup bounds memory use of the whole tree; RLIMIT_AS would also count
+    # reserved-but-unused address space and break runtimes that reserve a lot.
+    from dataclasses import replace
+    return replace(limits, memory_mb=None)
+
+
+def _memfd(name: str, text: str) -> int:
+    fd = os.memfd_create(name, 0)
+    os.write(fd, text.encode())
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def _traversable(path: Path) -> bool:
+    p = path.resolve()
+    for d in [p, *p.parents]:
+        if not os.stat(d).st_mode & 0o001:
+            return False
+    return True
+
+
+def _exit_text(rc: int | None) -> str:
+    if rc is None:
+        return "no exit status"
+    if rc < 0:
+        try:
+            return f"killed by signal {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"killed by signal {-rc}"
+    if rc > 128 and rc - 128 < 65:
+        try:
+            return f"exit code {rc} (signal {signal.Signals(rc - 128).name})"
+        except ValueError:
+            pass
+    return f"exit code {rc}"
+
+
+def _hint(res: ProcResult, limits: Limits, mem_in_cgroup: bool) -> str:
+    text = _exit_text(res.returncode)
+    tail = res.stderr[-4096:] + b"\n" + res.stdout[-4096:]
+    if limits.memory_mb and not mem_in_cgroup and any(
+            s in tail for s in (b"MemoryError", b"Cannot allocate memory", b"bad_alloc", b"out of memory")):
+        return f"{text}; memory limit of {limits.memory_mb} MiB (RLIMIT_AS) hit"
+    if limits.nproc and any(s in tail for s in (b"Resource temporarily unavailable", b"fork: retry",
+                                                   b"can't start new thread", b"BlockingIOError")):
+        return f"{text}; process limit nproc={limits.nproc} hit"
+    if limits.cpu_s and res.returncode in (-signal.SIGXCPU, 128 + signal.SIGXCPU, -9, 137) \
+            and res.cpu_s >= limits.cpu_s * 0.9:
+        return f"{text}; CPU time limit of {limits.cpu_s}s hit"
+    return text
+
+
+def _warn_unsafe(reason: str) -> None:
+    global _unsafe_warned
+    if not _unsafe_warned:
+        _unsafe_warned = True
+        msg = (f"UNSAFE SANDBOX MODE: {reason}. Sandbox commands will run as plain subprocesses "
+               f"with NO filesystem, network or process isolation (limits still apply). Never "
+               f"run untrusted model-written code like this.")
+        log.warning(msg)
+        print(f"WARNING: {msg}", file=sys.stderr)

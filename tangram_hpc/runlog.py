@@ -1,0 +1,59 @@
+"""Append-only msgpack logs of a coordinator run (read by ``tangram-hpc report``).
+
+``actions.log`` records, one per final action result::
+
+    [action_id, kind, action_class, worker_id, cores, submitted, started, finished, status, attempts, trajectory]
+
+``workers.log`` records, one per worker event::
+
+    [time, event, worker_id, handle, cores, gpus]     event: register | lost | drain | reclaimed | exit
+
+Records are buffered in memory and written once a second, so logging costs
+the dispatch path one list append per action.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterator
+
+import msgpack
+
+ACTION_FIELDS = ("id", "kind", "action_class", "worker", "cores", "submitted", "started", "finished",
+                 "status", "attempts", "trajectory")
+WORKER_FIELDS = ("time", "event", "worker", "handle", "cores", "gpus")
+
+
+class RunLog:
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._buf: list[list] = []
+
+    def append(self, record: list) -> None:
+        self._buf.append(record)
+
+    def flush(self) -> None:
+        if not self._buf:
+            return
+        packer = msgpack.Packer(use_bin_type=True)
+        data = b"".join(packer.pack(r) for r in self._buf)
+        self._buf.clear()
+        with open(self.path, "ab") as f:
+            f.write(data)
+
+
+def read_records(path: str | os.PathLike) -> Iterator[list]:
+    """Yield records; a torn last record (coordinator killed mid-write) is ignored."""
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        return
+    with f:
+        unpacker = msgpack.Unpacker(f, raw=False)
+        try:
+            for rec in unpacker:
+                if isinstance(rec, list):
+                    yield rec
+        except (msgpack.exceptions.ExtraData, ValueError, msgpack.exceptions.UnpackException):
+            return

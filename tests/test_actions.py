@@ -1,0 +1,66 @@
+import pytest
+
+from tangram_hpc.actions import (ActionResult, ActionSpec, Demand, Status, ValidationError, function,
+                                 register_kind, reward, sandbox)
+
+
+def test_spec_round_trip_keeps_every_field():
+    spec = ActionSpec(kind="sandbox", payload={"cmd": "make -j"}, env="traj-7", demand=Demand(1, 8, 512, 0),
+                      duration_hint=2.5, timeout=30, priority=3, trajectory="t7", step=4, label="build",
+                      idempotency_key="k1")
+    back = ActionSpec.from_wire(spec.to_wire())
+    assert back == spec
+    assert back.action_class == "sandbox:build"
+
+
+def test_default_spec_is_compact():
+    spec = function("tangram_hpc.handlers:noop", 1)
+    assert set(spec.to_wire()) == {"i", "k", "p"}
+
+
+def test_constructors():
+    s = sandbox("pytest -x", env="e", cores=(2, 8))
+    assert s.demand.min_cores == 2 and s.demand.max_cores == 8 and s.payload == {"cmd": "pytest -x"}
+    r = reward("rm", [{"response": "a"}], gpu_mem_mb=1000)
+    assert r.demand.service == "rm" and r.demand.gpu_mem_mb == 1000 and r.action_class == "reward:rm"
+    f = function(len, [1, 2])
+    assert f.payload["fn"] == "builtins:len"
+
+
+@pytest.mark.parametrize("wire, message", [
+    ("not a map", "must be a map"),
+    ({"i": "", "k": "sandbox"}, "action id"),
+    ({"i": "x" * 200, "k": "sandbox"}, "action id"),
+    ({"i": "a", "k": "teleport"}, "unknown action kind"),
+    ({"i": "a", "k": "sandbox", "d": [1]}, "demand must be"),
+    ({"i": "a", "k": "sandbox", "d": [4, 2, 0, 0, None]}, "below min_cores"),
+    ({"i": "a", "k": "sandbox", "d": [-1, 2, 0, 0, None]}, "non-negative"),
+    ({"i": "a", "k": "sandbox", "t": -1}, "non-negative"),
+    ({"i": "a", "k": "sandbox", "t": 0}, "positive"),
+    ({"i": "a", "k": "sandbox", "h": "soon"}, "duration_hint"),
+    ({"i": "a", "k": "sandbox", "r": 2**40}, "priority"),
+    ({"i": "a", "k": "sandbox", "e": 5}, "env"),
+    ({"i": "a", "k": "sandbox", "zz": 1}, "unknown action fields"),
+    ({"i": "a", "k": "sandbox", "s": "one"}, "step"),
+])
+def test_invalid_specs_are_rejected_with_a_reason(wire, message):
+    with pytest.raises(ValidationError, match=message):
+        ActionSpec.from_wire(wire)
+
+
+def test_registered_kind_is_accepted():
+    with pytest.raises(ValidationError):
+        ActionSpec.from_wire({"i": "a", "k": "browser"})
+    register_kind("browser")
+    assert ActionSpec.from_wire({"i": "a", "k": "browser"}).kind == "browser"
+    with pytest.raises(ValidationError):
+        register_kind("Bad Kind")
+
+
+def test_result_round_trip_and_act():
+    r = ActionResult("a", Status.OK, {"x": 1}, None, 10.0, 10.5, 12.0, "w1", 4, 1)
+    back = ActionResult.from_wire(r.to_wire())
+    assert back == r
+    assert back.act == pytest.approx(2.0) and back.queued == pytest.approx(0.5)
+    with pytest.raises(ValidationError):
+        ActionResult.from_wire(["a", "weird", None, None, 0, 0, 0, None, 0, 0])

@@ -1,0 +1,69 @@
+"""The tangram-hpc command line, run as a user would run it."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tangram_hpc.cli import COMMANDS
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cli(*args, timeout=120, **kw):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "tangram_hpc.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, **kw)
+
+
+def test_top_level_help_lists_every_command():
+    r = cli("--help")
+    assert r.returncode == 0
+    for name in COMMANDS:
+        assert name in r.stdout
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_every_command_has_useful_help(name):
+    r = cli(name, "--help")
+    assert r.returncode == 0, r.stderr
+    assert "--" in r.stdout and len(r.stdout.splitlines()) > 3
+
+
+def test_no_command_prints_help_and_fails():
+    r = cli()
+    assert r.returncode == 2 and "COMMAND" in r.stdout
+
+
+def test_submit_and_status_against_a_running_coordinator(cluster):
+    conn = str(cluster.connection_file)
+    r = cli("submit", "-c", conn, "echo from-cli")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "from-cli\n" and "[ok]" in r.stderr
+    r = cli("submit", "-c", conn, "--kind", "function", "--fn", "math:hypot", "--args", "[3, 4]", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["output"] == 5.0
+    r = cli("submit", "-c", conn, "exit 4")
+    assert r.returncode == 4 and "[failed]" in r.stderr
+    r = cli("status", "-c", conn)
+    assert r.returncode == 0 and r.stdout.count("ok") >= 2 and "completed" in r.stdout
+    st = json.loads(cli("status", "-c", conn, "--json").stdout)
+    assert len(st["workers"]) == 2
+
+
+def test_submit_without_coordinator_fails_clearly(tmp_path):
+    r = cli("submit", "-c", str(tmp_path / "nope.json"), "true")
+    assert r.returncode != 0 and "no connection file" in r.stderr
+
+
+@pytest.mark.slow
+def test_demo_runs_a_step_and_prints_act_statistics(tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT, TANGRAM_RUN_DIR=str(tmp_path))
+    r = subprocess.run([sys.executable, "-m", "tangram_hpc.cli", "demo", "--trajectories", "4", "--turns", "2",
+                        "--think-ms", "20"], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "RL step: 4 trajectories" in r.stdout
+    for row in ("sandbox:edit", "sandbox:test", "function:reward", "mean ACT"):
+        assert row in r.stdout
+    assert "trajectories finished: 4/4" in r.stderr

@@ -1,0 +1,91 @@
+"""Nothing is lost: worker SIGKILL, a poison action, coordinator restart with clients connected."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tangram_hpc import Client, Status, function, sandbox
+from tangram_hpc.connection import wait_for_file
+from tangram_hpc.launch import LocalCluster
+
+pytestmark = pytest.mark.slow
+
+
+def _exactly_once(futures, specs, timeout=120):
+    results = Client.gather(futures, timeout=timeout)
+    assert [r.id for r in results] == [s.id for s in specs]
+    return results
+
+
+def test_sigkill_worker_mid_action_loses_nothing(tmp_path):
+    with LocalCluster(workers=2, cores=2, run_dir=tmp_path, extra_args=["--worker-timeout", "3"]) as cl, \
+            cl.client() as c:
+        specs = [sandbox(f"sleep 1; echo {i}") for i in range(12)]
+        futs = c.submit_many(specs)
+        time.sleep(0.5)
+        st = c.status()
+        victim = st["workers"][0]
+        assert victim["running"] > 0
+        os.kill(victim["pid"], signal.SIGKILL)
+        results = _exactly_once(futs, specs)
+        assert all(r.ok for r in results), [r.error for r in results if not r.ok]
+        assert [r.output["stdout"] for r in results] == [f"{i}\n" for i in range(12)]
+        retried = [r for r in results if r.attempts > 1]
+        assert retried and all(r.worker != victim["id"] for r in retried)
+        st = c.status()
+        assert st["workers_lost"] == 1 and st["retried"] == len(retried)
+        # the static pool replaces the lost worker
+        cl.wait_for_workers(2, timeout=30)
+
+
+def test_poison_action_fails_after_max_attempts_and_pool_survives(tmp_path):
+    with LocalCluster(workers=2, cores=1, run_dir=tmp_path,
+                      extra_args=["--worker-timeout", "3", "--max-attempts", "2"]) as cl, cl.client() as c:
+        poison = c.submit(function("os:_exit", 9))
+        r = poison.result(60)
+        assert r.status == Status.ERROR and r.attempts == 2
+        assert "gave up after 2 attempts" in r.error and "exit status 9" in r.error
+        cl.wait_for_workers(2, timeout=30)
+        assert c.submit(function("math:sqrt", 4)).result(30).output == 2.0
+
+
+def _coordinator(run_dir, *extra):
+    return subprocess.Popen([sys.executable, "-m", "tangram_hpc.cli", "coordinator", "--run-dir", str(run_dir),
+                             "--backend", "none", "--worker-timeout", "3", *extra],
+                            stdout=open(run_dir / "coord.log", "ab"), stderr=subprocess.STDOUT)
+
+
+def test_coordinator_restart_with_clients_connected(tmp_path):
+    conn = tmp_path / "connection.json"
+    coord = _coordinator(tmp_path)
+    workers = []
+    try:
+        wait_for_file(conn, 30)
+        workers = [subprocess.Popen([sys.executable, "-m", "tangram_hpc.worker", "--connection-file", str(conn),
+                                     "--cores", "2"], stdout=open(tmp_path / f"w{i}.log", "ab"),
+                                    stderr=subprocess.STDOUT) for i in range(2)]
+        with Client(connection_file=str(conn)) as c:
+            deadline = time.time() + 30
+            while len(c.status()["workers"]) < 2:
+                assert time.time() < deadline
+                time.sleep(0.1)
+            specs = [function("time:sleep", 0.3) for _ in range(30)]
+            futs = c.submit_many(specs)
+            time.sleep(0.5)
+            done_before = sum(f.done() for f in futs)
+            coord.kill()
+            coord.wait()
+            coord = _coordinator(tmp_path)      # same run dir: same connection file and ports
+            results = _exactly_once(futs, specs, timeout=120)
+            assert all(r.status == Status.OK for r in results), [r.error for r in results if not r.ok]
+            assert done_before < len(specs)
+            assert c.resubmissions > 0
+            st = c.status()
+            assert len(st["workers"]) == 2      # workers found the new coordinator by themselves
+    finally:
+        coord.kill()
+        for w in workers:
+            w.kill()

@@ -1,0 +1,149 @@
+"""The wire protocol, offline and against a live coordinator through raw ZMQ sockets."""
+import os
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from tangram_hpc import protocol as P
+from tangram_hpc.actions import function
+from tangram_hpc.connection import ConnectionInfo
+from tangram_hpc.launch import LocalCluster
+
+
+def test_round_trip_every_type():
+    for mtype in P.NAMES:
+        body = [] if P._BODY_SHAPE[mtype] is list else {}
+        assert P.decode(P.encode(mtype, body), frozenset({mtype})) == (mtype, body)
+
+
+MALFORMED = {
+    "not_msgpack": (b"\xc1\xc1\xc1", "malformed"),
+    "truncated": (P.encode(P.SUBMIT, [{"i": "a", "k": "function"}])[:-3], "malformed"),
+    "not_a_list": (msgpack.packb({"v": 1}), "malformed"),
+    "short_list": (msgpack.packb([1, 3]), "malformed"),
+    "wrong_version": (msgpack.packb([99, P.SUBMIT, []]), "version"),
+    "unknown_type": (msgpack.packb([1, 77, {}]), "unknown_type"),
+    "worker_type_on_client_socket": (P.encode(P.DONE, []), "unknown_type"),
+    "wrong_body_shape": (msgpack.packb([1, P.SUBMIT, {"a": 1}]), "malformed"),
+    "int_map_keys": (msgpack.packb([1, P.HELLO, {1: 2}]), "malformed"),
+    "empty": (b"", "malformed"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MALFORMED))
+def test_malformed_frames_raise_protocol_error(name):
+    frame, code = MALFORMED[name]
+    with pytest.raises(P.ProtocolError) as e:
+        P.decode(frame, P.CLIENT_TYPES)
+    assert e.value.code == code
+
+
+def test_oversized_frame_is_rejected():
+    frame = P.encode(P.SUBMIT, [{"i": "a", "k": "function", "p": "x" * 5000}])
+    with pytest.raises(P.ProtocolError) as e:
+        P.decode(frame, P.CLIENT_TYPES, max_bytes=1000)
+    assert e.value.code == "too_large"
+
+
+def test_register_validation():
+    ok = P.check_register({"id": "w1", "cores": 4, "kinds": ["sandbox"]})
+    assert ok["cores"] == 4 and ok["gpus"] == 0 and ok["handle"] is None
+    for bad in ({"cores": 4}, {"id": "w", "cores": 0}, {"id": "w", "cores": -1}, {"id": "w", "cores": 2, "kinds": [1]},
+                {"id": "w", "cores": True}):
+        with pytest.raises(P.ProtocolError):
+            P.check_register(bad)
+
+
+@pytest.fixture(scope="module")
+def small_frames(tmp_path_factory):
+    with LocalCluster(workers=1, cores=1, run_dir=tmp_path_factory.mktemp("run"),
+                      extra_args=["--max-frame-bytes", "4096", "--max-pending-per-client", "50"]) as cl:
+        yield cl
+
+
+def _raw(ctx, address, identity=None):
+    s = ctx.socket(zmq.DEALER)
+    if identity:
+        s.setsockopt(zmq.IDENTITY, identity)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.RCVTIMEO, 5000)
+    s.connect(address)
+    return s
+
+
+@pytest.mark.parametrize("name", sorted(MALFORMED) + ["oversized", "two_frames", "bad_action"])
+def test_coordinator_answers_bad_client_frames_and_keeps_serving(small_frames, name):
+    info = ConnectionInfo.read(small_frames.connection_file)
+    ctx = zmq.Context()
+    try:
+        s = _raw(ctx, info.client_address)
+        if name == "oversized":
+            s.send(P.encode(P.SUBMIT, [{"i": "a", "k": "function", "p": "x" * 5000}]))
+        elif name == "two_frames":
+            s.send_multipart([b"a", b"b"])
+        elif name == "bad_action":
+            s.send(P.encode(P.SUBMIT, [{"k": "function"}]))
+        else:
+            s.send(MALFORMED[name][0])
+        mtype, body = P.decode(s.recv(), frozenset({P.ERROR}))
+        assert body["code"] and body["message"]
+        with small_frames.client() as c:   # a well-behaved client is still served
+            assert c.submit(function("tangram_hpc.handlers:noop", 7)).result(10).output == 7
+    finally:
+        ctx.destroy(0)
+
+
+def test_invalid_action_in_a_batch_fails_alone(small_frames):
+    info = ConnectionInfo.read(small_frames.connection_file)
+    ctx = zmq.Context()
+    try:
+        s = _raw(ctx, info.client_address)
+        good = function("tangram_hpc.handlers:noop", 1).to_wire()
+        s.send(P.encode(P.SUBMIT, [{"i": "bad-1", "k": "function", "d": [3, 1, 0, 0, None]}, good]))
+        seen = {}
+        deadline = time.time() + 10
+        while len(seen) < 2 and time.time() < deadline:
+            mtype, body = P.decode(s.recv(), frozenset({P.RESULT}))
+            for r in body:
+                seen[r[0]] = r
+        assert seen["bad-1"][1] == "error" and "max_cores" in seen["bad-1"][3]
+        assert seen[good["i"]][1] == "ok" and seen[good["i"]][2] == 1
+    finally:
+        ctx.destroy(0)
+
+
+def test_coordinator_survives_garbage_on_worker_socket(small_frames):
+    info = ConnectionInfo.read(small_frames.connection_file)
+    ctx = zmq.Context()
+    try:
+        s = _raw(ctx, info.worker_address, identity=b"intruder")
+        for frame in [v[0] for v in MALFORMED.values()] + [os.urandom(300),
+                      P.encode(P.REGISTER, {"id": "someone-else", "cores": 2}),
+                      P.encode(P.DONE, [["x", 1, "ok", None, None, 0.0, 0.0]])]:
+            s.send(frame)
+        replies = []
+        while True:
+            try:
+                replies.append(P.decode(s.recv(), frozenset({P.ERROR, P.STOP}))[0])
+            except zmq.Again:
+                break
+        assert P.ERROR in replies
+        # DONE from an unregistered worker is answered with STOP(reregister), never applied
+        assert P.STOP in replies
+        with small_frames.client() as c:
+            assert c.submit(function("tangram_hpc.handlers:noop", 3)).result(10).output == 3
+            assert c.status()["bad_frames"] >= len(MALFORMED)
+    finally:
+        ctx.destroy(0)
+
+
+def test_pending_limit_per_client_gives_clear_error(small_frames):
+    with small_frames.client() as c:
+        futs = c.submit_many([function("time:sleep", 0.5) for _ in range(60)])
+        res = c.gather(futs, timeout=60)
+    rejected = [r for r in res if r.status == "error"]
+    assert len(rejected) >= 10
+    assert all("too many unfinished actions for this client (limit 50)" in r.error for r in rejected)
+    assert sum(r.ok for r in res) == len(res) - len(rejected)

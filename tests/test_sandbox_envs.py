@@ -1,0 +1,155 @@
+"""Environment lifecycle: templates, warm pool, TTL, snapshot/restore across workers."""
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import time
+from pathlib import Path
+
+import pytest
+
+from tangram_hpc.actions import ActionSpec, Status
+from tangram_hpc.managers import Limits, PythonEnvTemplate, SandboxManager, TreeTemplate
+from tangram_hpc.managers.bwrap import probe_bwrap
+
+pytestmark = [
+    pytest.mark.sandbox,
+    pytest.mark.skipif(probe_bwrap(shutil.which("bwrap") or "") is not None,
+                       reason="bubblewrap missing or unusable here"),
+]
+
+CPU = [sorted(os.sched_getaffinity(0))[0]]
+
+
+def act(cmd, env=None, **payload):
+    payload["cmd"] = cmd
+    return ActionSpec("sandbox", payload, env=env)
+
+
+@pytest.fixture
+def project(tmp_path):
+    src = tmp_path / "project"
+    (src / "pkg").mkdir(parents=True)
+    (src / "pkg" / "__init__.py").write_text("VALUE = 41\n")
+    (src / "run.sh").write_text("#!/bin/sh\necho ran\n")
+    (src / "run.sh").chmod(0o755)
+    (src / "junk.pyc").write_text("x")
+    return src
+
+
+def tree_of(root: Path) -> dict[str, tuple]:
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for n in dirnames + filenames:
+            p = Path(dirpath) / n
+            rel = str(p.relative_to(root))
+            st = os.lstat(p)
+            if stat.S_ISLNK(st.st_mode):
+                out[rel] = ("link", os.readlink(p))
+            elif stat.S_ISDIR(st.st_mode):
+                out[rel] = ("dir", stat.S_IMODE(st.st_mode))
+            else:
+                out[rel] = ("file", stat.S_IMODE(st.st_mode), p.read_bytes())
+    return out
+
+
+def env_path(mgr: SandboxManager, env_id: str) -> Path:
+    return mgr.envs.get(env_id).path
+
+
+def test_tree_template_copies_project(tmp_path, project):
+    with SandboxManager(tmp_path / "envs", templates={"proj": TreeTemplate(project, ignore=("*.pyc",))},
+                        default_template="proj") as m:
+        r = m.run(act("./run.sh && python -c 'import pkg; print(pkg.VALUE + 1)' && ls", env="t"), CPU)
+        assert r.status == Status.OK, r
+        assert r.output["stdout"] == "ran\n42\npkg\nrun.sh\n"
+        # The template source itself is untouched by the action.
+        m.run(act("echo changed > run.sh", env="t"), CPU)
+        assert (project / "run.sh").read_text() == "#!/bin/sh\necho ran\n"
+        # A payload may pick another template for a new environment.
+        r = m.run(act("ls -A", env="e2", template="empty"), CPU)
+        assert r.output["stdout"] == ""
+        bad = m.run(act("true", env="e3", template="nope"), CPU)
+        assert bad.status == Status.ERROR and "unknown template" in bad.error
+
+
+def test_warm_pool_serves_new_environments(tmp_path, project):
+    with SandboxManager(tmp_path / "envs", templates={"proj": TreeTemplate(project)},
+                        default_template="proj", warm_pool=2) as m:
+        deadline = time.monotonic() + 20
+        while m.envs.warm_count("proj") < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert m.envs.warm_count("proj") == 2
+        r = m.run(act("cat pkg/__init__.py", env="w1"), CPU)
+        assert r.status == Status.OK and r.output["stdout"] == "VALUE = 41\n"
+        assert m.envs.warm_hits == 1  # taken from the pool ...
+        deadline = time.monotonic() + 20
+        while m.envs.warm_count("proj") < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert m.envs.warm_count("proj") == 2  # ... and refilled in the background
+    assert not (tmp_path / "envs" / ".warm").exists()
+
+
+def test_ttl_garbage_collection(tmp_path):
+    with SandboxManager(tmp_path / "envs", env_ttl=100) as m:
+        m.run(act("echo a > a", env="old"), CPU)
+        m.run(act("echo b > b", env="new"), CPU)
+        old_path = env_path(m, "old")
+        m.envs.get("new").last_used += 50
+        assert m.gc(time.monotonic() + 60) == []
+        assert m.gc(time.monotonic() + 120) == ["old"]
+        assert m.environments() == frozenset({"new"}) and not old_path.exists()
+        assert m.drop("new") and m.environments() == frozenset()
+        assert not m.drop("new")
+
+
+def test_snapshot_restore_on_another_worker(tmp_path):
+    shared = tmp_path / "shared" / "snapshots"
+    w1 = SandboxManager(tmp_path / "w1" / "envs", shared)
+    w2 = SandboxManager(tmp_path / "w2" / "envs", shared)
+    try:
+        setup = ("mkdir -p src/deep && printf 'hello\\n' > src/a.txt && "
+                 "head -c 70000 /dev/urandom > src/deep/blob.bin && chmod 700 src/deep && "
+                 "printf '#!/bin/sh\\necho exe\\n' > tool.sh && chmod 755 tool.sh && "
+                 "ln -s src/a.txt link && mkdir empty")
+        r = w1.run(act(setup, env="traj"), CPU)
+        assert r.status == Status.OK, r
+        snap = w1.snapshot("traj")
+        assert Path(snap).parent == shared and Path(snap).is_file()
+        w2.restore("traj", snap)
+        assert "traj" in w2.environments()
+        assert tree_of(env_path(w1, "traj")) == tree_of(env_path(w2, "traj"))
+        r = w2.run(act("./tool.sh && cat link && echo more >> src/a.txt", env="traj"), CPU)
+        assert r.status == Status.OK and r.output["stdout"] == "exe\nhello\n"
+        # The copies are independent after the restore.
+        assert (env_path(w1, "traj") / "src/a.txt").read_text() == "hello\n"
+        # Restoring again replaces the local copy.
+        w2.restore("traj", snap)
+        assert (env_path(w2, "traj") / "src/a.txt").read_text() == "hello\n"
+    finally:
+        w1.close()
+        w2.close()
+
+
+def test_restore_rejects_escaping_snapshot(tmp_path):
+    import io
+    import tarfile
+    bad = tmp_path / "bad.tar.gz"
+    with tarfile.open(bad, "w:gz") as tar:
+        info = tarfile.TarInfo("../escape.txt")
+        info.size = 1
+        tar.addfile(info, io.BytesIO(b"x"))
+    with SandboxManager(tmp_path / "envs") as m:
+        with pytest.raises(RuntimeError, match="escapes"):
+            m.restore("e", str(bad))
+    assert not (tmp_path / "escape.txt").exists()
+
+
+@pytest.mark.slow
+def test_python_env_template(tmp_path):
+    with SandboxManager(tmp_path / "envs", templates={"py": PythonEnvTemplate()},
+                        default_template="py", default_limits=Limits(timeout_s=30)) as m:
+        r = m.run(act("python -c 'import sys; print(sys.prefix)'; echo $VIRTUAL_ENV", env="p"), CPU)
+        assert r.status == Status.OK, r
+        assert r.output["stdout"].split() == ["/sandbox/.venv", "/sandbox/.venv"]
