@@ -140,3 +140,12 @@ def test_bench_command_writes_json_and_plots(tmp_path, capsys):
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["judge-act-cdf.png", "judge-utilisation.png"]
     bad = ap.parse_args(["--workload", "nope", "--quiet"])
     assert bench.main(bad) == 2
+
+
+@pytest.mark.slow
+def test_replay_runs_the_plan_on_a_live_local_cluster():
+    from tangram_hpc.sim.replay import fidelity
+    res = fidelity(load_workload("mini"), time_scale=0.05)
+    assert res["live_failed"] == 0
+    assert res["actions"] == load_workload("mini").sample().n_actions
+    assert len(res["live_step_s"]) == 2 and res["live_mean_act"] > 0
