@@ -8,9 +8,12 @@ elastic scheduler and the pool controller (one core).  Usage:
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from dataclasses import replace
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from tangram_hpc.bench import tangram_run
 from tangram_hpc.policy.fifo import FifoPolicy
