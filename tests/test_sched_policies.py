@@ -250,9 +250,25 @@ def test_unplaceable_actions_are_reported_with_reason():
     p.submit(ActionSpec("sandbox", id="ok", demand=Demand(8, 8)), 0)
     bad = dict(p.unplaceable(0))
     assert set(bad) == {"huge", "fat"} and "min_cores=32" in bad["huge"]
-    assert p.pending_count == 1 and p.unplaceable(0) == []
+    # they stay pending (never placed) until the driver fails them with cancel()
+    p.add_worker(WorkerInfo("w", 64, kinds=CPU), 0)
+    assert [a.action_id for a in p.schedule(0)] == ["ok"]
+    assert p.pending_count == 2
+    assert p.cancel("huge") and p.cancel("fat")
+    assert p.pending_count == 0 and p.unplaceable(0) == []
+    # shapes shrink: a waiting action becomes unplaceable; they grow back: it is placeable again
+    p.remove_worker("w", 1)
+    p.submit(ActionSpec("sandbox", id="mid", demand=Demand(8, 8)), 1)
     p.set_shapes([WorkerShape(4)])
-    assert [x for x, _ in p.unplaceable(0)] == ["ok"] and p.pending_count == 0
+    assert [x for x, _ in p.unplaceable(1)] == ["mid"]
+    p.set_shapes([WorkerShape(16)])
+    assert p.unplaceable(1) == []
+    p.add_worker(WorkerInfo("w2", 16, kinds=CPU), 1)
+    assert [a.action_id for a in p.schedule(1)] == ["mid"]
+    # a registered worker larger than every shape makes an action placeable
+    p.submit(ActionSpec("sandbox", id="wide", demand=Demand(12, 12)), 2)
+    p.set_shapes([WorkerShape(4)])
+    assert p.unplaceable(2) == []
 
 
 def test_cancel_and_counts():

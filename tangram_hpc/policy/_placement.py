@@ -157,7 +157,7 @@ class PlacementPolicy(SchedulingPolicy):
         self._n_running = 0
         self._free_total = 0       # free cores on all workers (a quick "nothing to do" test)
         self._limits: tuple[ShapeLimit, ...] = ()
-        self._rejected: list[tuple[str, str]] = []
+        self._unplaceable: dict[str, tuple[_Rec, str]] = {}
         self._heads: list | None = None
         self.set_shapes(shapes)
 
@@ -165,17 +165,33 @@ class PlacementPolicy(SchedulingPolicy):
     def set_shapes(self, shapes: Iterable[WorkerShape | ShapeLimit]) -> None:
         """The worker shapes the pool can ever provide; actions larger than all are unplaceable.
 
-        With no shapes configured nothing is declared unplaceable (the
-        driver may add workers of any size).
+        An action is unplaceable when it fits neither any of these shapes nor
+        any registered worker.  With no shapes configured nothing is declared
+        unplaceable (the driver may add workers of any size).
         """
         self._limits = tuple(s if isinstance(s, ShapeLimit) else ShapeLimit.of(s) for s in shapes)
-        if self._limits:
-            for rec in list(self._recs.values()):
-                if rec.state == PENDING:
-                    why = self._too_big(rec.spec)
-                    if why:
-                        self._drop_pending(rec)
-                        self._rejected.append((rec.spec.id, why))
+        for rec in list(self._recs.values()):
+            if rec.state != PENDING:
+                continue
+            why = self._too_big(rec.spec)
+            aid = rec.spec.id
+            if why and aid not in self._unplaceable:
+                self._set_aside(rec, why)
+            elif not why and aid in self._unplaceable:
+                del self._unplaceable[aid]
+                self._route(rec)
+
+    def _set_aside(self, rec: _Rec, why: str) -> None:
+        """Hold a pending action outside every queue until the driver cancels it."""
+        env = rec.spec.env
+        if env is not None and self._env_first.get(env) is rec:
+            del self._env_first[env]
+            for r in self._env_wait.pop(env, ()):
+                self._route(r)
+        elif env is not None and rec.queue is None and rec in self._env_wait.get(env, ()):
+            self._env_wait[env].remove(rec)
+        rec.queue = None         # its heap entry, if any, is now stale
+        self._unplaceable[rec.spec.id] = (rec, why)
 
     def _too_big(self, spec: ActionSpec) -> str | None:
         if not self._limits:
@@ -184,6 +200,10 @@ class PlacementPolicy(SchedulingPolicy):
         for lim in self._limits:
             if (lim.cores >= d.min_cores and (lim.mem_mb == 0 or lim.mem_mb >= d.mem_mb)
                     and lim.gpu_mem_mb >= d.gpu_mem_mb):
+                return None
+        for w in self._workers.values():    # a registered worker larger than the shapes counts too
+            if (w.cores >= d.min_cores and w.mem >= d.mem_mb and w.gpu_mem >= d.gpu_mem_mb
+                    and spec.kind in w.kinds):
                 return None
         big = max(self._limits, key=lambda s: (s.cores, s.mem_mb, s.gpu_mem_mb))
         return (f"demand min_cores={d.min_cores} mem_mb={d.mem_mb} gpu_mem_mb={d.gpu_mem_mb} exceeds "
@@ -243,7 +263,7 @@ class PlacementPolicy(SchedulingPolicy):
         q = w.env_queue
         if q is not None:
             self._nonempty.pop(q.idx, None)
-            stranded = [e[2] for e in sorted(q.heap) if e[2].state == PENDING]
+            stranded = [e[2] for e in sorted(q.heap) if e[2].state == PENDING and e[2].queue is q]
             q.heap.clear()
             for rec in stranded:    # their environment is gone: start over elsewhere
                 rec.queue = None
@@ -337,10 +357,6 @@ class PlacementPolicy(SchedulingPolicy):
             raise ValueError(f"action {aid} is already pending or running")
         self._seq += 1
         rec = _Rec(action, now, self._seq)
-        why = self._too_big(action)
-        if why:
-            self._rejected.append((aid, why))
-            return
         self._recs[aid] = rec
         rec.key = self._key(rec)
         d = action.demand
@@ -355,6 +371,10 @@ class PlacementPolicy(SchedulingPolicy):
         else:
             kl.rigid += d.min_cores
         self._n_pending += 1
+        why = self._too_big(action)
+        if why:
+            self._unplaceable[aid] = (rec, why)
+            return
         self._route(rec)
 
     def _route(self, rec: _Rec) -> None:
@@ -404,6 +424,13 @@ class PlacementPolicy(SchedulingPolicy):
 
     def _drop_pending(self, rec: _Rec) -> None:
         rec.state = GONE
+        if self._unplaceable.pop(rec.spec.id, None) is not None:
+            self._recs.pop(rec.spec.id, None)
+            self._n_pending -= 1
+            self._leave_system(rec)
+            if rec.spec.demand.service:
+                self._svc_pending[rec.spec.demand.service] -= 1
+            return
         self._recs.pop(rec.spec.id, None)
         self._n_pending -= 1
         self._leave_system(rec)
@@ -480,7 +507,7 @@ class PlacementPolicy(SchedulingPolicy):
         heads = []
         for q in list(self._nonempty.values()):
             h = q.heap
-            while h and h[0][2].state != PENDING:
+            while h and (h[0][2].state != PENDING or h[0][2].queue is not q):
                 heapq.heappop(h)
             if not h:
                 del self._nonempty[q.idx]
@@ -504,7 +531,7 @@ class PlacementPolicy(SchedulingPolicy):
         while heads and self._free_total > 0:
             _, _, _, q = heapq.heappop(heads)
             h = q.heap
-            while h and h[0][2].state != PENDING:
+            while h and (h[0][2].state != PENDING or h[0][2].queue is not q):
                 heapq.heappop(h)
             if not h:
                 self._nonempty.pop(q.idx, None)
@@ -513,7 +540,7 @@ class PlacementPolicy(SchedulingPolicy):
             if not self._place(rec, q, now, out):
                 continue
             heapq.heappop(h)
-            while h and h[0][2].state != PENDING:
+            while h and (h[0][2].state != PENDING or h[0][2].queue is not q):
                 heapq.heappop(h)
             if h:
                 heapq.heappush(heads, (h[0][0], h[0][1], q.idx, q))
@@ -675,11 +702,11 @@ class PlacementPolicy(SchedulingPolicy):
         return self._n_running
 
     def pending_actions(self) -> list[ActionSpec]:
-        return [r.spec for r in self._recs.values() if r.state == PENDING]
+        return [r.spec for r in self._recs.values() if r.state == PENDING and r.spec.id not in self._unplaceable]
 
     def unplaceable(self, now: float) -> list[tuple[str, str]]:
-        out, self._rejected = self._rejected, []
-        return out
+        """Pending actions larger than every configured shape; they stay pending until cancelled."""
+        return [(aid, why) for aid, (_, why) in self._unplaceable.items()]
 
     def worker_load(self, worker_id: str) -> tuple[int, int, int]:
         """(busy cores, running actions, hosted environments) of a worker."""
