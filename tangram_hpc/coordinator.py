@@ -247,6 +247,8 @@ class Coordinator:
             return
         for w in list(self._workers.values()):
             self._send_worker(w, P.encode(P.STOP, {"reason": "coordinator shutting down", "reregister": False}))
+        if self.config.curve is not None:
+            self.config.curve.stop()
         if self.backend is not None:
             try:
                 self.backend.shutdown()

@@ -22,6 +22,7 @@ from .connection import ConnectionInfo, wait_for_file
 from .coordinator import Coordinator, CoordinatorConfig
 from .policy.base import PoolPolicy, SchedulingPolicy, StaticPool
 from .resources import WorkerShape
+from .security import CurveKeys, is_loopback
 
 log = logging.getLogger("tangram.launch")
 
@@ -50,6 +51,8 @@ def add_coordinator_arguments(p: argparse.ArgumentParser) -> None:
                         "one is reused, ports included, so clients and workers find a restarted coordinator")
     g.add_argument("--host", default=None, help="interface to bind (default 127.0.0.1 with the local backend, "
                    "all interfaces with Slurm)")
+    g.add_argument("--insecure", action="store_true",
+                   help="plain TCP without CurveZMQ keys; only allowed when binding to loopback (tests)")
     g.add_argument("--client-port", type=int, default=0)
     g.add_argument("--worker-port", type=int, default=0)
     g = p.add_argument_group("workers")
@@ -87,6 +90,12 @@ def build_coordinator(args: argparse.Namespace) -> Coordinator:
                             heartbeat_s=args.heartbeat, worker_timeout_s=args.worker_timeout,
                             max_attempts=args.max_attempts, max_pending_per_client=args.max_pending_per_client,
                             max_pending_total=args.max_pending, max_frame_bytes=args.max_frame_bytes)
+    if args.insecure:
+        if not is_loopback(host):
+            raise SystemExit(f"--insecure is only allowed on a loopback address, not {host}: anyone on the "
+                             "network could submit code to run under your account")
+    else:
+        cfg.curve = CurveKeys.load_or_create(Path(cfg.run_dir) / "keys")
     _reuse_ports(cfg)
     svc: list[str] = ["--services", str(Path(args.services).resolve())] if args.services else []
     for opt in args.service:

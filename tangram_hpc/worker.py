@@ -16,6 +16,7 @@ import os
 import queue
 import signal
 import socket
+import sys
 import threading
 import time
 from collections import deque
@@ -28,7 +29,7 @@ import zmq
 from . import protocol as P
 from .actions import BUILTIN_KINDS, ActionSpec, Status, ValidationError
 from .connection import ConnectionInfo
-from .handlers import FunctionHandler, Handler, PlainSandbox, resolve
+from .handlers import FunctionHandler, Handler, resolve
 
 log = logging.getLogger("tangram.worker")
 
@@ -52,6 +53,9 @@ class WorkerConfig:
     services: Any = None                # a ServiceManager, or None
     max_output_bytes: int = P.MAX_FRAME_BYTES // 2
     worker_id: str | None = None
+    unsafe_sandbox: bool = False        # run sandbox commands without bubblewrap (explicit opt-in)
+    sandbox_options: dict = field(default_factory=dict)   # more SandboxManager keyword arguments
+    snapshot_dir: str | None = None     # shared directory for environment snapshots
 
 
 class Worker:
@@ -62,8 +66,10 @@ class Worker:
         self.id = cfg.worker_id or f"w-{socket.gethostname()}-{os.getpid()}-{os.urandom(2).hex()}"
         run_dir = cfg.run_dir or os.path.join(cfg.connection.run_dir or ".", "worker-" + self.id)
         self.handlers: dict[str, Handler] = {"function": FunctionHandler()}
+        self.sandboxes = None
         if "sandbox" in cfg.kinds:
-            self.handlers["sandbox"] = PlainSandbox(os.path.join(run_dir, "envs"))
+            self.sandboxes = self._sandbox_manager(run_dir)
+            self.handlers["sandbox"] = self._run_sandbox
         self.handlers.update(cfg.handlers)
         self.services = cfg.services
         self._free_slots = list(range(self.cores))
@@ -79,15 +85,39 @@ class Worker:
         self._registered = False
         self._leaving: str | None = None
         self._fast: dict[str, float] = {}   # function target -> recent run time (s)
-        self._threads = [threading.Thread(target=self._executor, name=f"exec-{i}", daemon=True)
+        self._last_gc = time.monotonic()
+        self._light: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._executor, args=(self._tasks,), name=f"exec-{i}", daemon=True)
                          for i in range(max(1, self.cores))]
+        # Zero-core actions (I/O-bound calls, cheap functions not yet known to be fast) run here,
+        # unpinned, so they never wait behind commands holding cores.
+        self._threads += [threading.Thread(target=self._executor, args=(self._light,), name=f"light-{i}", daemon=True)
+                          for i in range(_LIGHT_THREADS)]
+
+    def _sandbox_manager(self, run_dir: str):
+        from .managers.sandbox import SandboxManager
+        cfg = self.cfg
+        snapshots = cfg.snapshot_dir or os.path.join(cfg.connection.run_dir or run_dir, "snapshots")
+        mgr = SandboxManager(os.path.join(run_dir, "envs"), snapshots, unsafe=cfg.unsafe_sandbox,
+                             **cfg.sandbox_options)
+        mgr.check()  # no bubblewrap and no explicit --unsafe-sandbox: refuse to start, saying why
+        return mgr
+
+    def _run_sandbox(self, spec: ActionSpec, cpus: list[int]):
+        mgr = self.sandboxes
+        if spec.env:
+            try:
+                mgr.ensure(spec.env)
+            except Exception as e:
+                return Status.ERROR, None, f"could not restore environment {spec.env} from its snapshot: {e}"
+        o = mgr.run(spec, cpus)
+        return o.status, o.output, o.error
 
     # -- executor threads ---------------------------------------------------
-    def _executor(self) -> None:
+    def _executor(self, tasks: queue.SimpleQueue) -> None:
         pinned: tuple[int, ...] | None = None
         allowed = self.cpus
         handlers = self.handlers
-        tasks = self._tasks
         while True:
             item = tasks.get()
             if item is None:
@@ -95,7 +125,7 @@ class Worker:
             spec, attempt, slots, gen = item
             cpus = sorted({allowed[s % len(allowed)] for s in slots}) or allowed
             key = tuple(cpus)
-            if key != pinned:
+            if key != pinned and slots:
                 try:
                     os.sched_setaffinity(0, cpus)
                     pinned = key
@@ -176,11 +206,23 @@ class Worker:
                     return 0
             return 0
         finally:
-            for _ in self._threads:
-                self._tasks.put(None)
+            for t in self._threads:
+                (self._light if t.name.startswith("light") else self._tasks).put(None)
             if self.services is not None:
                 self.services.close()
+            if self.sandboxes is not None:
+                self._close_sandboxes()
             ctx.destroy(linger=200)
+
+    def _close_sandboxes(self) -> None:
+        # Drained (or leaving): leave every environment where another worker can restore it.
+        try:
+            paths = self.sandboxes.snapshot_all()
+            if paths:
+                log.info("snapshotted %d environments for other workers", len(paths))
+        except Exception as e:
+            log.error("could not snapshot environments: %s", e)
+        self.sandboxes.close()
 
     def _send(self, mtype: int, body: Any) -> None:
         try:
@@ -202,9 +244,12 @@ class Worker:
         body: dict[str, Any] = {"running": len(self._running)}
         if self.services is not None:
             body["services"] = sorted(self.services.resident())
-        envs = getattr(self.handlers.get("sandbox"), "environments", None)
-        if envs is not None:
-            body["envs"] = sorted(envs())
+        if self.sandboxes is not None:
+            body["envs"] = sorted(self.sandboxes.environments())
+            now = time.monotonic()
+            if now - self._last_gc > 30:
+                self._last_gc = now
+                self.sandboxes.gc(now)
         self._send(P.HEARTBEAT, body)
 
     def _drain_socket(self) -> bool:
@@ -250,7 +295,7 @@ class Worker:
             except (ValueError, TypeError, ValidationError) as e:
                 log.warning("bad assignment: %s", e)
                 continue
-            n = max(1, ncores) if spec.kind != "reward" else 0
+            n = ncores  # zero-core (light) actions bind no core slot
             free = self._free_slots
             if len(free) >= n:
                 slots = free[-n:] if n else []
@@ -263,6 +308,8 @@ class Worker:
                 self._submit_reward(spec, attempt, slots, gen)
             elif spec.kind == "function" and self._fast.get(spec.payload.get("fn") if isinstance(spec.payload, dict) else None, 1.0) < _INLINE_S:
                 self._run_inline(spec, attempt, slots, gen)
+            elif ncores == 0:
+                self._light.put((spec, attempt, slots, gen))
             else:
                 self._tasks.put((spec, attempt, slots, gen))
 
@@ -290,10 +337,12 @@ class Worker:
         self.services.submit(spec.id, spec.demand.service, payload.get("inputs"), done)
 
     def _on_kill(self, items: list) -> None:
-        killer = getattr(self.handlers.get("sandbox"), "kill", None)
-        for item in items:
-            if isinstance(item, list) and len(item) == 2 and killer is not None:
-                killer(item[0])
+        # Queued reward actions can be withdrawn; a running command ends at its own timeout
+        # (the sandbox enforces spec.timeout), and its late result is dropped by the coordinator.
+        if self.services is not None:
+            for item in items:
+                if isinstance(item, list) and len(item) == 2 and isinstance(item[0], str):
+                    self.services.cancel(item[0])
 
     def _send_done(self) -> None:
         self._wake_sent = False
@@ -344,6 +393,8 @@ class Worker:
 
 #: Functions whose recent run time is below this run inline on the I/O thread.
 _INLINE_S = 200e-6
+#: Threads for zero-core actions.
+_LIGHT_THREADS = 4
 
 _FROM_COORDINATOR = frozenset({P.WELCOME, P.ASSIGN, P.KILL, P.STOP, P.HEARTBEAT, P.ERROR})
 
@@ -361,6 +412,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--handler", action="append", default=[], metavar="KIND=MODULE:FUNC",
                    help="handler for a user-registered kind: FUNC(spec, cpus) -> (status, output, error)")
     p.add_argument("--heartbeat", type=float, default=1.0, help="seconds between heartbeats")
+    g = p.add_argument_group("sandboxes (CPU workers)")
+    g.add_argument("--unsafe-sandbox", action="store_true",
+                   help="run sandbox commands WITHOUT isolation when bubblewrap is unavailable (never on shared "
+                        "machines: model-written code then sees everything your account can)")
+    g.add_argument("--sandbox-allow-network", action="store_true", help="let payloads ask for network access")
+    g.add_argument("--sandbox-warm-pool", type=int, default=2, help="ready-made environments kept (default 2)")
+    g.add_argument("--sandbox-env-ttl", type=float, default=3600.0,
+                   help="seconds an idle environment is kept (default 3600)")
+    g.add_argument("--snapshot-dir", help="shared directory for environment snapshots (default RUN_DIR/snapshots)")
     g = p.add_argument_group("reward-model services (GPU workers)")
     g.add_argument("--services", metavar="FILE", help="TOML file declaring the services this worker hosts")
     g.add_argument("--service", action="append", default=[], metavar="NAME=MODULE:LOADER[,KEY=VALUE...]",
@@ -400,11 +460,19 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         kinds.remove("reward")  # nothing to score with
     return WorkerConfig(connection=ConnectionInfo.read(path), cores=args.cores, mem_mb=args.mem_mb,
                         gpus=gpus, gpu_mem_mb=gpu_mem, handle=args.handle, run_dir=args.run_dir,
-                        heartbeat_s=args.heartbeat, kinds=tuple(kinds), handlers=handlers, services=services)
+                        heartbeat_s=args.heartbeat, kinds=tuple(kinds), handlers=handlers, services=services,
+                        unsafe_sandbox=args.unsafe_sandbox, snapshot_dir=args.snapshot_dir,
+                        sandbox_options={"allow_network": args.sandbox_allow_network,
+                                         "warm_pool": args.sandbox_warm_pool, "env_ttl": args.sandbox_env_ttl})
 
 
 def run_worker(cfg: WorkerConfig) -> int:
-    w = Worker(cfg)
+    from .managers.bwrap import BwrapUnavailable
+    try:
+        w = Worker(cfg)
+    except BwrapUnavailable as e:
+        print(f"tangram-hpc worker: {e}", file=sys.stderr)
+        return 2
     signal.signal(signal.SIGTERM, lambda *_: w.leave("SIGTERM"))
     signal.signal(signal.SIGINT, lambda *_: w.leave("SIGINT"))
     # Slurm sends SIGUSR2 (submitit asks for it) shortly before the time limit.

@@ -10,6 +10,7 @@ from tangram_hpc import protocol as P
 from tangram_hpc.actions import function
 from tangram_hpc.connection import ConnectionInfo
 from tangram_hpc.launch import LocalCluster
+from tangram_hpc.security import CurveKeys
 
 
 def test_round_trip_every_type():
@@ -63,12 +64,15 @@ def small_frames(tmp_path_factory):
         yield cl
 
 
-def _raw(ctx, address, identity=None):
+def _raw(ctx, address, identity=None, conn=None):
+    """A raw DEALER holding the client key (the protocol checks, not the authentication)."""
     s = ctx.socket(zmq.DEALER)
+    if conn is not None:
+        CurveKeys.apply_client(s, conn)
     if identity:
         s.setsockopt(zmq.IDENTITY, identity)
     s.setsockopt(zmq.LINGER, 0)
-    s.setsockopt(zmq.RCVTIMEO, 5000)
+    s.setsockopt(zmq.RCVTIMEO, 2000)
     s.connect(address)
     return s
 
@@ -78,7 +82,7 @@ def test_coordinator_answers_bad_client_frames_and_keeps_serving(small_frames, n
     info = ConnectionInfo.read(small_frames.connection_file)
     ctx = zmq.Context()
     try:
-        s = _raw(ctx, info.client_address)
+        s = _raw(ctx, info.client_address, conn=info)
         if name == "oversized":
             s.send(P.encode(P.SUBMIT, [{"i": "a", "k": "function", "p": "x" * 5000}]))
         elif name == "two_frames":
@@ -99,7 +103,7 @@ def test_invalid_action_in_a_batch_fails_alone(small_frames):
     info = ConnectionInfo.read(small_frames.connection_file)
     ctx = zmq.Context()
     try:
-        s = _raw(ctx, info.client_address)
+        s = _raw(ctx, info.client_address, conn=info)
         good = function("tangram_hpc.handlers:noop", 1).to_wire()
         s.send(P.encode(P.SUBMIT, [{"i": "bad-1", "k": "function", "d": [3, 1, 0, 0, None]}, good]))
         seen = {}
@@ -118,7 +122,7 @@ def test_coordinator_survives_garbage_on_worker_socket(small_frames):
     info = ConnectionInfo.read(small_frames.connection_file)
     ctx = zmq.Context()
     try:
-        s = _raw(ctx, info.worker_address, identity=b"intruder")
+        s = _raw(ctx, info.worker_address, identity=b"intruder", conn=info)
         for frame in [v[0] for v in MALFORMED.values()] + [os.urandom(300),
                       P.encode(P.REGISTER, {"id": "someone-else", "cores": 2}),
                       P.encode(P.DONE, [["x", 1, "ok", None, None, 0.0, 0.0]])]:
@@ -141,7 +145,7 @@ def test_coordinator_survives_garbage_on_worker_socket(small_frames):
 
 def test_pending_limit_per_client_gives_clear_error(small_frames):
     with small_frames.client() as c:
-        futs = c.submit_many([function("time:sleep", 0.5) for _ in range(60)])
+        futs = c.submit_many([function("time:sleep", 0.02) for _ in range(60)])
         res = c.gather(futs, timeout=60)
     rejected = [r for r in res if r.status == "error"]
     assert len(rejected) >= 10

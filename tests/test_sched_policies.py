@@ -9,6 +9,7 @@ from tangram_hpc.actions import ActionSpec, Demand
 from tangram_hpc.policy.elastic import ElasticScheduler
 from tangram_hpc.policy.fifo import FifoPolicy
 from tangram_hpc.policy.predict import Predictor
+from tangram_hpc.policy.base import light_capacity
 from tangram_hpc.resources import WorkerInfo, WorkerShape
 
 CPU = frozenset({"sandbox", "function"})
@@ -22,6 +23,8 @@ event = st.tuples(st.sampled_from(["submit", "submit", "submit", "finish", "fini
 
 
 def _spec(i: int, a: int, b: int, c: int) -> ActionSpec:
+    if a % 7 == 1:          # zero-core ("light") action
+        return ActionSpec("function", id=f"a{i}", demand=Demand(0, b % 3), priority=c % 3 - 1)
     if a % 5 == 0:
         svc = sorted(SERVICES)[b % 3]
         return ActionSpec("reward", id=f"a{i}", demand=Demand(1 + c % 2, 1 + c % 2, 0, SERVICES[svc], svc),
@@ -87,6 +90,8 @@ def _replay(policy_cls, events):
             assert spec.kind in info.kinds
             d = spec.demand
             assert d.min_cores <= asg.cores <= max(d.min_cores, d.max_cores)
+            if d.min_cores == 0:
+                assert asg.cores == 0
             running[asg.action_id] = (asg.worker_id, asg.cores, spec)
             if spec.env is not None:
                 host = env_host.setdefault(spec.env, asg.worker_id)
@@ -96,6 +101,7 @@ def _replay(policy_cls, events):
         for wid, info in workers.items():
             on = [v for v in running.values() if v[0] == wid]
             assert sum(v[1] for v in on) <= info.cores
+            assert sum(1 for v in on if v[2].demand.min_cores == 0) <= light_capacity(info)
             assert sum(v[2].demand.mem_mb for v in on) <= (info.mem_mb or 10**9)
             svcs = {v[2].demand.service for v in on if v[2].demand.service}
             assert sum(SERVICES[s] for s in svcs) <= info.gpu_mem_mb
@@ -282,3 +288,20 @@ def test_cancel_and_counts():
     assert not p.cancel("b")
     assert (p.pending_count, p.running_count) == (0, 1)
     assert p.remove_worker("w", 1) == ["b"] and p.running_count == 0
+
+
+@pytest.mark.parametrize("policy_cls", [ElasticScheduler, FifoPolicy])
+def test_zero_core_actions_run_beside_busy_cores_up_to_the_light_capacity(policy_cls):
+    p = policy_cls()
+    info = WorkerInfo("w", 1, kinds=CPU)
+    p.add_worker(info, 0)
+    p.submit(ActionSpec("sandbox", id="busy", demand=Demand(1, 1)), 0)
+    p.schedule(0)
+    cap = light_capacity(info)
+    for i in range(cap + 5):
+        p.submit(ActionSpec("function", id=f"l{i}", demand=Demand(0, 0)), 0)
+    out = p.schedule(0)
+    assert len(out) == cap and all(a.cores == 0 for a in out)
+    assert p.pending_count == 5
+    p.finished("l0", 1, run_time=0.001)
+    assert [a.action_id for a in p.schedule(1)] == ["l%d" % cap]

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import resource
 import shutil
 import signal
@@ -40,7 +41,7 @@ from ..actions import ActionSpec, Status
 from . import sandboxfusion as sf
 from .bwrap import SANDBOX_DIR, BwrapLayout, BwrapUnavailable, probe_bwrap
 from .cgroups import Cgroups, CgroupScope
-from .environments import EnvError, EnvStore, Environment, read_inside
+from .environments import EnvError, EnvStore, Environment, _dirname, read_inside
 from .limits import Limits, LimitsError, wrapper_argv
 from .process import ProcResult, run_bounded
 
@@ -48,7 +49,7 @@ __all__ = ["SandboxManager", "SandboxOutcome", "PayloadError", "BwrapUnavailable
 
 log = logging.getLogger(__name__)
 
-_ENV_NAME = __import__("re").compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS",
                 "PYTEST_XDIST_AUTO_NUM_WORKERS", "TANGRAM_NCPUS")
 _FETCH_LIMIT = 16 * 1024 * 1024
@@ -227,6 +228,36 @@ class SandboxManager:
     def restore(self, env_id: str, snapshot: str) -> None:
         """Recreate ``env_id`` here from a :meth:`snapshot` (of this or another worker)."""
         self.envs.restore(env_id, snapshot)
+
+    def latest_snapshot(self, env_id: str) -> str | None:
+        """The newest snapshot of ``env_id`` in ``snapshot_dir`` (by any worker), if any."""
+        if self.snapshot_dir is None or not self.snapshot_dir.is_dir():
+            return None
+        pattern = re.compile(re.escape(_dirname(env_id)) + r"-(\d+)-[0-9a-f]{8}\.tar\.gz$")
+        best: tuple[int, str] | None = None
+        for entry in os.scandir(self.snapshot_dir):
+            m = pattern.match(entry.name)
+            if m and (best is None or (int(m.group(1)), entry.name) > best):
+                best = (int(m.group(1)), entry.name)
+        return str(self.snapshot_dir / best[1]) if best else None
+
+    def ensure(self, env_id: str) -> bool:
+        """Before running in ``env_id``: restore it from a snapshot when this worker lacks it.
+
+        This is how an environment follows its trajectory to another worker after its
+        first worker was drained (which snapshots every environment it hosts).
+        """
+        if env_id in self.envs.ids():
+            return False
+        snap = self.latest_snapshot(env_id)
+        if snap is None:
+            return False
+        self.restore(env_id, snap)
+        return True
+
+    def snapshot_all(self) -> list[str]:
+        """Snapshot every environment (a worker being drained); returns the paths."""
+        return [self.snapshot(e) for e in sorted(self.environments())] if self.snapshot_dir else []
 
     def drop(self, env_id: str) -> bool:
         return self.envs.drop(env_id)

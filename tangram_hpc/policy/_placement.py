@@ -32,7 +32,7 @@ from typing import Iterable, Sequence
 
 from ..actions import ActionSpec
 from ..resources import WorkerInfo, WorkerShape
-from .base import Assignment, SchedulingPolicy
+from .base import Assignment, SchedulingPolicy, light_capacity
 from .predict import Predictor
 
 _INF = float("inf")
@@ -58,7 +58,8 @@ class _Rec:
         self.load_wait = 0.0        # seconds it had to wait for its service to load
         self.queue: _Queue | None = None
         d = spec.demand
-        self.elastic = d.max_cores > d.min_cores
+        # a zero-core ("light") action binds no core: it is pipelined, never grown
+        self.elastic = d.min_cores > 0 and d.max_cores > d.min_cores
 
 
 class _Svc:
@@ -74,7 +75,7 @@ class _Svc:
 class _Worker:
     __slots__ = ("id", "info", "seq", "cores", "free_cores", "mem", "free_mem", "gpu_mem",
                  "gpu_used", "services", "draining", "running", "envs", "kinds", "version",
-                 "env_queue")
+                 "env_queue", "light", "light_cap")
 
     def __init__(self, info: WorkerInfo, seq: int):
         self.id = info.id
@@ -93,6 +94,8 @@ class _Worker:
         self.kinds = info.kinds
         self.version = 0
         self.env_queue: _Queue | None = None
+        self.light = 0                       # zero-core actions it holds
+        self.light_cap = light_capacity(info)
 
 
 class _Queue:
@@ -156,6 +159,7 @@ class PlacementPolicy(SchedulingPolicy):
         self._n_pending = 0
         self._n_running = 0
         self._free_total = 0       # free cores on all workers (a quick "nothing to do" test)
+        self._light_pending = 0    # waiting zero-core actions (they need no free core)
         self._limits: tuple[ShapeLimit, ...] = ()
         self._unplaceable: dict[str, tuple[_Rec, str]] = {}
         self._heads: list | None = None
@@ -371,6 +375,8 @@ class PlacementPolicy(SchedulingPolicy):
         else:
             kl.rigid += d.min_cores
         self._n_pending += 1
+        if d.min_cores == 0:
+            self._light_pending += 1
         why = self._too_big(action)
         if why:
             self._unplaceable[aid] = (rec, why)
@@ -424,6 +430,8 @@ class PlacementPolicy(SchedulingPolicy):
 
     def _drop_pending(self, rec: _Rec) -> None:
         rec.state = GONE
+        if rec.spec.demand.min_cores == 0:
+            self._light_pending -= 1
         if self._unplaceable.pop(rec.spec.id, None) is not None:
             self._recs.pop(rec.spec.id, None)
             self._n_pending -= 1
@@ -491,6 +499,8 @@ class PlacementPolicy(SchedulingPolicy):
         w.free_cores += rec.cores
         self._free_total += rec.cores
         d = rec.spec.demand
+        if d.min_cores == 0:
+            w.light -= 1
         w.free_mem += d.mem_mb
         if d.service:
             st = w.services.get(d.service)
@@ -502,7 +512,7 @@ class PlacementPolicy(SchedulingPolicy):
 
     # -- scheduling --------------------------------------------------------------
     def schedule(self, now: float) -> list[Assignment]:
-        if self._n_pending == 0 or self._free_total <= 0:
+        if self._n_pending == 0 or (self._free_total <= 0 and self._light_pending <= 0):
             return []
         heads = []
         for q in list(self._nonempty.values()):
@@ -528,7 +538,7 @@ class PlacementPolicy(SchedulingPolicy):
         return out
 
     def _drain_heads(self, heads: list, now: float, out: list[Assignment]) -> None:
-        while heads and self._free_total > 0:
+        while heads and (self._free_total > 0 or self._light_pending > 0):
             _, _, _, q = heapq.heappop(heads)
             h = q.heap
             while h and (h[0][2].state != PENDING or h[0][2].queue is not q):
@@ -548,7 +558,8 @@ class PlacementPolicy(SchedulingPolicy):
                 self._nonempty.pop(q.idx, None)
 
     def _fits(self, w: _Worker, d) -> bool:
-        return (w.free_cores >= d.min_cores and w.free_mem >= d.mem_mb
+        return ((w.free_cores >= d.min_cores if d.min_cores else w.light < w.light_cap)
+                and w.free_mem >= d.mem_mb
                 and (d.service is not None or w.gpu_mem - w.gpu_used >= d.gpu_mem_mb))
 
     def _best_worker(self, kind: str, d) -> _Worker | None:
@@ -564,8 +575,8 @@ class PlacementPolicy(SchedulingPolicy):
             if w.version != ver or w.draining or self._workers.get(w.id) is not w:
                 heapq.heappop(heap)
                 continue
-            if -negfree < max(1, d.min_cores):
-                break            # nothing below fits either
+            if d.min_cores and -negfree < d.min_cores:
+                break            # nothing below has the cores either
             if self._fits(w, d):
                 found = w
                 break
@@ -666,6 +677,9 @@ class PlacementPolicy(SchedulingPolicy):
         rec.queue = None
         w.free_cores -= cores
         self._free_total -= cores
+        if d.min_cores == 0:
+            w.light += 1
+            self._light_pending -= 1
         w.free_mem -= d.mem_mb
         if d.service:
             st = w.services[d.service]

@@ -93,6 +93,18 @@ class SchedulingPolicy(ABC):
         return []
 
 
+def light_capacity(info: WorkerInfo) -> int:
+    """How many zero-core actions a worker may hold at once.
+
+    An action with ``min_cores == 0`` binds no core: a cheap Python call, an
+    I/O-bound tool call, a reward-model request that the service batches.  Such
+    actions are pipelined to workers (the worker runs them on its I/O side), so
+    their rate is not capped by the number of cores; this bound keeps one worker
+    from hoarding them.
+    """
+    return 64 + 32 * max(1, info.cores)
+
+
 # -- pool sizing -------------------------------------------------------------
 
 @dataclass(slots=True)

@@ -117,7 +117,7 @@ class ElasticScheduler(PlacementPolicy):
         d = rec.spec.demand
         lo = d.min_cores
         hi = min(d.max_cores, w.free_cores)
-        if hi <= lo:
+        if hi <= lo or not rec.elastic:
             return lo
         kl = self._kinds[rec.spec.kind]
         share = water_level(kl.capacity - kl.rigid, kl.by_max)

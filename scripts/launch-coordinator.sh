@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Submit a tangram-hpc coordinator with sbatch and wait until it is reachable.
+#
+#   scripts/launch-coordinator.sh [--shared DIR] [--partition P] [--max-workers N] [--time MIN]
+#                                 [--wait SEC] [-- extra sbatch options]
+#
+# Prints the coordinator's job id and connection file path once the connection file
+# exists (exit 1 if the job ends or --wait passes first).  Clients then use:
+#   Client.from_connection_file("<printed path>")
+set -euo pipefail
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+SHARED=${TANGRAM_SHARED:-$PWD/tangram-shared}
+WAIT=120
+while (($#)); do
+    case $1 in
+        --shared) SHARED=$2; shift 2 ;;
+        --partition) export TANGRAM_PARTITION=$2; shift 2 ;;
+        --gpu-partition) export TANGRAM_GPU_PARTITION=$2; shift 2 ;;
+        --max-workers) export TANGRAM_MAX_WORKERS=$2; shift 2 ;;
+        --time) export TANGRAM_WORKER_TIME=$2; shift 2 ;;
+        --wait) WAIT=$2; shift 2 ;;
+        --) shift; break ;;
+        -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
+        *) echo "unknown option $1" >&2; exit 2 ;;
+    esac
+done
+SHARED=$(mkdir -p "$SHARED" && cd "$SHARED" && pwd)
+export TANGRAM_SHARED=$SHARED
+CONN=${TANGRAM_CONNECTION_FILE:-$SHARED/coordinator.json}
+export TANGRAM_CONNECTION_FILE=$CONN
+rm -f "$CONN"   # a file from an earlier run would look like success
+# the job must import tangram_hpc even when it is not installed
+export PYTHONPATH="$HERE${PYTHONPATH:+:$PYTHONPATH}"
+job=$(sbatch --parsable --chdir "$SHARED" --export=ALL "$@" "$HERE/slurm_templates/coordinator.sbatch")
+job=${job%%;*}
+deadline=$((SECONDS + WAIT))
+until [[ -s $CONN ]]; do
+    state=$(squeue -h -j "$job" -o %T 2>/dev/null || true)
+    case $state in
+        ""|COMPLETED|FAILED|CANCELLED|TIMEOUT|NODE_FAIL|PREEMPTED|OUT_OF_MEMORY)
+            echo "coordinator job $job ended (${state:-gone}) before writing $CONN; see $SHARED/tangram-coordinator-$job.out" >&2
+            exit 1 ;;
+    esac
+    if ((SECONDS >= deadline)); then
+        echo "coordinator job $job ($state) wrote no connection file within ${WAIT}s" >&2; exit 1
+    fi
+    sleep 0.5
+done
+echo "job $job"
+echo "connection $CONN"

@@ -1,0 +1,475 @@
+"""Worker jobs on Slurm, launched through submitit.
+
+Each worker is one Slurm job running ``tangram_hpc.worker.main([...])``.  Its
+handle (``tgw-<run>-<n>``) is chosen before submission, passed to the worker
+(``--handle`` and ``TANGRAM_WORKER_HANDLE``) and used as the job name, so a
+registered worker, its job and the accounting record are tied together.
+
+Tracking costs one ``squeue`` per :meth:`SlurmBackend.poll` for all jobs, plus
+one ``sacct`` only for jobs that vanished from squeue.  Submitit's own per-job
+state calls are never used.  Launches pass a rate limiter and a circuit
+breaker (``guards.py``): :meth:`launch` returns fewer handles than asked when
+rate-limited and raises :class:`LaunchRefused` when the breaker is open;
+:meth:`explain` says which.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import logging
+import os
+import subprocess
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+import msgpack
+
+from ..resources import WorkerShape
+from ..slurm import ClusterView, JobInfo, PartitionInfo, SlurmCommandError, cluster_view
+from .base import BackendEvent, WorkerBackend, WorkerLaunchSpec
+from .guards import CircuitBreaker, LaunchRefused, SubmitRateLimiter
+
+if TYPE_CHECKING:
+    from ..slurm.pool import BacklogPool
+
+__all__ = ["SlurmBackend", "SlurmBackendConfig", "LaunchRefused", "add_slurm_arguments",
+           "backend_from_args", "pool_from_args", "config_from_args", "run_worker", "SLURM_JOBS_LOG"]
+
+log = logging.getLogger(__name__)
+
+#: Written by the backend in the run directory: msgpack records
+#: ``[time, handle, job_id, cores, gpus, partition]``, one per submitted job.
+SLURM_JOBS_LOG = "slurm_jobs.log"
+
+_PENDING = frozenset({"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED",
+                      "SUSPENDED", "RESV_DEL_HOLD"})
+_RUNNING = frozenset({"RUNNING", "COMPLETING", "SIGNALING", "STAGE_OUT", "RESIZING"})
+_FAILED = frozenset({"FAILED", "NODE_FAIL", "BOOT_FAIL", "OUT_OF_MEMORY", "DEADLINE", "REVOKED"})
+
+
+@dataclass
+class SlurmBackendConfig:
+    """How worker jobs are submitted.
+
+    ``partition``/``gpu_partition``: where CPU/GPU workers go when the shape
+    names none (None: the cluster default).  ``time_min``: each job's time
+    limit; the coordinator replaces workers before it (see ``time_limit``).
+    ``mem_per_core_mb``: memory asked when the shape gives none.
+    ``extra_sbatch``: more ``#SBATCH`` options, e.g. ``{"constraint": "ib"}``.
+    ``setup``: shell lines run in the job before the worker (module load, venv).
+    ``entry``: the ``module:function`` the job calls with the worker's argv.
+    """
+
+    partition: str | None = None
+    gpu_partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    time_min: int = 60
+    mem_per_core_mb: int | None = None
+    extra_sbatch: dict[str, str] = field(default_factory=dict)
+    setup: tuple[str, ...] = ()
+    run_dir: str | None = None
+    folder: str | None = None          # submitit folder; default RUN_DIR/submitit/<run tag>
+    job_prefix: str = "tgw"
+    entry: str = "tangram_hpc.worker:main"
+    submit_per_minute: float = 30.0
+    submit_burst: int = 8
+    breaker_failures: int = 5
+    breaker_window_s: float = 300.0
+    breaker_cooldown_s: float = 120.0
+    healthy_after_s: float = 20.0      # a job running this long counts as a good start
+    vanished_grace_s: float = 60.0     # gone from squeue and sacct this long: ended
+    signal_delay_s: int = 90           # submitit's warning signal before the time limit
+    cluster_view: str = "auto"
+
+
+def run_worker(entry: str, argv: list[str], handle: str) -> int:
+    """What each worker job runs (module level so submitit pickles it by name)."""
+    os.environ["TANGRAM_WORKER_HANDLE"] = handle
+    module, _, func = entry.partition(":")
+    rc = getattr(importlib.import_module(module), func)(list(argv))
+    if rc:
+        # a non-zero worker exit must show as a failed job in squeue/sacct
+        raise RuntimeError(f"worker {handle} exited with status {rc}")
+    return 0
+
+
+_JOB_ENV_PREFIXES = ("SLURM_", "SBATCH_", "SRUN_", "SALLOC_", "SLURMD_")
+_KEEP_ENV = frozenset({"SLURM_CONF"})
+
+
+@contextlib.contextmanager
+def _outside_allocation():
+    """Submit as if from outside any job.
+
+    The coordinator usually runs inside its own allocation; its SLURM_* and
+    SBATCH_* variables would otherwise leak into worker jobs (exported by
+    sbatch) and clash with theirs, e.g. srun refusing SLURM_MEM_PER_NODE
+    next to the worker's SLURM_MEM_PER_CPU.
+    """
+    saved = {k: v for k, v in os.environ.items() if k.startswith(_JOB_ENV_PREFIXES) and k not in _KEEP_ENV}
+    for k in saved:
+        del os.environ[k]
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+@dataclass
+class _Job:
+    handle: str
+    job_id: str
+    shape: WorkerShape
+    partition: str | None
+    submitted: float
+    state: str = "pending"
+    reason: str = ""
+    running_since: float | None = None
+    end_time: float | None = None
+    reclaimed: bool = False
+    healthy: bool = False
+    vanished_since: float | None = None
+    final: bool = False
+
+
+class SlurmBackend(WorkerBackend):
+    name = "slurm"
+
+    def __init__(self, config: SlurmBackendConfig | None = None, *, view: ClusterView | None = None,
+                 clock: Callable[[], float] = time.time):
+        import submitit  # imported here so the rest of the package works without it
+
+        self.config = cfg = config or SlurmBackendConfig()
+        self.clock = clock
+        self.view = view or cluster_view(cfg.cluster_view)
+        self.run_tag = uuid.uuid4().hex[:8]
+        self.prefix = f"{cfg.job_prefix}-{self.run_tag}-"
+        if cfg.folder:
+            folder = Path(cfg.folder)
+        elif cfg.run_dir:
+            folder = Path(cfg.run_dir) / "submitit" / self.run_tag
+        else:
+            folder = Path.home() / ".tangram" / "submitit" / self.run_tag
+        # a reused folder can hand an old job's result to a new job with the same id
+        if folder.exists() and any(folder.iterdir()):
+            folder = folder / self.run_tag
+        folder.mkdir(parents=True, exist_ok=True)
+        self.folder = folder
+        self._executor = submitit.SlurmExecutor(folder=str(folder), max_num_timeout=0)
+        self._jobs: dict[str, _Job] = {}
+        self._by_id: dict[str, _Job] = {}
+        self._seq = 0
+        self.limiter = SubmitRateLimiter(cfg.submit_per_minute, cfg.submit_burst)
+        self.breaker = CircuitBreaker(cfg.breaker_failures, cfg.breaker_window_s, cfg.breaker_cooldown_s)
+        self._pending_events: list[BackendEvent] = []
+        self._partitions: tuple[float, list[PartitionInfo]] | None = None
+        self._last_note = ""
+        self._jobs_log = Path(cfg.run_dir) / SLURM_JOBS_LOG if cfg.run_dir else None
+        if self._jobs_log:
+            self._jobs_log.parent.mkdir(parents=True, exist_ok=True)
+
+    # -- launching -----------------------------------------------------------
+    def _partition_for(self, shape: WorkerShape) -> str | None:
+        if shape.partition:
+            return shape.partition
+        return (self.config.gpu_partition or self.config.partition) if shape.gpus else self.config.partition
+
+    def partitions(self, max_age_s: float = 30.0) -> list[PartitionInfo]:
+        """Cluster partitions, cached for ``max_age_s`` (the pool controller reads this)."""
+        now = self.clock()
+        if self._partitions is None or now - self._partitions[0] > max_age_s:
+            self._partitions = (now, self.view.partitions())
+        return self._partitions[1]
+
+    def check_shape(self, shape: WorkerShape) -> str | None:
+        """Why no node of the target partition could ever run this shape, or None."""
+        name = self._partition_for(shape)
+        try:
+            parts = self.partitions()
+        except SlurmCommandError as e:
+            return None if "not found" not in str(e) else str(e)
+        part = next((p for p in parts if (p.name == name if name else p.default)), None)
+        if part is None:
+            return f"partition {name or '(default)'} does not exist"
+        mem = shape.mem_mb or (self.config.mem_per_core_mb or 0) * shape.cores
+        if not part.can_hold(shape.cores, shape.gpus, mem):
+            return (f"no node in partition {part.name} has {shape.cores} cores, {shape.gpus} GPUs "
+                    f"and {mem} MB")
+        return None
+
+    def _parameters(self, shape: WorkerShape, handle: str) -> dict:
+        cfg = self.config
+        params: dict = {"job_name": handle, "cpus_per_task": shape.cores, "ntasks_per_node": 1,
+                        "nodes": 1, "time": cfg.time_min, "signal_delay_s": cfg.signal_delay_s,
+                        "additional_parameters": dict(cfg.extra_sbatch)}
+        partition = self._partition_for(shape)
+        if partition:
+            params["partition"] = partition
+        if shape.gpus:
+            params["gres"] = f"gpu:{shape.gpus}"
+        mem = shape.mem_mb or (cfg.mem_per_core_mb or 0) * shape.cores
+        if mem:
+            params["mem"] = f"{mem}M"
+        if cfg.account:
+            params["account"] = cfg.account
+        if cfg.qos:
+            params["qos"] = cfg.qos
+        # the job must import this package even when it is not installed
+        root = str(Path(__file__).resolve().parents[2])
+        params["setup"] = [f'export PYTHONPATH="{root}${{PYTHONPATH:+:$PYTHONPATH}}"', *cfg.setup]
+        return params
+
+    def launch(self, spec: WorkerLaunchSpec, count: int = 1) -> list[str]:
+        now = self.clock()
+        why = self.check_shape(spec.shape)
+        if why:
+            raise LaunchRefused(why)
+        allow = self.breaker.allow(now)
+        if allow == 0:
+            raise LaunchRefused(self.breaker.explain(now))
+        if allow is not None:
+            count = min(count, allow)
+        granted = self.limiter.take(now, count)
+        if granted < count:
+            self._last_note = (f"rate limit: {granted} of {count} launches allowed now "
+                               f"({self.config.submit_per_minute:g}/min, burst {self.config.submit_burst}); "
+                               f"next at +{self.limiter.next_free(now) - now:.0f}s")
+        if allow is not None and granted:
+            self.breaker.started_trial()
+        handles = []
+        for _ in range(granted):
+            handles.append(self._submit_one(spec, now))
+        return handles
+
+    def _submit_one(self, spec: WorkerLaunchSpec, now: float) -> str:
+        self._seq += 1
+        handle = f"{self.prefix}{self._seq:04d}"
+        shape = spec.shape
+        argv = ["--connection-file", spec.connection_file, "--cores", str(shape.cores),
+                "--gpus", str(shape.gpus), "--handle", handle, *spec.extra_args]
+        self._executor.update_parameters(**self._parameters(shape, handle))
+        partition = self._partition_for(shape)
+        try:
+            with _outside_allocation():
+                job = self._executor.submit(run_worker, self.config.entry, argv, handle)
+        except Exception as e:  # sbatch refused (bad account, QOS limit, controller down)
+            reason = f"sbatch failed: {str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}"
+            self.breaker.record_failure(now, reason)
+            j = _Job(handle, "", shape, partition, now, state="failed", reason=reason, final=True)
+            self._jobs[handle] = j
+            self._pending_events.append(BackendEvent(handle, "failed", reason))
+            return handle
+        j = _Job(handle, str(job.job_id), shape, partition, now)
+        self._jobs[handle] = j
+        self._by_id[j.job_id] = j
+        self._pending_events.append(BackendEvent(handle, "pending", "submitted"))
+        if self._jobs_log:
+            with open(self._jobs_log, "ab") as f:
+                f.write(msgpack.packb([now, handle, int(job.job_id), shape.cores, shape.gpus, partition]))
+        return handle
+
+    def job_id(self, handle: str) -> str | None:
+        j = self._jobs.get(handle)
+        return j.job_id if j and j.job_id else None
+
+    def handles(self, active_only: bool = True) -> list[str]:
+        return [h for h, j in self._jobs.items() if not (active_only and j.final)]
+
+    # -- tracking ------------------------------------------------------------
+    def poll(self) -> list[BackendEvent]:
+        events, self._pending_events = self._pending_events, []
+        live = [j for j in self._jobs.values() if not j.final and j.job_id]
+        if not live:
+            return events
+        now = self.clock()
+        try:
+            seen = {str(ji.job_id): ji for ji in self.view.jobs(name_prefix=self.prefix)}
+        except SlurmCommandError as e:
+            log.warning("squeue failed, keeping last known states: %s", e)
+            return events
+        vanished = []
+        for j in live:
+            info = seen.get(j.job_id)
+            if info is None:
+                vanished.append(j)
+            else:
+                j.vanished_since = None
+                self._apply(j, info.state, info.reason, info, now, events)
+        if vanished:
+            self._resolve_vanished(vanished, now, events)
+        return events
+
+    def _resolve_vanished(self, jobs: list[_Job], now: float, events: list[BackendEvent]) -> None:
+        try:
+            recs = {str(r.job_id): r for r in self.view.accounting([int(j.job_id) for j in jobs])}
+        except SlurmCommandError as e:
+            log.warning("sacct failed: %s", e)
+            recs = {}
+        for j in jobs:
+            r = recs.get(j.job_id)
+            if r is not None and r.state not in _PENDING | _RUNNING:
+                self._apply(j, r.state, "", None, now, events)
+                continue
+            if j.vanished_since is None:
+                j.vanished_since = now
+            elif now - j.vanished_since >= self.config.vanished_grace_s:
+                self._finish(j, "ended", "job vanished from squeue and sacct", now, events)
+
+    def _apply(self, j: _Job, slurm_state: str, reason: str, info: JobInfo | None, now: float,
+               events: list[BackendEvent]) -> None:
+        if slurm_state in _PENDING:
+            if j.state == "running":  # requeued after preemption
+                events.append(BackendEvent(j.handle, "preempted", f"requeued: {reason or slurm_state}"))
+                j.running_since = None
+            if j.state != "pending" or (reason and reason != j.reason):
+                j.state, j.reason = "pending", reason
+                events.append(BackendEvent(j.handle, "pending", reason or slurm_state))
+            return
+        if slurm_state in _RUNNING:
+            if info is not None:
+                j.end_time = info.end_time
+            if j.state != "running" and slurm_state != "COMPLETING":
+                j.state, j.reason, j.running_since = "running", "", now
+                events.append(BackendEvent(j.handle, "running", info.nodes if info else ""))
+            if not j.healthy and j.running_since is not None and now - j.running_since >= self.config.healthy_after_s:
+                j.healthy = True
+                self.breaker.record_success(now)
+            return
+        # final states
+        if slurm_state == "COMPLETED":
+            self._finish(j, "ended", "completed", now, events)
+        elif slurm_state == "CANCELLED":
+            self._finish(j, "ended", "reclaimed" if j.reclaimed else "cancelled outside tangram (scancel)",
+                         now, events)
+        elif slurm_state == "TIMEOUT":
+            self._finish(j, "timeout", "time limit reached", now, events)
+        elif slurm_state == "PREEMPTED":
+            self._finish(j, "preempted", reason or "preempted", now, events)
+        else:
+            self._finish(j, "failed", f"{slurm_state.lower()}{': ' + reason if reason else ''}", now, events)
+
+    def _finish(self, j: _Job, state: str, reason: str, now: float, events: list[BackendEvent]) -> None:
+        j.final, j.state, j.reason = True, state, reason
+        events.append(BackendEvent(j.handle, state, reason))
+        self._by_id.pop(j.job_id, None)
+        ran = j.running_since is not None and now - j.running_since >= self.config.healthy_after_s
+        # a job that failed before it ran healthy_after_s is a failed start
+        if state == "failed" and not (ran or j.healthy):
+            self.breaker.record_failure(now, f"{j.handle} (job {j.job_id}) {reason}")
+
+    # -- stopping ------------------------------------------------------------
+    def reclaim(self, handle: str) -> None:
+        j = self._jobs.get(handle)
+        if j is None or j.final or not j.job_id:
+            return
+        j.reclaimed = True
+        self._scancel([j.job_id])
+
+    def shutdown(self) -> None:
+        ids = [j.job_id for j in self._jobs.values() if not j.final and j.job_id]
+        for j in self._jobs.values():
+            if not j.final:
+                j.reclaimed = True
+        if ids:
+            self._scancel(ids)
+
+    def _scancel(self, ids: list[str]) -> None:
+        proc = subprocess.run(["scancel", *ids], capture_output=True, text=True, timeout=60)
+        if proc.returncode != 0:
+            log.warning("scancel %s failed: %s", " ".join(ids), proc.stderr.strip())
+
+    def time_limit(self, handle: str) -> float | None:
+        j = self._jobs.get(handle)
+        return j.end_time if j and j.state == "running" else None
+
+    def explain(self) -> str:
+        """One line: breaker state, rate-limit note, job counts."""
+        now = self.clock()
+        counts: dict[str, int] = {}
+        for j in self._jobs.values():
+            counts[j.state] = counts.get(j.state, 0) + 1
+        jobs = ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) or "no jobs"
+        parts = [self.breaker.explain(now), jobs]
+        if self._last_note:
+            parts.append(self._last_note)
+        return "; ".join(parts)
+
+
+# -- CLI wiring (the coordinator subcommand calls these) -----------------------
+
+def add_slurm_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("slurm backend")
+    g.add_argument("--slurm-partition", help="partition for CPU workers (default: the cluster default)")
+    g.add_argument("--slurm-gpu-partition", help="partition for GPU workers (default: --slurm-partition)")
+    g.add_argument("--slurm-account", help="account to charge worker jobs to")
+    g.add_argument("--slurm-qos", help="QOS of worker jobs")
+    g.add_argument("--slurm-time", type=int, default=60, metavar="MIN", help="worker job time limit (minutes)")
+    g.add_argument("--slurm-mem-per-core", type=int, metavar="MB", help="memory per core when a shape gives none")
+    g.add_argument("--slurm-sbatch", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra sbatch option for worker jobs, e.g. constraint=ib (repeatable)")
+    g.add_argument("--slurm-setup", action="append", default=[], metavar="LINE",
+                   help="shell line run in each worker job first, e.g. 'source venv/bin/activate'")
+    g.add_argument("--slurm-submit-rate", type=float, default=30.0, metavar="PER_MIN",
+                   help="most worker jobs submitted per minute")
+    g.add_argument("--slurm-submit-burst", type=int, default=8, help="most worker jobs submitted at once")
+    g.add_argument("--slurm-breaker", type=int, default=5, metavar="K",
+                   help="stop launching after K failed starts within --slurm-breaker-window")
+    g.add_argument("--slurm-breaker-window", type=float, default=300.0, metavar="S")
+    g.add_argument("--slurm-breaker-cooldown", type=float, default=120.0, metavar="S")
+    g.add_argument("--slurm-view", choices=("auto", "cli", "pyslurm"), default="auto",
+                   help="how to query Slurm (auto: pyslurm when it matches the running Slurm)")
+    g = parser.add_argument_group("slurm worker pool (grows with the backlog, shrinks when idle)")
+    g.add_argument("--slurm-worker-cores", type=int, default=4, help="cores per CPU worker job")
+    g.add_argument("--slurm-worker-mem-mb", type=int, default=0, help="memory per CPU worker job (0: default)")
+    g.add_argument("--slurm-max-workers", type=int, default=8, help="most CPU worker jobs, queued ones included")
+    g.add_argument("--slurm-min-workers", type=int, default=0, help="CPU workers kept even when idle")
+    g.add_argument("--slurm-gpu-workers", type=int, default=0, help="most GPU worker jobs (0: none)")
+    g.add_argument("--slurm-gpus-per-worker", type=int, default=1)
+    g.add_argument("--slurm-gpu-worker-cores", type=int, default=2)
+    g.add_argument("--slurm-idle", type=float, default=30.0, metavar="S",
+                   help="reclaim a worker idle this long while nothing waits")
+    g.add_argument("--slurm-replace-before", type=float, default=120.0, metavar="S",
+                   help="drain and replace a worker this long before its job's time limit")
+
+
+def config_from_args(args: argparse.Namespace, run_dir: str | os.PathLike | None = None) -> SlurmBackendConfig:
+    """The backend config from parsed coordinator options; ``run_dir`` overrides ``args.run_dir``."""
+    extra = {}
+    for item in getattr(args, "slurm_sbatch", []) or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--slurm-sbatch wants KEY=VALUE, got {item!r}")
+        extra[key.strip().lstrip("-")] = value
+    return SlurmBackendConfig(
+        partition=args.slurm_partition, gpu_partition=args.slurm_gpu_partition,
+        account=args.slurm_account, qos=args.slurm_qos, time_min=args.slurm_time,
+        mem_per_core_mb=args.slurm_mem_per_core, extra_sbatch=extra,
+        setup=tuple(getattr(args, "slurm_setup", []) or ()),
+        run_dir=str(run_dir or getattr(args, "run_dir", None) or "") or None,
+        submit_per_minute=args.slurm_submit_rate, submit_burst=args.slurm_submit_burst,
+        breaker_failures=args.slurm_breaker, breaker_window_s=args.slurm_breaker_window,
+        breaker_cooldown_s=args.slurm_breaker_cooldown, cluster_view=args.slurm_view)
+
+
+def pool_from_args(args: argparse.Namespace, backend: SlurmBackend | None = None) -> "BacklogPool":
+    """The backlog pool for the coordinator's Slurm workers (partition-aware through ``backend``)."""
+    from ..slurm.pool import BacklogPool, BacklogPoolConfig
+    gpu = None
+    if args.slurm_gpu_workers:
+        gpu = WorkerShape(cores=args.slurm_gpu_worker_cores, gpus=args.slurm_gpus_per_worker)
+    cfg = BacklogPoolConfig(
+        cpu_shape=WorkerShape(cores=args.slurm_worker_cores, mem_mb=args.slurm_worker_mem_mb),
+        gpu_shape=gpu, max_workers=args.slurm_max_workers, max_gpu_workers=args.slurm_gpu_workers,
+        min_workers=args.slurm_min_workers, idle_s=args.slurm_idle,
+        replace_before_s=args.slurm_replace_before)
+    return BacklogPool(cfg, partitions=backend.partitions if backend is not None else None)
+
+
+def backend_from_args(args: argparse.Namespace, run_dir: str | os.PathLike | None = None) -> SlurmBackend:
+    """The coordinator's Slurm backend; pass the coordinator's resolved run directory."""
+    return SlurmBackend(config_from_args(args, run_dir))

@@ -1,0 +1,226 @@
+"""SlurmBackend against the real dev cluster (submitit jobs, squeue, sacct, scancel)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from slurm_support import TESTS_DIR, dev_cluster, wait_until  # noqa: F401
+from tangram_hpc.backends.base import WorkerLaunchSpec
+from tangram_hpc.backends.slurm import (
+    SLURM_JOBS_LOG, LaunchRefused, SlurmBackend, SlurmBackendConfig, add_slurm_arguments,
+    config_from_args, pool_from_args)
+from tangram_hpc.resources import WorkerShape
+from tangram_hpc.slurm.cli_view import CliClusterView
+
+class CountingView(CliClusterView):
+    """The real CLI view, counting how often each query runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = {"jobs": 0, "accounting": 0}
+
+    def jobs(self, *a, **kw):
+        self.calls["jobs"] += 1
+        return super().jobs(*a, **kw)
+
+    def accounting(self, *a, **kw):
+        self.calls["accounting"] += 1
+        return super().accounting(*a, **kw)
+
+
+def make_backend(tmp_path: Path, **kw) -> tuple[SlurmBackend, CountingView]:
+    cfg = SlurmBackendConfig(run_dir=str(tmp_path / "run"), entry="slurm_support:fake_worker",
+                             setup=(f'export PYTHONPATH="{TESTS_DIR}:$PYTHONPATH"',), time_min=10,
+                             healthy_after_s=kw.pop("healthy_after_s", 1.0), **kw)
+    view = CountingView()
+    return SlurmBackend(cfg, view=view), view
+
+
+def spec(tmp_path: Path, shape: WorkerShape, *extra: str) -> WorkerLaunchSpec:
+    return WorkerLaunchSpec(str(tmp_path / "conn.json"), shape, tuple(extra))
+
+
+def collect(backend: SlurmBackend, until, timeout: float = 30.0) -> list:
+    """Poll about 5 times a second until ``until(events so far)`` holds."""
+    events = []
+    deadline = time.monotonic() + timeout
+    while True:
+        events += backend.poll()
+        if until(events):
+            return events
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out; events so far: {events}")
+        time.sleep(0.2)
+
+
+def states(events, handle):
+    return [e.state for e in events if e.handle == handle]
+
+
+@pytest.mark.slurm
+def test_launch_run_reclaim_and_account(tmp_path, dev_cluster):
+    be, view = make_backend(tmp_path)
+    try:
+        [h] = be.launch(spec(tmp_path, WorkerShape(cores=2, mem_mb=300), "--sleep", "120"))
+        marker = tmp_path / f"{h}.json"
+        ev = collect(be, lambda e: "running" in states(e, h) and marker.exists())
+        assert states(ev, h)[0] == "pending"
+        started = json.loads(marker.read_text())
+        # the real worker's argv shape, with the handle known before the job started
+        assert started["argv"][:8] == ["--connection-file", str(tmp_path / "conn.json"), "--cores", "2",
+                                       "--gpus", "0", "--handle", h]
+        assert started["env"]["TANGRAM_WORKER_HANDLE"] == h
+        assert started["env"]["SLURM_JOB_NAME"] == h
+        assert started["env"]["SLURM_CPUS_PER_TASK"] == "2"
+        job_id = be.job_id(h)
+        assert started["env"]["SLURM_JOB_ID"] == job_id
+        [info] = view.jobs([int(job_id)])
+        assert info.state == "RUNNING" and info.cpus == 2 and info.name == h
+        limit = be.time_limit(h)
+        assert limit is not None and 9 * 60 < limit - time.time() <= 10 * 60
+        be.reclaim(h)
+        ev = collect(be, lambda e: "ended" in states(e, h))
+        assert [e.reason for e in ev if e.handle == h and e.state == "ended"] == ["reclaimed"]
+        rec = wait_until(lambda: [r for r in view.accounting([int(job_id)]) if r.state == "CANCELLED" and r.name == h],
+                         30, what="sacct record")[0]
+        assert rec.alloc_cpus == 2 and rec.alloc_mem_mb == 300 and rec.elapsed_s >= 0
+        with open(tmp_path / "run" / SLURM_JOBS_LOG, "rb") as f:
+            records = list(msgpack.Unpacker(f))
+        assert [r[1:] for r in records] == [[h, int(job_id), 2, 0, None]]
+        assert (be.folder.parent.name == "submitit") and be.folder.is_dir()
+    finally:
+        be.shutdown()
+
+
+@pytest.mark.slurm
+def test_launch_from_inside_an_allocation(tmp_path, dev_cluster, monkeypatch):
+    # what the coordinator sees when it runs in an sbatch job with --mem
+    for k, v in {"SLURM_JOB_ID": "1", "SLURM_MEM_PER_NODE": "2048", "SLURM_CPUS_PER_TASK": "2",
+                 "SBATCH_PARTITION": "nosuch"}.items():
+        monkeypatch.setenv(k, v)
+    be, _ = make_backend(tmp_path)
+    [h] = be.launch(spec(tmp_path, WorkerShape(cores=1)))
+    ev = collect(be, lambda e: "ended" in states(e, h) or "failed" in states(e, h))
+    assert [e.reason for e in ev if e.handle == h][-1] == "completed", ev
+    started = json.loads((tmp_path / f"{h}.json").read_text())
+    assert started["env"]["SLURM_JOB_ID"] == be.job_id(h) and started["env"]["SLURM_CPUS_PER_TASK"] == "1"
+    import os
+    assert os.environ["SLURM_MEM_PER_NODE"] == "2048"   # restored for the coordinator
+
+
+@pytest.mark.slurm
+def test_one_squeue_per_poll_for_many_jobs(tmp_path, dev_cluster):
+    be, view = make_backend(tmp_path)
+    try:
+        hs = be.launch(spec(tmp_path, WorkerShape(cores=1), "--sleep", "60"), count=4)
+        assert len(hs) == 4
+        ev = collect(be, lambda e: all("running" in states(e, h) for h in hs))
+        polls = view.calls["jobs"]
+        assert polls >= 1 and view.calls["accounting"] == 0
+        n = view.calls["jobs"]
+        be.poll()
+        assert view.calls["jobs"] == n + 1
+        be.shutdown()   # one scancel for all
+        ev = collect(be, lambda e: all("ended" in states(e, h) for h in hs))
+        assert {e.reason for e in ev if e.state == "ended"} == {"reclaimed"}
+    finally:
+        be.shutdown()
+
+
+@pytest.mark.slurm
+def test_gpu_worker_gets_gres_devices(tmp_path, dev_cluster):
+    be, view = make_backend(tmp_path, gpu_partition="gpu")
+    try:
+        [h] = be.launch(spec(tmp_path, WorkerShape(cores=1, gpus=2)))
+        marker = tmp_path / f"{h}.json"
+        collect(be, lambda e: "ended" in states(e, h))
+        started = json.loads(marker.read_text())
+        assert started["gpus"] == 2 and "--gpus" in started["argv"]
+        assert sorted(started["env"]["CUDA_VISIBLE_DEVICES"].split(",")) == ["0", "1"]
+        rec = wait_until(lambda: [r for r in view.accounting([int(be.job_id(h))]) if r.name == h and r.end_time],
+                         30, what="sacct record")[0]
+        assert rec.alloc_gpus == 2 and rec.partition == "gpu" and rec.state == "COMPLETED"
+    finally:
+        be.shutdown()
+
+
+@pytest.mark.slurm
+def test_scancel_from_outside_is_seen(tmp_path, dev_cluster):
+    be, _ = make_backend(tmp_path)
+    try:
+        [h] = be.launch(spec(tmp_path, WorkerShape(cores=1), "--sleep", "120"))
+        collect(be, lambda e: "running" in states(e, h))
+        subprocess.run(["scancel", be.job_id(h)], check=True)
+        ev = collect(be, lambda e: "ended" in states(e, h) or "failed" in states(e, h))
+        [end] = [e for e in ev if e.handle == h and e.state in ("ended", "failed")]
+        assert "outside" in end.reason
+        assert be.handles() == []
+    finally:
+        be.shutdown()
+
+
+@pytest.mark.slurm
+def test_vanished_job_resolved_by_one_sacct_call(tmp_path, dev_cluster):
+    class ForgetfulView(CountingView):
+        """squeue as it looks after MinJobAge: our finished jobs are gone from it."""
+        def jobs(self, *a, **kw):
+            return [j for j in super().jobs(*a, **kw) if j.active]
+
+    cfg = SlurmBackendConfig(run_dir=str(tmp_path / "run"), entry="slurm_support:fake_worker",
+                             setup=(f'export PYTHONPATH="{TESTS_DIR}:$PYTHONPATH"',), time_min=10)
+    view = ForgetfulView()
+    be = SlurmBackend(cfg, view=view)
+    hs = be.launch(spec(tmp_path, WorkerShape(cores=1)), count=2)   # exit at once
+    ev = collect(be, lambda e: all("ended" in states(e, h) for h in hs))
+    assert {e.reason for e in ev if e.state == "ended"} == {"completed"}
+    assert view.calls["accounting"] <= view.calls["jobs"]
+
+
+@pytest.mark.slurm
+def test_failed_starts_open_the_breaker(tmp_path, dev_cluster):
+    # healthy_after_s well above the crash-at-start time even on a loaded machine
+    be, _ = make_backend(tmp_path, breaker_failures=2, breaker_window_s=600, breaker_cooldown_s=600,
+                         healthy_after_s=30.0)
+    hs = be.launch(spec(tmp_path, WorkerShape(cores=1), "--exit", "3"), count=2)
+    ev = collect(be, lambda e: all("failed" in states(e, h) for h in hs))
+    assert all("failed" in e.reason for e in ev if e.state == "failed")
+    with pytest.raises(LaunchRefused, match="circuit open"):
+        be.launch(spec(tmp_path, WorkerShape(cores=1)))
+    assert "circuit open" in be.explain()
+
+
+@pytest.mark.slurm
+def test_rate_limit_and_unfit_shape(tmp_path, dev_cluster):
+    be, _ = make_backend(tmp_path, submit_per_minute=1, submit_burst=2)
+    try:
+        hs = be.launch(spec(tmp_path, WorkerShape(cores=1)), count=5)
+        assert len(hs) == 2
+        assert be.launch(spec(tmp_path, WorkerShape(cores=1))) == []
+        assert "rate limit" in be.explain()
+        with pytest.raises(LaunchRefused, match="no node in partition cpu"):
+            be.launch(spec(tmp_path, WorkerShape(cores=64)))
+        with pytest.raises(LaunchRefused, match="does not exist"):
+            be.launch(spec(tmp_path, WorkerShape(cores=1, partition="nosuch")))
+    finally:
+        be.shutdown()
+
+
+def test_cli_arguments_build_the_config(tmp_path):
+    import argparse
+    p = argparse.ArgumentParser()
+    p.add_argument("--run-dir")
+    add_slurm_arguments(p)
+    args = p.parse_args(["--run-dir", str(tmp_path), "--slurm-partition", "cpu", "--slurm-time", "30",
+                         "--slurm-sbatch", "constraint=ib", "--slurm-breaker", "3"])
+    cfg = config_from_args(args)
+    assert (cfg.partition, cfg.time_min, cfg.extra_sbatch, cfg.breaker_failures, cfg.run_dir) == \
+        ("cpu", 30, {"constraint": "ib"}, 3, str(tmp_path))
+    assert config_from_args(args, run_dir="/elsewhere").run_dir == "/elsewhere"
+    args = p.parse_args(["--slurm-worker-cores", "2", "--slurm-max-workers", "3", "--slurm-gpu-workers", "1"])
+    pool = pool_from_args(args)
+    assert (pool.config.cpu_shape.cores, pool.config.max_workers, pool.config.gpu_shape.gpus) == (2, 3, 1)
