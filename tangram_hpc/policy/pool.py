@@ -1,0 +1,294 @@
+"""Pool sizing: how many workers of which shape to ask for, and which to give back.
+
+:class:`PoolController` is pure (the clock comes in the :class:`PoolView`);
+it keeps only its own history (launch times, the circuit breaker).
+
+Scale up.  Waiting work is split by the shape kind it needs (``gpu`` for
+actions with a GPU service or GPU memory, ``cpu`` otherwise) and turned into
+core-seconds with the predictor (mean, not median: capacity must cover the
+tail).  A new worker only helps with work still waiting when it arrives, so
+the controller asks for enough cores to clear the backlog within the start-up
+time of a worker:
+
+    wanted cores = backlog core-seconds / startup_s
+    missing      = wanted - free cores now - cores of workers already starting
+
+and launches ``ceil(missing / shape.cores)`` workers, at least one when work
+waits and no worker of the kind exists or is starting.  Elastic actions
+shrink instead of waiting when the pool is busy, so a backlog alone would
+under-provision: the controller also launches when busy cores exceed
+``target_util`` of the capacity (and does not reclaim below it).  Workers already
+starting count as capacity, so a backlog does not trigger a second wave of
+launches while the first is still queued in the batch system.  Launches are
+capped by the per-kind and total maxima and by a rate limit (``max_launch_rate``
+workers per ``rate_window_s``).
+
+Cluster view.  With a :class:`ClusterCapacity` (free cores/GPUs per
+partition, from the batch system) the controller only asks for shapes whose
+partition can hold them now and prefers the partition with the most idle
+resources; with several shapes of a kind in the config, that is how it picks.
+
+Scale down.  A worker idle (no running action, no live environment) for
+``idle_ttl_s`` is reclaimed, down to ``min_workers`` of its kind, never while
+work of its kind waits.  A worker that runs actions or hosts environments is
+never reclaimed; a draining worker is reclaimed once it is empty.
+
+Circuit breaker.  ``breaker_failures`` failed starts within
+``breaker_window_s`` stop all launches for ``breaker_cooldown_s`` (the batch
+system is refusing, the image is broken, the account is out of hours ...):
+retrying in a loop would flood the scheduler with doomed jobs.
+:meth:`explain` says why it stopped and until when.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from ..actions import ActionSpec
+from ..resources import WorkerShape
+from .base import Launch, PoolPolicy, PoolView, Reclaim
+from .predict import Predictor
+
+__all__ = ["PoolController", "PoolConfig", "ClusterCapacity", "PartitionFree", "shape_kind_for"]
+
+
+@dataclass(slots=True, frozen=True)
+class PartitionFree:
+    """Idle resources of one partition right now."""
+
+    cores: int
+    gpus: int = 0
+    nodes: int = 0
+
+
+@dataclass(slots=True, frozen=True)
+class ClusterCapacity:
+    """What the batch system could start now, per partition (None partition: the default)."""
+
+    partitions: Mapping[str | None, PartitionFree] = field(default_factory=dict)
+    at: float = 0.0
+
+    def fits(self, shape: WorkerShape) -> int:
+        """How many workers of ``shape`` the partition can hold now (a large number when unknown)."""
+        p = self.partitions.get(shape.partition)
+        if p is None:
+            return 1 << 30
+        n = p.cores // max(1, shape.cores)
+        if shape.gpus:
+            n = min(n, p.gpus // shape.gpus)
+        return max(0, n)
+
+    def idle_score(self, shape: WorkerShape) -> float:
+        p = self.partitions.get(shape.partition)
+        if p is None:
+            return 0.0
+        return p.gpus * 1000.0 + p.cores if shape.gpus else float(p.cores)
+
+
+@dataclass(slots=True)
+class PoolConfig:
+    """Limits and timings of the pool.
+
+    shapes: the worker shapes to use, e.g. one CPU shape and one GPU shape
+        (several of a kind: alternative partitions).
+    max_workers: per kind (``cpu``/``gpu``); missing kinds are unbounded
+        except by ``max_total``.
+    """
+
+    shapes: list[WorkerShape]
+    max_workers: dict[str, int] = field(default_factory=dict)
+    min_workers: dict[str, int] = field(default_factory=dict)
+    max_total: int = 1 << 30
+    startup_s: float = 60.0
+    idle_ttl_s: float = 300.0
+    max_launch_rate: int = 16
+    rate_window_s: float = 60.0
+    breaker_failures: int = 3
+    breaker_window_s: float = 600.0
+    breaker_cooldown_s: float = 900.0
+    time_limit_margin_s: float = 120.0
+    target_util: float = 0.75
+
+    def __post_init__(self) -> None:
+        if not self.shapes:
+            raise ValueError("PoolConfig needs at least one worker shape")
+        for name in ("startup_s", "idle_ttl_s", "rate_window_s", "breaker_window_s", "breaker_cooldown_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must not be negative")
+
+
+def shape_kind_for(spec: ActionSpec) -> str:
+    """The shape kind an action needs."""
+    d = spec.demand
+    return "gpu" if (d.service or d.gpu_mem_mb) else "cpu"
+
+
+class PoolController(PoolPolicy):
+    def __init__(self, config: PoolConfig, predictor: Predictor | None = None):
+        self.config = config
+        self.predictor = predictor if predictor is not None else Predictor()
+        self.cluster: ClusterCapacity | None = None
+        self._launches: deque[float] = deque()
+        self._breaker_until: float | None = None
+        self._breaker_reason = ""
+        self._last = ""
+        self._seen_failures = 0.0
+
+    def update_cluster(self, capacity: ClusterCapacity | None) -> None:
+        """The batch system's current free resources (the Slurm backend polls them)."""
+        self.cluster = capacity
+
+    def explain(self) -> str:
+        return self._last
+
+    # -- decision ------------------------------------------------------------
+    def decide(self, view: PoolView) -> list[Launch | Reclaim]:
+        cfg = self.config
+        now = view.now
+        cluster = getattr(view, "cluster", None) or self.cluster
+        out: list[Launch | Reclaim] = []
+
+        # backlog per kind, in core-seconds and in actions
+        backlog: dict[str, float] = {}
+        waiting: dict[str, int] = {}
+        biggest: dict[str, int] = {}
+        for spec in view.pending:
+            k = shape_kind_for(spec)
+            backlog[k] = backlog.get(k, 0.0) + self.predictor.mean_core_seconds(spec)
+            waiting[k] = waiting.get(k, 0) + 1
+            biggest[k] = max(biggest.get(k, 0), spec.demand.min_cores)
+
+        count: dict[str, int] = {}
+        free: dict[str, int] = {}
+        busy: dict[str, int] = {}
+        cap: dict[str, int] = {}
+        for ws in view.workers:
+            k = ws.info.shape.kind
+            count[k] = count.get(k, 0) + 1
+            busy[k] = busy.get(k, 0) + ws.busy_cores
+            if not ws.draining and not self._expiring(ws, now):
+                free[k] = free.get(k, 0) + max(0, ws.info.cores - ws.busy_cores)
+                cap[k] = cap.get(k, 0) + ws.info.cores
+        starting: dict[str, int] = {}
+        starting_cores: dict[str, int] = {}
+        for shape, _at in view.starting:
+            starting[shape.kind] = starting.get(shape.kind, 0) + 1
+            starting_cores[shape.kind] = starting_cores.get(shape.kind, 0) + shape.cores
+        total = len(view.workers) + len(view.starting)
+
+        # -- scale down first (frees room under max_total for the other kind)
+        kept = dict(count)
+        for ws in sorted(view.workers, key=lambda s: (s.idle_since if s.idle_since is not None else now, s.info.id)):
+            k = ws.info.shape.kind
+            if ws.running or ws.busy_cores or ws.envs:
+                continue                      # busy or hosting live sandboxes: never
+            if ws.draining:
+                out.append(Reclaim(ws.info.id, "drained"))
+                kept[k] -= 1
+                continue
+            if waiting.get(k):
+                continue
+            if busy.get(k, 0) > cfg.target_util * (cap.get(k, 0) - ws.info.cores):
+                continue                      # the rest would run too hot without it
+            if ws.idle_since is None or now - ws.idle_since < cfg.idle_ttl_s:
+                continue
+            if kept[k] - 1 < cfg.min_workers.get(k, 0):
+                continue
+            out.append(Reclaim(ws.info.id, "idle"))
+            kept[k] -= 1
+        total -= len(out)
+
+        # -- circuit breaker
+        if self._breaker_open(view):
+            return out
+
+        # -- scale up
+        while self._launches and now - self._launches[0] >= cfg.rate_window_s:
+            self._launches.popleft()
+        budget = cfg.max_launch_rate - len(self._launches)
+        reasons = []
+        kinds = sorted(set(waiting) | set(cfg.min_workers) | set(busy))
+        for k in kinds:
+            shapes = [s for s in cfg.shapes if s.kind == k and s.cores >= biggest.get(k, 0)]
+            if not shapes:
+                if waiting.get(k):
+                    reasons.append(f"no {k} shape large enough for waiting actions")
+                continue
+            have = kept.get(k, 0) + starting.get(k, 0)
+            room = min(cfg.max_workers.get(k, 1 << 30) - have, cfg.max_total - total)
+            need = 0
+            if waiting.get(k):
+                shape0 = shapes[0]
+                wanted = backlog[k] / max(cfg.startup_s, 1.0)
+                missing = wanted - free.get(k, 0) - starting_cores.get(k, 0)
+                need = math.ceil(missing / shape0.cores) if missing > 0 else 0
+                if have == 0:
+                    need = max(need, 1)
+            # keep utilisation under the target: elastic actions get fewer cores
+            # (and run longer) when the pool runs hot even if nothing waits
+            hot = busy.get(k, 0) / cfg.target_util - cap.get(k, 0) - starting_cores.get(k, 0)
+            if hot > 0:
+                need = max(need, math.ceil(hot / shapes[0].cores))
+            need = max(need, cfg.min_workers.get(k, 0) - have)
+            if need <= 0:
+                continue
+            if room <= 0:
+                reasons.append(f"{k} pool at its maximum ({have} workers)")
+                continue
+            if budget <= 0:
+                reasons.append("launch rate limit reached")
+                break
+            n = min(need, room, budget)
+            for shape, m in self._split(shapes, n, cluster):
+                out.append(Launch(shape, m))
+                budget -= m
+                total += m
+                self._launches.extend([now] * m)
+                n -= m
+            if n > 0:
+                reasons.append(f"partitions cannot hold {n} more {k} workers now")
+        self._last = "; ".join(reasons) if reasons else "ok"
+        return out
+
+    def _expiring(self, ws, now: float) -> bool:
+        return ws.ends_at is not None and ws.ends_at - now < self.config.time_limit_margin_s
+
+    def _split(self, shapes: list[WorkerShape], n: int, cluster: ClusterCapacity | None
+               ) -> list[tuple[WorkerShape, int]]:
+        """Spread ``n`` launches over the shapes whose partitions can hold them, idlest first."""
+        if cluster is None:
+            return [(shapes[0], n)]
+        ranked = sorted(shapes, key=lambda s: -cluster.idle_score(s))
+        out = []
+        for s in ranked:
+            m = min(n, cluster.fits(s))
+            if m > 0:
+                out.append((s, m))
+                n -= m
+            if n == 0:
+                break
+        return out
+
+    def _breaker_open(self, view: PoolView) -> bool:
+        cfg = self.config
+        now = view.now
+        if self._breaker_until is not None:
+            if now < self._breaker_until:
+                self._last = self._breaker_reason
+                return True
+            # cool-down over: forget the failures that tripped it
+            self._seen_failures = self._breaker_until
+            self._breaker_until = None
+        recent = [(t, r) for t, r in view.failures
+                  if now - t <= cfg.breaker_window_s and t > self._seen_failures]
+        if len(recent) >= cfg.breaker_failures:
+            self._breaker_until = now + cfg.breaker_cooldown_s
+            last = recent[-1][1] or "unknown reason"
+            self._breaker_reason = (
+                f"stopped launching: {len(recent)} worker starts failed in the last "
+                f"{cfg.breaker_window_s:.0f}s (last: {last}); retrying after t={self._breaker_until:.0f}")
+            self._last = self._breaker_reason
+            return True
+        return False

@@ -1,0 +1,307 @@
+"""Invariants of the action-level policies (elastic and FIFO) under random event sequences."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tangram_hpc.actions import ActionSpec, Demand
+from tangram_hpc.policy.elastic import ElasticScheduler
+from tangram_hpc.policy.fifo import FifoPolicy
+from tangram_hpc.policy.predict import Predictor
+from tangram_hpc.policy.base import light_capacity
+from tangram_hpc.resources import WorkerInfo, WorkerShape
+
+CPU = frozenset({"sandbox", "function"})
+GPU = frozenset({"reward"})
+SERVICES = {"judge": 600, "rm": 300, "tiny": 100}
+
+# one event: (op, a, b, c) with small integers interpreted per op
+event = st.tuples(st.sampled_from(["submit", "submit", "submit", "finish", "finish", "add", "remove",
+                                   "drain", "cancel", "schedule"]),
+                  st.integers(0, 30), st.integers(0, 30), st.integers(0, 30))
+
+
+def _spec(i: int, a: int, b: int, c: int) -> ActionSpec:
+    if a % 7 == 1:          # zero-core ("light") action
+        return ActionSpec("function", id=f"a{i}", demand=Demand(0, b % 3), priority=c % 3 - 1)
+    if a % 5 == 0:
+        svc = sorted(SERVICES)[b % 3]
+        return ActionSpec("reward", id=f"a{i}", demand=Demand(1 + c % 2, 1 + c % 2, 0, SERVICES[svc], svc),
+                          priority=b % 3 - 1)
+    lo = 1 + a % 3
+    return ActionSpec("sandbox", id=f"a{i}", env=(f"e{b % 6}" if c % 2 else None),
+                      demand=Demand(lo, lo + b % 6, mem_mb=(c % 4) * 1000),
+                      duration_hint=float(1 + b), priority=c % 3 - 1, label=f"c{a % 4}")
+
+
+def _replay(policy_cls, events):
+    """Drive a policy through ``events``; check invariants after every schedule; return its decisions."""
+    p = policy_cls(shapes=[WorkerShape(8, 8000), WorkerShape(4, 0, 1, 1000)])
+    workers: dict[str, WorkerInfo] = {}
+    running: dict[str, tuple[str, int, ActionSpec]] = {}
+    env_host: dict[str, str] = {}
+    decisions = []
+    now = 0.0
+    nsub = 0
+    nw = 0
+    specs: dict[str, ActionSpec] = {}
+    for op, a, b, c in events:
+        now += 0.5
+        if op == "add" or not workers:
+            nw += 1
+            if (a + nw) % 3 == 0:
+                info = WorkerInfo(f"g{nw}", 4, 0, 1, 1000, kinds=GPU)
+            else:
+                info = WorkerInfo(f"w{nw}", 4 + a % 5, 8000, kinds=CPU)
+            workers[info.id] = info
+            p.add_worker(info, now)
+            continue
+        if op == "submit":
+            s = _spec(nsub, a, b, c)
+            nsub += 1
+            specs[s.id] = s
+            p.submit(s, now)
+        elif op == "finish" and running:
+            aid = sorted(running)[a % len(running)]
+            del running[aid]
+            p.finished(aid, now, run_time=1.0 + b)
+        elif op == "remove" and len(workers) > 1:
+            wid = sorted(workers)[a % len(workers)]
+            lost = p.remove_worker(wid, now)
+            assert sorted(lost) == sorted(k for k, v in running.items() if v[0] == wid)
+            for k in lost:
+                del running[k]
+            del workers[wid]
+            for e in [e for e, h in env_host.items() if h == wid]:
+                del env_host[e]
+        elif op == "drain":
+            p.set_draining(sorted(workers)[a % len(workers)], bool(b % 2))
+        elif op == "cancel" and nsub:
+            aid = f"a{a % nsub}"
+            expected = aid not in running and _is_pending(p, aid)
+            assert p.cancel(aid) == expected
+            assert not _is_pending(p, aid)
+        for asg in p.schedule(now):
+            spec = specs[asg.action_id]
+            assert asg.action_id not in running
+            assert asg.worker_id in workers
+            info = workers[asg.worker_id]
+            assert spec.kind in info.kinds
+            d = spec.demand
+            assert d.min_cores <= asg.cores <= max(d.min_cores, d.max_cores)
+            if d.min_cores == 0:
+                assert asg.cores == 0
+            running[asg.action_id] = (asg.worker_id, asg.cores, spec)
+            if spec.env is not None:
+                host = env_host.setdefault(spec.env, asg.worker_id)
+                assert host == asg.worker_id, "environment affinity broken"
+            decisions.append((now, asg.action_id, asg.worker_id, asg.cores))
+        # capacity never exceeded
+        for wid, info in workers.items():
+            on = [v for v in running.values() if v[0] == wid]
+            assert sum(v[1] for v in on) <= info.cores
+            assert sum(1 for v in on if v[2].demand.min_cores == 0) <= light_capacity(info)
+            assert sum(v[2].demand.mem_mb for v in on) <= (info.mem_mb or 10**9)
+            svcs = {v[2].demand.service for v in on if v[2].demand.service}
+            assert sum(SERVICES[s] for s in svcs) <= info.gpu_mem_mb
+        assert p.running_count == len(running)
+    return decisions
+
+
+def _is_pending(p, aid: str) -> bool:
+    return any(s.id == aid for s in p.pending_actions())
+
+
+@pytest.mark.parametrize("policy_cls", [ElasticScheduler, FifoPolicy])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(events=st.lists(event, min_size=5, max_size=120))
+def test_capacity_affinity_and_determinism(policy_cls, events):
+    first = _replay(policy_cls, events)
+    assert _replay(policy_cls, events) == first
+
+
+def test_env_actions_follow_their_environment():
+    p = ElasticScheduler()
+    p.add_worker(WorkerInfo("w1", 4, kinds=CPU), 0)
+    p.add_worker(WorkerInfo("w2", 4, kinds=CPU), 0)
+    p.submit(ActionSpec("sandbox", id="x1", env="E"), 0)
+    p.submit(ActionSpec("sandbox", id="x2", env="E"), 0)     # before the env has a host
+    a, b = p.schedule(0)
+    host = a.worker_id
+    assert b.worker_id == host
+    # fill the env's host; its next action must wait rather than go elsewhere
+    p.submit(ActionSpec("sandbox", id="big", demand=Demand(2, 2)), 0)
+    assert [x.worker_id for x in p.schedule(0)] != [host]
+    p.submit(ActionSpec("sandbox", id="hog", demand=Demand(2, 2)), 0)
+    p.submit(ActionSpec("sandbox", id="x3", env="E"), 0)
+    out = {x.action_id: x.worker_id for x in p.schedule(0)}
+    assert out.get("hog") == host and "x3" not in out      # host is full, the other worker is not
+    p.finished("x1", 1, run_time=1)
+    assert {x.action_id: x.worker_id for x in p.schedule(1)} == {"x3": host}
+    assert p.env_host("E") == host
+    lost = p.remove_worker(host, 2)
+    assert p.env_host("E") is None
+    assert sorted(lost) == ["hog", "x2", "x3"]
+
+
+def test_no_starvation_under_a_stream_of_short_high_priority_actions():
+    p = ElasticScheduler(aging=0.5, priority_weight=10.0, priority_clamp=4)
+    p.add_worker(WorkerInfo("w", 1, kinds=CPU), 0.0)
+    p.submit(ActionSpec("sandbox", id="seed", duration_hint=1.0, label="short"), 0.0)
+    p.schedule(0.0)
+    p.submit(ActionSpec("sandbox", id="long", duration_hint=50.0, label="long", priority=-4), 0.0)
+    bound = p.wait_bound(50.0, 8)
+    now, i, running, started = 0.0, 0, "seed", None
+    while now < 10 * bound:
+        # two short high-priority arrivals per second: the core is never idle
+        for _ in range(2):
+            p.submit(ActionSpec("sandbox", id=f"s{i}", duration_hint=0.5, label="short", priority=4), now)
+            i += 1
+        now += 0.5
+        p.finished(running, now, run_time=0.5)
+        [a] = p.schedule(now)
+        running = a.action_id
+        if running == "long":
+            started = now
+            break
+    assert started is not None, "long action starved"
+    # overtaken only by actions submitted before the bound (at most 4 per second, 0.5 s each)
+    assert started <= bound + 4 * bound * 0.5 + 1.0
+
+
+def test_srpt_orders_short_before_long_and_priority_counts():
+    p = ElasticScheduler()
+    p.add_worker(WorkerInfo("w", 1, kinds=CPU), 0)
+    p.submit(ActionSpec("sandbox", id="block", duration_hint=1), 0)
+    p.schedule(0)
+    p.submit(ActionSpec("sandbox", id="long", duration_hint=100, label="l"), 0)
+    p.submit(ActionSpec("sandbox", id="short", duration_hint=1, label="s"), 0.1)
+    p.finished("block", 1, run_time=1)
+    assert [a.action_id for a in p.schedule(1)] == ["short"]
+    f = FifoPolicy()
+    f.add_worker(WorkerInfo("w", 1, kinds=CPU), 0)
+    for aid, h in (("block", 1), ("long", 100), ("short", 1)):
+        f.submit(ActionSpec("sandbox", id=aid, duration_hint=h), 0)
+    f.schedule(0)
+    f.finished("block", 1, run_time=1)
+    assert [a.action_id for a in f.schedule(1)] == ["long"]
+
+
+def test_elastic_grows_when_idle_and_shares_under_a_queue():
+    p = ElasticScheduler(Predictor(prior_parallel=0.95))
+    p.add_worker(WorkerInfo("w", 16, kinds=CPU), 0)
+    p.submit(ActionSpec("sandbox", id="alone", demand=Demand(1, 16), duration_hint=10, label="t"), 0)
+    [a] = p.schedule(0)
+    assert a.cores == 16                     # alone: everything it can use
+    # with a serial part, cores beyond the Amdahl knee are not taken
+    k = ElasticScheduler(Predictor(prior_parallel=0.5))
+    k.add_worker(WorkerInfo("w", 16, kinds=CPU), 0)
+    k.submit(ActionSpec("sandbox", id="alone", demand=Demand(1, 16), duration_hint=10, label="t"), 0)
+    assert 1 < k.schedule(0)[0].cores < 16
+    q = ElasticScheduler()
+    q.add_worker(WorkerInfo("w", 16, kinds=CPU), 0)
+    for i in range(8):
+        q.submit(ActionSpec("sandbox", id=f"t{i}", demand=Demand(1, 16), duration_hint=10, label="t"), 0)
+    out = q.schedule(0)
+    assert len(out) == 8 and all(x.cores == 2 for x in out)   # a fair share each, nobody hogs
+    f = FifoPolicy()
+    f.add_worker(WorkerInfo("w", 16, kinds=CPU), 0)
+    f.submit(ActionSpec("sandbox", id="alone", demand=Demand(1, 16)), 0)
+    assert f.schedule(0)[0].cores == 1
+
+
+def test_service_residency_preferred_and_load_accounted():
+    p = ElasticScheduler()
+    p.add_worker(WorkerInfo("g1", 8, 0, 1, 1000, kinds=GPU), 0)
+    p.add_worker(WorkerInfo("g2", 8, 0, 1, 1000, kinds=GPU), 0)
+    p.submit(ActionSpec("reward", id="r1", demand=Demand(1, 1, 0, 600, "judge")), 0)
+    [a] = p.schedule(0)
+    p.submit(ActionSpec("reward", id="r2", demand=Demand(1, 1, 0, 600, "judge")), 1)
+    [b] = p.schedule(1)
+    assert b.worker_id == a.worker_id               # resident there (still loading) beats a new load
+    assert p.resident_services(a.worker_id) == frozenset({"judge"})
+    # a service that does not fit next to a busy one goes to the other worker
+    p.submit(ActionSpec("reward", id="r3", demand=Demand(1, 1, 0, 600, "rm")), 1)
+    [c] = p.schedule(1)
+    assert c.worker_id != a.worker_id
+    # once idle, a resident service is evicted for a new one when memory runs out
+    p.finished("r1", 40, run_time=39)
+    p.finished("r2", 41, run_time=10)
+    p.submit(ActionSpec("reward", id="r4", demand=Demand(1, 1, 0, 600, "other")), 42)
+    [d] = p.schedule(42)
+    assert d.worker_id == a.worker_id and "judge" not in p.resident_services(a.worker_id)
+    # the cold run taught the load time
+    assert p.predictor.load_time("judge") != p.predictor.default_load_time
+
+
+def test_draining_worker_gets_only_its_environments():
+    p = ElasticScheduler()
+    p.add_worker(WorkerInfo("w1", 4, kinds=CPU), 0)
+    p.submit(ActionSpec("sandbox", id="e1", env="E"), 0)
+    p.schedule(0)
+    p.set_draining("w1", True)
+    p.finished("e1", 1, run_time=1)
+    p.submit(ActionSpec("sandbox", id="e2", env="E"), 1)
+    p.submit(ActionSpec("sandbox", id="free"), 1)
+    assert [a.action_id for a in p.schedule(1)] == ["e2"]
+    p.set_draining("w1", False)
+    assert [a.action_id for a in p.schedule(2)] == ["free"]
+
+
+def test_unplaceable_actions_are_reported_with_reason():
+    p = ElasticScheduler(shapes=[WorkerShape(8, 16000), WorkerShape(4, 0, 1, 1000)])
+    p.submit(ActionSpec("sandbox", id="huge", demand=Demand(32, 32)), 0)
+    p.submit(ActionSpec("reward", id="fat", demand=Demand(1, 1, 0, 5000, "big")), 0)
+    p.submit(ActionSpec("sandbox", id="ok", demand=Demand(8, 8)), 0)
+    bad = dict(p.unplaceable(0))
+    assert set(bad) == {"huge", "fat"} and "min_cores=32" in bad["huge"]
+    # they stay pending (never placed) until the driver fails them with cancel()
+    p.add_worker(WorkerInfo("w", 64, kinds=CPU), 0)
+    assert [a.action_id for a in p.schedule(0)] == ["ok"]
+    assert p.pending_count == 2
+    assert p.cancel("huge") and p.cancel("fat")
+    assert p.pending_count == 0 and p.unplaceable(0) == []
+    # shapes shrink: a waiting action becomes unplaceable; they grow back: it is placeable again
+    p.remove_worker("w", 1)
+    p.submit(ActionSpec("sandbox", id="mid", demand=Demand(8, 8)), 1)
+    p.set_shapes([WorkerShape(4)])
+    assert [x for x, _ in p.unplaceable(1)] == ["mid"]
+    p.set_shapes([WorkerShape(16)])
+    assert p.unplaceable(1) == []
+    p.add_worker(WorkerInfo("w2", 16, kinds=CPU), 1)
+    assert [a.action_id for a in p.schedule(1)] == ["mid"]
+    # a registered worker larger than every shape makes an action placeable
+    p.submit(ActionSpec("sandbox", id="wide", demand=Demand(12, 12)), 2)
+    p.set_shapes([WorkerShape(4)])
+    assert p.unplaceable(2) == []
+
+
+def test_cancel_and_counts():
+    p = FifoPolicy()
+    p.submit(ActionSpec("sandbox", id="a"), 0)
+    p.submit(ActionSpec("sandbox", id="b"), 0)
+    assert p.pending_count == 2
+    assert p.cancel("a") and not p.cancel("a") and not p.cancel("zzz")
+    p.add_worker(WorkerInfo("w", 2, kinds=CPU), 0)
+    assert [x.action_id for x in p.schedule(0)] == ["b"]
+    assert not p.cancel("b")
+    assert (p.pending_count, p.running_count) == (0, 1)
+    assert p.remove_worker("w", 1) == ["b"] and p.running_count == 0
+
+
+@pytest.mark.parametrize("policy_cls", [ElasticScheduler, FifoPolicy])
+def test_zero_core_actions_run_beside_busy_cores_up_to_the_light_capacity(policy_cls):
+    p = policy_cls()
+    info = WorkerInfo("w", 1, kinds=CPU)
+    p.add_worker(info, 0)
+    p.submit(ActionSpec("sandbox", id="busy", demand=Demand(1, 1)), 0)
+    p.schedule(0)
+    cap = light_capacity(info)
+    for i in range(cap + 5):
+        p.submit(ActionSpec("function", id=f"l{i}", demand=Demand(0, 0)), 0)
+    out = p.schedule(0)
+    assert len(out) == cap and all(a.cores == 0 for a in out)
+    assert p.pending_count == 5
+    p.finished("l0", 1, run_time=0.001)
+    assert [a.action_id for a in p.schedule(1)] == ["l%d" % cap]

@@ -1,0 +1,133 @@
+"""Duration/speedup learning and the pool controller's decisions."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from tangram_hpc.actions import ActionSpec, Demand
+from tangram_hpc.policy.base import Launch, PoolView, Reclaim, WorkerStatus
+from tangram_hpc.policy.pool import ClusterCapacity, PartitionFree, PoolConfig, PoolController
+from tangram_hpc.policy.predict import Predictor, amdahl_time
+from tangram_hpc.resources import WorkerInfo, WorkerShape
+
+CPU_SHAPE = WorkerShape(16, 32000)
+GPU_SHAPE = WorkerShape(8, 0, 1, 40000)
+
+
+def test_predictor_prior_then_learns_duration():
+    p = Predictor(default_duration=1.0)
+    s = ActionSpec("sandbox", label="pytest")
+    assert p.predict(s) == 1.0
+    assert p.predict(ActionSpec("sandbox", label="pytest", duration_hint=7.0)) == 7.0
+    rng = np.random.default_rng(0)
+    for d in 20.0 * np.exp(rng.normal(0, 0.5, 300)):
+        p.observe(s, float(d), 1)
+    assert 14.0 < p.predict(s) < 28.0          # the median, not thrown off by the tail
+    assert p.stats(s.action_class).mean() > p.stats(s.action_class).median()
+    # classes do not mix
+    assert p.predict(ActionSpec("sandbox", label="ls")) == 1.0
+
+
+def test_predictor_learns_parallel_fraction_from_different_core_counts():
+    p = Predictor(prior_parallel=0.3)
+    s = ActionSpec("sandbox", label="build", demand=Demand(1, 16))
+    rng = np.random.default_rng(1)
+    for i in range(400):
+        c = [1, 2, 4, 8, 16][i % 5]
+        p.observe(s, amdahl_time(60.0, 0.9, c) * math.exp(rng.normal(0, 0.3)), c)
+    assert abs(p.parallel_fraction(s) - 0.9) < 0.08
+    assert abs(p.predict(s, 8) / amdahl_time(60.0, 0.9, 8) - 1) < 0.25
+    # a rigid action never speeds up
+    assert p.parallel_fraction(ActionSpec("sandbox", label="ls")) == 0.0
+
+
+def test_predictor_learns_service_load_time():
+    p = Predictor(default_load_time=30.0)
+    assert p.load_time("judge") == 30.0
+    p.observe_load("judge", 80.0)
+    assert p.load_time("judge") == 80.0
+
+
+def _ws(wid, shape=CPU_SHAPE, busy=0, running=0, idle_since=None, envs=0, draining=False):
+    info = WorkerInfo(wid, shape.cores, shape.mem_mb, shape.gpus, shape.gpus * shape.gpu_mem_mb)
+    return WorkerStatus(info, busy, running, idle_since, envs, draining)
+
+
+def _backlog(n, secs=60.0, **kw):
+    return [ActionSpec("sandbox", label="t", duration_hint=secs, **kw) for _ in range(n)]
+
+
+def test_scale_up_on_backlog_respects_max_and_counts_starting_workers():
+    pc = PoolController(PoolConfig([CPU_SHAPE, GPU_SHAPE], max_workers={"cpu": 5, "gpu": 2}, startup_s=60))
+    view = PoolView(0.0, _backlog(200), [_ws("w1", busy=16, running=16)])
+    out = pc.decide(view)
+    assert out == [Launch(CPU_SHAPE, 4)]                    # capped by the maximum of 5
+    # the same backlog with those 4 still starting: no second wave
+    view = PoolView(1.0, _backlog(200), [_ws("w1", busy=16, running=16)], starting=[(CPU_SHAPE, 0.0)] * 4)
+    assert pc.decide(view) == []
+    assert "maximum" in pc.explain()
+    # a small backlog the free capacity clears before a new worker starts: nothing
+    pc2 = PoolController(PoolConfig([CPU_SHAPE], startup_s=60))
+    assert pc2.decide(PoolView(0.0, _backlog(2, 1.0), [_ws("w1", busy=4, running=4)])) == []
+    # GPU work asks for the GPU shape
+    gpu = [ActionSpec("reward", demand=Demand(1, 1, 0, 1000, "judge"))]
+    assert pc2.decide(PoolView(0.0, gpu, [])) == [] and "no gpu shape" in pc2.explain()
+    pc3 = PoolController(PoolConfig([CPU_SHAPE, GPU_SHAPE]))
+    assert pc3.decide(PoolView(0.0, gpu, [])) == [Launch(GPU_SHAPE, 1)]
+
+
+def test_rate_limit():
+    pc = PoolController(PoolConfig([CPU_SHAPE], max_launch_rate=3, rate_window_s=60, startup_s=10))
+    out = pc.decide(PoolView(0.0, _backlog(500), []))
+    assert out == [Launch(CPU_SHAPE, 3)]
+    assert pc.decide(PoolView(5.0, _backlog(500), [])) == []
+    assert "rate limit" in pc.explain()
+    out = pc.decide(PoolView(61.0, _backlog(500), [], starting=[]))
+    assert out and out[0].count <= 3
+
+
+def test_reclaims_only_idle_workers_without_environments_after_ttl():
+    pc = PoolController(PoolConfig([CPU_SHAPE], idle_ttl_s=100))
+    workers = [
+        _ws("busy", busy=4, running=1),
+        _ws("envs", idle_since=0.0, envs=2),                  # idle but hosts live sandboxes
+        _ws("young", idle_since=150.0),                        # idle, not for long
+        _ws("old", idle_since=0.0),
+        _ws("drained", idle_since=190.0, draining=True),
+    ]
+    out = pc.decide(PoolView(200.0, [], workers))
+    assert sorted(r.worker_id for r in out if isinstance(r, Reclaim)) == ["drained", "old"]
+    # never while work of that kind waits
+    out = pc.decide(PoolView(200.0, _backlog(1, 0.1), [_ws("old", idle_since=0.0)]))
+    assert not any(isinstance(r, Reclaim) for r in out)
+    # min_workers keeps one
+    pc2 = PoolController(PoolConfig([CPU_SHAPE], idle_ttl_s=100, min_workers={"cpu": 1}))
+    out = pc2.decide(PoolView(200.0, [], [_ws("a", idle_since=0.0), _ws("b", idle_since=0.0)]))
+    assert len([r for r in out if isinstance(r, Reclaim)]) == 1
+
+
+def test_circuit_breaker_opens_explains_and_resets():
+    cfg = PoolConfig([CPU_SHAPE], breaker_failures=3, breaker_window_s=300, breaker_cooldown_s=600)
+    pc = PoolController(cfg)
+    fails = [(10.0, "sbatch: error: invalid account"), (20.0, "x"), (30.0, "sbatch: error: invalid account")]
+    assert pc.decide(PoolView(40.0, _backlog(50), [], failures=fails)) == []
+    assert "stopped launching" in pc.explain() and "invalid account" in pc.explain()
+    assert pc.decide(PoolView(500.0, _backlog(50), [], failures=fails)) == []
+    out = pc.decide(PoolView(700.0, _backlog(50), [], failures=fails))
+    assert out and isinstance(out[0], Launch)                 # cooled down, old failures forgotten
+    # two failures are not enough
+    pc2 = PoolController(cfg)
+    assert pc2.decide(PoolView(40.0, _backlog(50), [], failures=fails[:2]))
+
+
+def test_cluster_capacity_picks_partition_that_fits_and_is_idlest():
+    a = WorkerShape(16, 32000, partition="cpu-a")
+    b = WorkerShape(16, 32000, partition="cpu-b")
+    pc = PoolController(PoolConfig([a, b], startup_s=60))
+    pc.update_cluster(ClusterCapacity({"cpu-a": PartitionFree(cores=20), "cpu-b": PartitionFree(cores=64)}))
+    out = pc.decide(PoolView(0.0, _backlog(400), []))
+    assert out[0] == Launch(b, 4) and out[1] == Launch(a, 1)
+    pc.update_cluster(ClusterCapacity({"cpu-a": PartitionFree(cores=0), "cpu-b": PartitionFree(cores=0)}))
+    assert pc.decide(PoolView(0.0, _backlog(400), [])) == []
+    assert "cannot hold" in pc.explain()
