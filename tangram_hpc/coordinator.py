@@ -659,7 +659,7 @@ class Coordinator:
                                   shape=self._launched.get(w.info.handle or ""))
                      for w in self._workers.values()],
             starting=list(self._starting.values()),
-            failures=self._launch_failures[-50:])
+            failures=self._launch_failures[-50:], cluster=self.backend.capacity())
         for d in self.pool.decide(view):
             if isinstance(d, Launch):
                 cfg = self.config

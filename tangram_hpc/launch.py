@@ -70,7 +70,7 @@ def add_coordinator_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--service-budget-mb", type=int, default=4096,
                    help="device memory of a reward worker, or its host-RAM stand-in without GPUs (default 4096)")
     g = p.add_argument_group("scheduling")
-    g.add_argument("--policy", choices=("elastic", "fifo"), default=os.environ.get("TANGRAM_POLICY", "fifo"),
+    g.add_argument("--policy", choices=("elastic", "fifo"), default=os.environ.get("TANGRAM_POLICY", "elastic"),
                    help="placement policy")
     g.add_argument("--max-attempts", type=int, default=3, help="attempts per action across worker losses")
     g.add_argument("--worker-timeout", type=float, default=5.0, help="seconds of silence before a worker is lost")
@@ -104,6 +104,7 @@ def build_coordinator(args: argparse.Namespace) -> Coordinator:
         svc += ["--service", opt]
     cfg.service_worker_args = tuple(svc + ["--kinds", "reward", "--service-budget-mb", str(args.service_budget_mb)])
     backend = pool = None
+    policy = make_policy(args.policy)
     if args.backend == "local":
         from .backends.local import LocalBackend
         backend = LocalBackend(Path(cfg.run_dir) / "workers")
@@ -111,14 +112,15 @@ def build_coordinator(args: argparse.Namespace) -> Coordinator:
         reward = WorkerShape(cores=1, gpu_mem_mb=args.service_budget_mb)
         pool = StaticPool([shape] * args.workers + [reward] * args.reward_workers)
     elif args.backend == "slurm":
-        backend, pool = _slurm(args, cfg)
-    return Coordinator(cfg, make_policy(args.policy), pool=pool, backend=backend)
+        backend, pool = _slurm(args, cfg, policy)
+    return Coordinator(cfg, policy, pool=pool, backend=backend)
 
 
-def _slurm(args: argparse.Namespace, cfg: CoordinatorConfig):
+def _slurm(args: argparse.Namespace, cfg: CoordinatorConfig, policy: SchedulingPolicy):
     from .backends.slurm import backend_from_args, pool_from_args
     backend = backend_from_args(args, run_dir=cfg.run_dir)
-    return backend, pool_from_args(args, backend)
+    # The pool sizes itself with the durations the scheduler learns.
+    return backend, pool_from_args(args, getattr(policy, "predictor", None))
 
 
 def _reuse_ports(cfg: CoordinatorConfig) -> None:

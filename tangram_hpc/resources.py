@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Mapping
 
 from .actions import BUILTIN_KINDS
 
@@ -22,7 +23,8 @@ class WorkerShape:
 
     @property
     def kind(self) -> str:
-        return "gpu" if self.gpus else "cpu"
+        """``gpu`` for workers that host reward-model services (GPUs, or a memory budget standing in)."""
+        return "gpu" if self.gpus or self.gpu_mem_mb else "cpu"
 
 
 @dataclass(slots=True)
@@ -51,3 +53,48 @@ class WorkerInfo:
     def shape(self) -> WorkerShape:
         per_gpu = self.gpu_mem_mb // self.gpus if self.gpus else self.gpu_mem_mb
         return WorkerShape(self.cores, self.mem_mb, self.gpus, per_gpu, self.partition)
+
+
+@dataclass(slots=True, frozen=True)
+class PartitionFree:
+    """Idle resources of one partition right now."""
+
+    cores: int
+    gpus: int = 0
+    nodes: int = 0
+    max_node_cores: int = 0   # largest node's cores (0: unknown)
+    max_node_gpus: int = 0
+
+    def holds(self, shape: WorkerShape) -> bool:
+        """Some node could ever run one worker of ``shape`` (it may have to queue)."""
+        if self.max_node_cores and shape.cores > self.max_node_cores:
+            return False
+        return not shape.gpus or shape.gpus <= self.max_node_gpus
+
+
+@dataclass(slots=True, frozen=True)
+class ClusterCapacity:
+    """What the batch system could start now, per partition (None partition: the default)."""
+
+    partitions: Mapping[str | None, PartitionFree] = field(default_factory=dict)
+    at: float = 0.0
+
+    def fits(self, shape: WorkerShape) -> int:
+        """How many workers of ``shape`` the partition can hold now (a large number when unknown)."""
+        p = self.partitions.get(shape.partition)
+        if p is None:
+            return 1 << 30
+        n = p.cores // max(1, shape.cores)
+        if shape.gpus:
+            n = min(n, p.gpus // shape.gpus)
+        return max(0, n)
+
+    def holds(self, shape: WorkerShape) -> bool:
+        p = self.partitions.get(shape.partition)
+        return p is None or p.holds(shape)
+
+    def idle_score(self, shape: WorkerShape) -> float:
+        p = self.partitions.get(shape.partition)
+        if p is None:
+            return 0.0
+        return p.gpus * 1000.0 + p.cores if shape.gpus else float(p.cores)

@@ -128,6 +128,29 @@ def test_cluster_capacity_picks_partition_that_fits_and_is_idlest():
     pc.update_cluster(ClusterCapacity({"cpu-a": PartitionFree(cores=20), "cpu-b": PartitionFree(cores=64)}))
     out = pc.decide(PoolView(0.0, _backlog(400), []))
     assert out[0] == Launch(b, 4) and out[1] == Launch(a, 1)
-    pc.update_cluster(ClusterCapacity({"cpu-a": PartitionFree(cores=0), "cpu-b": PartitionFree(cores=0)}))
+    # both busy: the workers queue in the partition that is least busy rather than never start
+    pc.update_cluster(ClusterCapacity({"cpu-a": PartitionFree(cores=0, max_node_cores=32),
+                                       "cpu-b": PartitionFree(cores=8, max_node_cores=32)}))
+    out = pc.decide(PoolView(100.0, _backlog(400), []))
+    assert out == [Launch(b, 16)]     # bounded by the launch rate limit (16 a minute)
+    # no node of either partition is big enough, ever: nothing is asked for, and it says why
+    pc = PoolController(PoolConfig([a, b], startup_s=60))
+    pc.update_cluster(ClusterCapacity({"cpu-a": PartitionFree(cores=64, max_node_cores=8),
+                                       "cpu-b": PartitionFree(cores=64, max_node_cores=8)}))
     assert pc.decide(PoolView(0.0, _backlog(400), [])) == []
     assert "cannot hold" in pc.explain()
+
+
+def test_drains_workers_near_their_time_limit_and_replaces_them():
+    pc = PoolController(PoolConfig([CPU_SHAPE], startup_s=60, time_limit_margin_s=120))
+    old = _ws("old", busy=16, running=16)
+    old.ends_at = 1100.0
+    out = pc.decide(PoolView(1000.0, _backlog(50), [old]))
+    assert Reclaim("old", "time limit") in out
+    assert any(isinstance(d, Launch) and d.shape == CPU_SHAPE for d in out)
+    # once draining it is not reclaimed twice, and far from its limit a worker is left alone
+    old.draining = True
+    assert Reclaim("old", "time limit") not in pc.decide(PoolView(1001.0, [], [old]))
+    young = _ws("young", busy=16, running=16)
+    young.ends_at = 5000.0
+    assert not any(isinstance(d, Reclaim) for d in pc.decide(PoolView(1000.0, [], [young])))

@@ -221,6 +221,19 @@ def test_cli_arguments_build_the_config(tmp_path):
     assert (cfg.partition, cfg.time_min, cfg.extra_sbatch, cfg.breaker_failures, cfg.run_dir) == \
         ("cpu", 30, {"constraint": "ib"}, 3, str(tmp_path))
     assert config_from_args(args, run_dir="/elsewhere").run_dir == "/elsewhere"
-    args = p.parse_args(["--slurm-worker-cores", "2", "--slurm-max-workers", "3", "--slurm-gpu-workers", "1"])
+    args = p.parse_args(["--slurm-worker-cores", "2", "--slurm-max-workers", "3", "--slurm-gpu-workers", "1",
+                         "--slurm-partition", "cpu", "--slurm-gpu-partition", "gpu", "--slurm-idle", "7"])
     pool = pool_from_args(args)
-    assert (pool.config.cpu_shape.cores, pool.config.max_workers, pool.config.gpu_shape.gpus) == (2, 3, 1)
+    cpu, gpu = pool.config.shapes
+    assert (cpu.cores, cpu.partition, gpu.gpus, gpu.partition) == (2, "cpu", 1, "gpu")
+    assert pool.config.max_workers == {"cpu": 3, "gpu": 1} and pool.config.idle_ttl_s == 7
+
+
+def test_capacity_from_the_live_partitions(dev_cluster, tmp_path):
+    be = SlurmBackend(SlurmBackendConfig(run_dir=str(tmp_path)))
+    cap = be.capacity()
+    assert cap is not None and cap.partitions[None] == cap.partitions["cpu"]  # cpu is the default
+    gpu = cap.partitions["gpu"]
+    assert gpu.max_node_cores == 16 and gpu.max_node_gpus == 4
+    assert cap.holds(WorkerShape(cores=4, gpus=1, partition="gpu"))
+    assert not cap.holds(WorkerShape(cores=64, partition="cpu"))

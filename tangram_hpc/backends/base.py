@@ -16,7 +16,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from ..resources import WorkerShape
+from ..resources import ClusterCapacity, WorkerShape
 
 
 @dataclass(slots=True, frozen=True)
@@ -56,6 +56,10 @@ class WorkerBackend(ABC):
     @abstractmethod
     def reclaim(self, handle: str) -> None:
         """Stop a worker (the coordinator drains it first)."""
+
+    def capacity(self) -> ClusterCapacity | None:
+        """Free resources per partition right now, for the pool policy (None: unknown)."""
+        return None
 
     def time_limit(self, handle: str) -> float | None:
         """Wall-clock time at which the worker's job will be killed, if known."""

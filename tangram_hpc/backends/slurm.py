@@ -24,17 +24,15 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import msgpack
 
-from ..resources import WorkerShape
+from ..policy.pool import PoolConfig, PoolController
+from ..resources import ClusterCapacity, PartitionFree, WorkerShape
 from ..slurm import ClusterView, JobInfo, PartitionInfo, SlurmCommandError, cluster_view
 from .base import BackendEvent, WorkerBackend, WorkerLaunchSpec
 from .guards import CircuitBreaker, LaunchRefused, SubmitRateLimiter
-
-if TYPE_CHECKING:
-    from ..slurm.pool import BacklogPool
 
 __all__ = ["SlurmBackend", "SlurmBackendConfig", "LaunchRefused", "add_slurm_arguments",
            "backend_from_args", "pool_from_args", "config_from_args", "run_worker", "SLURM_JOBS_LOG"]
@@ -185,6 +183,22 @@ class SlurmBackend(WorkerBackend):
         if self._partitions is None or now - self._partitions[0] > max_age_s:
             self._partitions = (now, self.view.partitions())
         return self._partitions[1]
+
+    def capacity(self) -> ClusterCapacity | None:
+        """Free resources per partition (``None`` key: the default partition), for the pool."""
+        try:
+            parts = self.partitions(max_age_s=5.0)
+        except SlurmCommandError:
+            return None
+        out: dict[str | None, PartitionFree] = {}
+        for p in parts:
+            free = PartitionFree(cores=p.free_cpus, gpus=p.free_gpus, nodes=len(p.nodes),
+                                 max_node_cores=max((n.cpus for n in p.nodes), default=0),
+                                 max_node_gpus=max((n.gpus for n in p.nodes), default=0))
+            out[p.name] = free
+            if p.default:
+                out[None] = free
+        return ClusterCapacity(out, at=self.clock())
 
     def check_shape(self, shape: WorkerShape) -> str | None:
         """Why no node of the target partition could ever run this shape, or None."""
@@ -435,6 +449,9 @@ def add_slurm_arguments(parser: argparse.ArgumentParser) -> None:
                    help="reclaim a worker idle this long while nothing waits")
     g.add_argument("--slurm-replace-before", type=float, default=120.0, metavar="S",
                    help="drain and replace a worker this long before its job's time limit")
+    g.add_argument("--slurm-startup", type=float, default=30.0, metavar="S",
+                   help="expected seconds from submitting a worker job to its joining: the pool asks for "
+                        "enough workers to clear the backlog in about this time")
 
 
 def config_from_args(args: argparse.Namespace, run_dir: str | os.PathLike | None = None) -> SlurmBackendConfig:
@@ -456,18 +473,18 @@ def config_from_args(args: argparse.Namespace, run_dir: str | os.PathLike | None
         breaker_cooldown_s=args.slurm_breaker_cooldown, cluster_view=args.slurm_view)
 
 
-def pool_from_args(args: argparse.Namespace, backend: SlurmBackend | None = None) -> "BacklogPool":
-    """The backlog pool for the coordinator's Slurm workers (partition-aware through ``backend``)."""
-    from ..slurm.pool import BacklogPool, BacklogPoolConfig
-    gpu = None
+def pool_from_args(args: argparse.Namespace, predictor=None) -> PoolController:
+    """The pool controller for the coordinator's Slurm workers (``predictor``: the scheduler's)."""
+    shapes = [WorkerShape(cores=args.slurm_worker_cores, mem_mb=args.slurm_worker_mem_mb,
+                          partition=args.slurm_partition)]
+    max_workers = {"cpu": args.slurm_max_workers, "gpu": args.slurm_gpu_workers}
     if args.slurm_gpu_workers:
-        gpu = WorkerShape(cores=args.slurm_gpu_worker_cores, gpus=args.slurm_gpus_per_worker)
-    cfg = BacklogPoolConfig(
-        cpu_shape=WorkerShape(cores=args.slurm_worker_cores, mem_mb=args.slurm_worker_mem_mb),
-        gpu_shape=gpu, max_workers=args.slurm_max_workers, max_gpu_workers=args.slurm_gpu_workers,
-        min_workers=args.slurm_min_workers, idle_s=args.slurm_idle,
-        replace_before_s=args.slurm_replace_before)
-    return BacklogPool(cfg, partitions=backend.partitions if backend is not None else None)
+        shapes.append(WorkerShape(cores=args.slurm_gpu_worker_cores, gpus=args.slurm_gpus_per_worker,
+                                  partition=args.slurm_gpu_partition or args.slurm_partition))
+    cfg = PoolConfig(shapes, max_workers=max_workers, min_workers={"cpu": args.slurm_min_workers},
+                     startup_s=args.slurm_startup, idle_ttl_s=args.slurm_idle,
+                     time_limit_margin_s=args.slurm_replace_before)
+    return PoolController(cfg, predictor)
 
 
 def backend_from_args(args: argparse.Namespace, run_dir: str | os.PathLike | None = None) -> SlurmBackend:

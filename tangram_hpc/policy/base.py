@@ -18,7 +18,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 from ..actions import ActionSpec
-from ..resources import WorkerInfo, WorkerShape
+from ..resources import ClusterCapacity, WorkerInfo, WorkerShape
 
 
 @dataclass(slots=True, frozen=True)
@@ -133,6 +133,7 @@ class PoolView:
     workers: list[WorkerStatus]
     starting: list[tuple[WorkerShape, float]] = field(default_factory=list)  # (shape, requested at)
     failures: list[tuple[float, str]] = field(default_factory=list)          # (time, reason) of failed starts
+    cluster: ClusterCapacity | None = None   # what the batch system could start now, when the backend knows
 
 
 @dataclass(slots=True, frozen=True)

@@ -28,6 +28,10 @@ partition, from the batch system) the controller only asks for shapes whose
 partition can hold them now and prefers the partition with the most idle
 resources; with several shapes of a kind in the config, that is how it picks.
 
+Time limits.  A worker whose batch job ends within ``time_limit_margin_s``
+is drained (its running actions finish, its environments are snapshotted)
+and no longer counts as capacity, so a replacement is launched in time.
+
 Scale down.  A worker idle (no running action, no live environment) for
 ``idle_ttl_s`` is reclaimed, down to ``min_workers`` of its kind, never while
 work of its kind waits.  A worker that runs actions or hosts environments is
@@ -47,44 +51,11 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from ..actions import ActionSpec
-from ..resources import WorkerShape
+from ..resources import ClusterCapacity, PartitionFree, WorkerShape
 from .base import Launch, PoolPolicy, PoolView, Reclaim
 from .predict import Predictor
 
 __all__ = ["PoolController", "PoolConfig", "ClusterCapacity", "PartitionFree", "shape_kind_for"]
-
-
-@dataclass(slots=True, frozen=True)
-class PartitionFree:
-    """Idle resources of one partition right now."""
-
-    cores: int
-    gpus: int = 0
-    nodes: int = 0
-
-
-@dataclass(slots=True, frozen=True)
-class ClusterCapacity:
-    """What the batch system could start now, per partition (None partition: the default)."""
-
-    partitions: Mapping[str | None, PartitionFree] = field(default_factory=dict)
-    at: float = 0.0
-
-    def fits(self, shape: WorkerShape) -> int:
-        """How many workers of ``shape`` the partition can hold now (a large number when unknown)."""
-        p = self.partitions.get(shape.partition)
-        if p is None:
-            return 1 << 30
-        n = p.cores // max(1, shape.cores)
-        if shape.gpus:
-            n = min(n, p.gpus // shape.gpus)
-        return max(0, n)
-
-    def idle_score(self, shape: WorkerShape) -> float:
-        p = self.partitions.get(shape.partition)
-        if p is None:
-            return 0.0
-        return p.gpus * 1000.0 + p.cores if shape.gpus else float(p.cores)
 
 
 @dataclass(slots=True)
@@ -147,7 +118,7 @@ class PoolController(PoolPolicy):
     def decide(self, view: PoolView) -> list[Launch | Reclaim]:
         cfg = self.config
         now = view.now
-        cluster = getattr(view, "cluster", None) or self.cluster
+        cluster = view.cluster or self.cluster
         out: list[Launch | Reclaim] = []
 
         # backlog per kind, in core-seconds and in actions
@@ -182,6 +153,10 @@ class PoolController(PoolPolicy):
         kept = dict(count)
         for ws in sorted(view.workers, key=lambda s: (s.idle_since if s.idle_since is not None else now, s.info.id)):
             k = ws.info.shape.kind
+            if self._expiring(ws, now) and not ws.draining:
+                out.append(Reclaim(ws.info.id, "time limit"))  # drained; its replacement is launched below
+                kept[k] -= 1
+                continue
             if ws.running or ws.busy_cores or ws.envs:
                 continue                      # busy or hosting live sandboxes: never
             if ws.draining:
@@ -257,19 +232,25 @@ class PoolController(PoolPolicy):
 
     def _split(self, shapes: list[WorkerShape], n: int, cluster: ClusterCapacity | None
                ) -> list[tuple[WorkerShape, int]]:
-        """Spread ``n`` launches over the shapes whose partitions can hold them, idlest first."""
+        """Spread ``n`` launches over the shapes whose partitions can hold them, idlest first.
+
+        When no partition can start one now, they go to the idlest partition that can hold them
+        at all (the jobs queue there), so a busy cluster delays workers instead of never asking.
+        """
         if cluster is None:
             return [(shapes[0], n)]
-        ranked = sorted(shapes, key=lambda s: -cluster.idle_score(s))
-        out = []
+        ranked = sorted((s for s in shapes if cluster.holds(s)), key=lambda s: -cluster.idle_score(s))
+        out: dict[WorkerShape, int] = {}
         for s in ranked:
             m = min(n, cluster.fits(s))
             if m > 0:
-                out.append((s, m))
+                out[s] = m
                 n -= m
             if n == 0:
                 break
-        return out
+        if not out and ranked:
+            out[ranked[0]] = n
+        return list(out.items())
 
     def _breaker_open(self, view: PoolView) -> bool:
         cfg = self.config

@@ -154,13 +154,18 @@ def fidelity(workload: Workload, *, time_scale: float = 1.0, policy: str = "elas
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python3 -m tangram_hpc.sim.replay",
-                                 description="Run a small CPU workload live and in the simulator; compare mean ACT.")
-    ap.add_argument("--workload", default="mini")
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--workload", default="mini", help="preset name or workload TOML file (default: mini)")
     ap.add_argument("--time-scale", type=float, default=1.0, help="multiply all durations (default 1)")
     ap.add_argument("--policy", choices=("elastic", "fifo"), default="elastic")
-    a = ap.parse_args(argv)
+
+
+def main(a: argparse.Namespace | list[str] | None = None) -> int:
+    if not isinstance(a, argparse.Namespace):
+        ap = argparse.ArgumentParser(prog="tangram-hpc fidelity",
+                                     description="Run a small CPU workload live and in the simulator; compare mean ACT.")
+        add_arguments(ap)
+        a = ap.parse_args(a)
     try:
         w = load_workload(a.workload)
     except WorkloadError as e:
