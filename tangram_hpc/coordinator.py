@@ -60,11 +60,12 @@ class CoordinatorConfig:
     max_attempts: int = 3
     timeout_grace_s: float = 5.0
     max_frame_bytes: int = P.MAX_FRAME_BYTES
-    max_pending_per_client: int = 1_000_000
-    max_pending_total: int = 2_000_000
+    max_pending_per_client: int = 200_000
+    max_pending_total: int = 1_000_000
     result_cache: int = 200_000
     hwm: int = 200_000
     pool_interval_s: float = 1.0
+    drain_grace_s: float = 30.0   # a stopped worker's time to snapshot and exit before its job is cancelled
     max_worker_shape: WorkerShape | None = None
     #: extra worker command-line arguments for CPU workers and for service (GPU) workers
     cpu_worker_args: tuple[str, ...] = ()
@@ -141,6 +142,7 @@ class Coordinator:
         self._handles: dict[str, str] = {}                       # backend handle -> worker id
         self._starting: dict[str, tuple[WorkerShape, float]] = {}  # handle -> (shape, requested at)
         self._launched: dict[str, WorkerShape] = {}                # handle -> shape asked for
+        self._reclaim_at: dict[str, float] = {}                    # drained handle -> cancel its job then
         self._launch_failures: list[tuple[float, str]] = []
         self._recent: OrderedDict[str, list] = OrderedDict()     # action id -> result wire
         self._idem: dict[str, str] = {}                          # idempotency key -> action id
@@ -635,6 +637,7 @@ class Coordinator:
         for ev in events:
             if ev.state in ("pending", "running"):
                 continue
+            self._reclaim_at.pop(ev.handle, None)  # it ended by itself
             wid = self._handles.get(ev.handle)
             if ev.handle in self._starting:
                 self._starting.pop(ev.handle)
@@ -692,6 +695,8 @@ class Coordinator:
     def _finish_drains(self, now: float) -> None:
         for w in list(self._workers.values()):
             if w.draining and not w.running:
+                # STOP first: the worker snapshots its environments and exits by itself; the
+                # backend job is cancelled only if it is still there after the grace period.
                 self._send_worker(w, P.encode(P.STOP, {"reason": w.drain_reason or "reclaimed", "reregister": False}))
                 self._workers.pop(w.info.id, None)
                 self.policy.remove_worker(w.info.id, now)
@@ -699,10 +704,14 @@ class Coordinator:
                 if w.info.handle:
                     self._handles.pop(w.info.handle, None)
                     self._launched.pop(w.info.handle, None)
-                    try:
-                        self.backend.reclaim(w.info.handle)
-                    except Exception as e:
-                        log.warning("reclaiming %s failed: %s", w.info.handle, e)
+                    self._reclaim_at[w.info.handle] = now + self.config.drain_grace_s
+        for handle, at in list(self._reclaim_at.items()):
+            if now >= at:
+                del self._reclaim_at[handle]
+                try:
+                    self.backend.reclaim(handle)
+                except Exception as e:
+                    log.warning("reclaiming %s failed: %s", handle, e)
 
     # -- introspection -------------------------------------------------------
     def status(self) -> dict:

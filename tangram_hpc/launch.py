@@ -76,9 +76,9 @@ def add_coordinator_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--worker-timeout", type=float, default=5.0, help="seconds of silence before a worker is lost")
     g.add_argument("--heartbeat", type=float, default=1.0)
     g = p.add_argument_group("limits")
-    g.add_argument("--max-pending-per-client", type=int, default=1_000_000,
-                   help="unfinished actions one client may have (default 1,000,000)")
-    g.add_argument("--max-pending", type=int, default=2_000_000, help="unfinished actions in all (default 2,000,000)")
+    g.add_argument("--max-pending-per-client", type=int, default=200_000,
+                   help="unfinished actions one client may have (default 200,000)")
+    g.add_argument("--max-pending", type=int, default=1_000_000, help="unfinished actions in all (default 1,000,000)")
     g.add_argument("--max-frame-bytes", type=int, default=16 << 20, help="largest frame accepted (default 16 MiB)")
     from .backends.slurm import add_slurm_arguments
     add_slurm_arguments(p)
