@@ -196,6 +196,7 @@ class Client:
                     poller.unregister(sock)
                     sock.close(0)
                     sock = self._connect()
+                    sock.send(P.encode(P.HELLO, {"name": self.name}))
                     poller.register(sock, zmq.POLLIN)
                     last_heard = now
             events = dict(poller.poll(int(max(0.0, next_hb - now) * 1000) + 1))

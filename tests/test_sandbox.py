@@ -375,3 +375,15 @@ def test_concurrent_actions_from_executor_threads(mgr):
     for g, r in zip(grants, outs):
         assert r.status == Status.OK, r
         assert r.output["stdout"] == f"{g}\n"
+
+
+def test_read_only_dirs_under_tmp_stay_visible_over_the_private_tmp(run_dir, tmp_path):
+    # A checkout (and its .venv) may live under /tmp: its interpreter must still be reachable.
+    shared = tmp_path / "tool"
+    shared.mkdir()
+    (shared / "version.txt").write_text("tool 1.2\n")
+    assert str(shared).startswith("/tmp/")
+    with SandboxManager(run_dir / "envs2", extra_ro_binds=(str(shared),)) as m:
+        out = m.run(ActionSpec("sandbox", {"cmd": f"cat {shared}/version.txt; ls /tmp | wc -l; touch {shared}/x"}), [0])
+    assert out.output["stdout"].startswith("tool 1.2\n"), out
+    assert out.status == "failed" and "Read-only" in out.output["stderr"]

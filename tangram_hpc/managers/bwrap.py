@@ -154,12 +154,14 @@ class BwrapLayout:
         """bwrap argv up to (and including) the ``--`` before the command."""
         argv = [self.bwrap, "--die-with-parent", "--new-session", "--as-pid-1", "--hostname", "sandbox"]
         argv += _unshare_args(self.root_mode, network)
+        size = str(tmp_mb * 1024 * 1024)
+        # The private /tmp comes first: a Python prefix under /tmp (a venv in a checkout there)
+        # is then bound on top of it instead of being hidden by it.
+        argv += ["--perms", "1777", "--size", size, "--tmpfs", "/tmp"]
         argv += self._static
         if network:
             argv += self._static_net
-        size = str(tmp_mb * 1024 * 1024)
-        argv += ["--perms", "1777", "--size", size, "--tmpfs", "/tmp",
-                 "--perms", "1777", "--size", size, "--tmpfs", "/dev/shm",
+        argv += ["--perms", "1777", "--size", size, "--tmpfs", "/dev/shm",
                  "--perms", "0644", "--ro-bind-data", str(passwd_fd), "/etc/passwd",
                  "--perms", "0644", "--ro-bind-data", str(group_fd), "/etc/group",
                  "--bind", str(env_dir), SANDBOX_DIR, "--chdir", SANDBOX_DIR, "--clearenv"]
