@@ -25,7 +25,6 @@ import json
 import math
 import sys
 import time
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np

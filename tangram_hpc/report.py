@@ -27,33 +27,14 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-import msgpack
+from .runlog import ACTION_FIELDS, WORKER_FIELDS, read_records
 
 __all__ = ["add_arguments", "main", "build_report", "load_run", "Report", "JobUsage", "ActionRow",
-           "trajectory_bound", "format_table", "write_plots", "read_msgpack_records"]
+           "trajectory_bound", "format_table", "write_plots"]
 
-ACTION_FIELDS = ("id", "kind", "action_class", "worker", "cores", "submitted", "started", "finished",
-                 "status", "attempts", "trajectory")
-WORKER_FIELDS = ("time", "event", "worker", "handle", "cores", "gpus")
 JOB_FIELDS = ("time", "handle", "job_id", "cores", "gpus", "partition")
-
-
-def read_msgpack_records(path: str | os.PathLike) -> Iterator[list]:
-    """Records of an append-only msgpack log; a torn last record is ignored."""
-    try:
-        f = open(path, "rb")
-    except FileNotFoundError:
-        return
-    with f:
-        unpacker = msgpack.Unpacker(f, raw=False)
-        try:
-            for rec in unpacker:
-                if isinstance(rec, (list, tuple)):
-                    yield list(rec)
-        except (ValueError, msgpack.exceptions.UnpackException):
-            return
 
 
 @dataclass(slots=True)
@@ -118,7 +99,7 @@ class Report:
 
 def _actions(run_dir: Path) -> list[ActionRow]:
     out = []
-    for r in read_msgpack_records(run_dir / "actions.log"):
+    for r in read_records(run_dir / "actions.log"):
         if len(r) < len(ACTION_FIELDS):
             continue
         out.append(ActionRow(*r[:len(ACTION_FIELDS)]))
@@ -126,7 +107,7 @@ def _actions(run_dir: Path) -> list[ActionRow]:
 
 
 def _workers(run_dir: Path) -> list[dict]:
-    return [dict(zip(WORKER_FIELDS, r)) for r in read_msgpack_records(run_dir / "workers.log")
+    return [dict(zip(WORKER_FIELDS, r)) for r in read_records(run_dir / "workers.log")
             if len(r) >= len(WORKER_FIELDS)]
 
 
@@ -158,7 +139,7 @@ def load_run(run_dir: str | os.PathLike | None, *, since: float | None = None, u
     rd = Path(run_dir) if run_dir else None
     actions = _actions(rd) if rd else []
     workers = _workers(rd) if rd else []
-    submitted = {int(r[2]): dict(zip(JOB_FIELDS, r)) for r in read_msgpack_records(rd / "slurm_jobs.log")} \
+    submitted = {int(r[2]): dict(zip(JOB_FIELDS, r)) for r in read_records(rd / "slurm_jobs.log")} \
         if rd else {}
     jobs: list[JobUsage] = []
     source = "sacct"

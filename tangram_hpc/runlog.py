@@ -53,7 +53,7 @@ def read_records(path: str | os.PathLike) -> Iterator[list]:
         unpacker = msgpack.Unpacker(f, raw=False)
         try:
             for rec in unpacker:
-                if isinstance(rec, list):
-                    yield rec
-        except (msgpack.exceptions.ExtraData, ValueError, msgpack.exceptions.UnpackException):
+                if isinstance(rec, (list, tuple)):
+                    yield list(rec)
+        except (ValueError, msgpack.exceptions.UnpackException):
             return

@@ -32,7 +32,6 @@ import resource
 import shutil
 import signal
 import sys
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -478,8 +477,10 @@ def _hint(res: ProcResult, limits: Limits, mem_in_cgroup: bool) -> str:
     if limits.nproc and any(s in tail for s in (b"Resource temporarily unavailable", b"fork: retry",
                                                    b"can't start new thread", b"BlockingIOError")):
         return f"{text}; process limit nproc={limits.nproc} hit"
+    # The kernel enforces RLIMIT_CPU on its own tick-based clock, and the rusage we get back
+    # reads 10-20% lower, so a kill at well over half the limit counts as the limit.
     if limits.cpu_s and res.returncode in (-signal.SIGXCPU, 128 + signal.SIGXCPU, -9, 137) \
-            and res.cpu_s >= limits.cpu_s * 0.9:
+            and res.cpu_s >= limits.cpu_s * 0.5:
         return f"{text}; CPU time limit of {limits.cpu_s}s hit"
     return text
 

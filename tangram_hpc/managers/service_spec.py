@@ -11,11 +11,12 @@ A service is declared by a :class:`ServiceSpec`, in Python, in a TOML file
 """
 from __future__ import annotations
 
-import importlib
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
+
+from ..handlers import resolve
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -87,13 +88,10 @@ def resolve_loader(loader: str | Callable[..., Any]) -> Callable[..., Any]:
     """Import ``"package.module:callable"`` (dots after the colon walk attributes)."""
     if callable(loader):
         return loader
-    module_name, _, qualname = loader.partition(":")
-    obj: Any = importlib.import_module(module_name)
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise ServiceSpecError(f"loader {loader!r} is not callable")
-    return obj
+    try:
+        return resolve(loader)
+    except TypeError as e:
+        raise ServiceSpecError(f"loader {loader!r} is not callable") from e
 
 
 def load_service_specs(path: str | Path) -> list[ServiceSpec]:

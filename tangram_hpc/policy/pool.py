@@ -48,7 +48,6 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Mapping
 
 from ..actions import ActionSpec
 from ..resources import ClusterCapacity, PartitionFree, WorkerShape

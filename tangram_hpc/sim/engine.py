@@ -26,8 +26,6 @@ same instant, and all events of an instant are applied before ``schedule``.
 from __future__ import annotations
 
 import heapq
-import math
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 
 from .model import AccountingRecord, JobInfo, NodeInfo, PartitionInfo
 
-__all__ = ["ClusterView", "SlurmCommandError", "cluster_view", "slurm_version"]
+__all__ = ["ClusterView", "SlurmCommandError", "slurm_version"]
 
 
 class SlurmCommandError(RuntimeError):
