@@ -87,17 +87,19 @@ def test_rate_limit():
     assert out and out[0].count <= 3
 
 
-def test_reclaims_only_idle_workers_without_environments_after_ttl():
-    pc = PoolController(PoolConfig([CPU_SHAPE], idle_ttl_s=100))
+def test_reclaims_only_idle_workers_after_ttl_and_environment_hosts_later():
+    pc = PoolController(PoolConfig([CPU_SHAPE], idle_ttl_s=100, env_idle_ttl_s=300))
     workers = [
         _ws("busy", busy=4, running=1),
-        _ws("envs", idle_since=0.0, envs=2),                  # idle but hosts live sandboxes
+        _ws("envs", idle_since=0.0, envs=2),                  # idle but hosts sandboxes: waits longer
         _ws("young", idle_since=150.0),                        # idle, not for long
         _ws("old", idle_since=0.0),
         _ws("drained", idle_since=190.0, draining=True),
     ]
     out = pc.decide(PoolView(200.0, [], workers))
     assert sorted(r.worker_id for r in out if isinstance(r, Reclaim)) == ["drained", "old"]
+    out = pc.decide(PoolView(400.0, [], [_ws("envs", idle_since=0.0, envs=2), _ws("busy", busy=4, running=1)]))
+    assert [r.worker_id for r in out if isinstance(r, Reclaim)] == ["envs"]
     # never while work of that kind waits
     out = pc.decide(PoolView(200.0, _backlog(1, 0.1), [_ws("old", idle_since=0.0)]))
     assert not any(isinstance(r, Reclaim) for r in out)

@@ -449,6 +449,9 @@ def add_slurm_arguments(parser: argparse.ArgumentParser) -> None:
                    help="reclaim a worker idle this long while nothing waits")
     g.add_argument("--slurm-replace-before", type=float, default=120.0, metavar="S",
                    help="drain and replace a worker this long before its job's time limit")
+    g.add_argument("--slurm-env-idle", type=float, default=None, metavar="S",
+                   help="idle time before a worker hosting sandbox environments is drained; its environments "
+                        "are snapshotted and follow their trajectories (default: twice --slurm-idle)")
     g.add_argument("--slurm-startup", type=float, default=30.0, metavar="S",
                    help="expected seconds from submitting a worker job to its joining: the pool asks for "
                         "enough workers to clear the backlog in about this time")
@@ -483,6 +486,7 @@ def pool_from_args(args: argparse.Namespace, predictor=None) -> PoolController:
                                   partition=args.slurm_gpu_partition or args.slurm_partition))
     cfg = PoolConfig(shapes, max_workers=max_workers, min_workers={"cpu": args.slurm_min_workers},
                      startup_s=args.slurm_startup, idle_ttl_s=args.slurm_idle,
+                     env_idle_ttl_s=args.slurm_env_idle if args.slurm_env_idle is not None else 2 * args.slurm_idle,
                      time_limit_margin_s=args.slurm_replace_before)
     return PoolController(cfg, predictor)
 

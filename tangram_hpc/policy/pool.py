@@ -32,10 +32,12 @@ Time limits.  A worker whose batch job ends within ``time_limit_margin_s``
 is drained (its running actions finish, its environments are snapshotted)
 and no longer counts as capacity, so a replacement is launched in time.
 
-Scale down.  A worker idle (no running action, no live environment) for
-``idle_ttl_s`` is reclaimed, down to ``min_workers`` of its kind, never while
-work of its kind waits.  A worker that runs actions or hosts environments is
-never reclaimed; a draining worker is reclaimed once it is empty.
+Scale down.  A worker idle (no running action) for ``idle_ttl_s`` is
+reclaimed, down to ``min_workers`` of its kind, never while work of its kind
+waits; one that hosts sandbox environments waits ``env_idle_ttl_s`` instead
+(reclaiming drains it, and a stopping worker snapshots its environments for
+the next worker to restore).  A worker that runs actions is never reclaimed;
+a draining worker is reclaimed once it is empty.
 
 Circuit breaker.  ``breaker_failures`` failed starts within
 ``breaker_window_s`` stop all launches for ``breaker_cooldown_s`` (the batch
@@ -73,6 +75,7 @@ class PoolConfig:
     max_total: int = 1 << 30
     startup_s: float = 60.0
     idle_ttl_s: float = 300.0
+    env_idle_ttl_s: float = 600.0   # idle time before a worker hosting environments is drained
     max_launch_rate: int = 16
     rate_window_s: float = 60.0
     breaker_failures: int = 3
@@ -156,8 +159,8 @@ class PoolController(PoolPolicy):
                 out.append(Reclaim(ws.info.id, "time limit"))  # drained; its replacement is launched below
                 kept[k] -= 1
                 continue
-            if ws.running or ws.busy_cores or ws.envs:
-                continue                      # busy or hosting live sandboxes: never
+            if ws.running or ws.busy_cores:
+                continue                      # busy: never
             if ws.draining:
                 out.append(Reclaim(ws.info.id, "drained"))
                 kept[k] -= 1
@@ -166,7 +169,10 @@ class PoolController(PoolPolicy):
                 continue
             if busy.get(k, 0) > cfg.target_util * (cap.get(k, 0) - ws.info.cores):
                 continue                      # the rest would run too hot without it
-            if ws.idle_since is None or now - ws.idle_since < cfg.idle_ttl_s:
+            # Reclaiming drains: a worker snapshots its environments when it stops, and they are
+            # restored where their trajectory acts next, so environments only make it wait longer.
+            ttl = cfg.env_idle_ttl_s if ws.envs else cfg.idle_ttl_s
+            if ws.idle_since is None or now - ws.idle_since < ttl:
                 continue
             if kept[k] - 1 < cfg.min_workers.get(k, 0):
                 continue
