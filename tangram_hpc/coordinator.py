@@ -390,6 +390,9 @@ class Coordinator:
             self._on_register(ident, body, now)
             return
         if w is None:
+            if mtype == P.DONE:
+                # Late outcomes of a worker declared lost: their actions were retried elsewhere.
+                self.counters.stale_results += len(body)
             # A worker we declared lost (or one from before a restart): it must start over.
             self._send_ident(ident, P.encode(P.STOP, {"reason": "unknown worker: register again",
                                                       "reregister": True}))
