@@ -386,6 +386,20 @@ def test_bad_item_in_a_submit_batch_fails_alone(live):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("fn", [["os:getpid"], {"x": 1}, 7, None])
+def test_function_action_with_an_odd_target_fails_alone(live, fn):
+    """An action whose target is not a string gets an error result and costs no worker."""
+    _, client, _ = live
+    lost = client.status()["workers_lost"]
+    odd = ActionSpec(kind="function", payload={"fn": fn})
+    good = [function(NOOP, i) for i in range(10)]
+    res = client.map([odd] + good, timeout=30)
+    assert res[0].status == "error" and res[0].attempts == 1 and "function payload must be" in res[0].error
+    assert [r.output for r in res[1:]] == list(range(10))
+    assert client.status()["workers_lost"] == lost
+
+
+@pytest.mark.slow
 @pytest.mark.xfail(strict=True, reason="FifoPolicy has no unplaceable(): a head no worker can run blocks "
                                        "every action behind it; remove this mark when it is fixed")
 def test_unplaceable_action_blocks_the_fifo_queue(tmp_path):
