@@ -219,8 +219,11 @@ def test_result_with_an_odd_status_is_a_validation_error(status):
 def live(tmp_path_factory):
     with LocalCluster(workers=1, cores=2, run_dir=tmp_path_factory.mktemp("fuzz"),
                       extra_args=["--worker-timeout", "3"]) as cl, cl.client() as c:
+        cl.real_workers = {w["id"] for w in c.status()["workers"]}
+        real = cl.real_workers
         yield cl, c, ConnectionInfo.read(cl.connection_file)
         assert cl.proc.poll() is None, "the coordinator died during fuzzing"
+        assert real <= {w["id"] for w in c.status()["workers"]}, "a real worker died during fuzzing"
 
 
 _PROBE_TYPE = 12345  # an unknown type: always answered with an ERROR naming it, after all earlier frames
@@ -273,6 +276,12 @@ class _Valid:
         self.inflight.clear()
 
 
+def _alive(cl: LocalCluster, client: Client) -> None:
+    assert cl.proc.poll() is None, "the coordinator died"
+    workers = {w["id"] for w in client.status()["workers"]}
+    assert cl.real_workers <= workers, "a real worker was lost (crashed, or dropped by the coordinator)"
+
+
 _live = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                         HealthCheck.too_slow])
 
@@ -291,7 +300,7 @@ def test_live_client_socket_fuzz(live, frames):
     _send_and_sync(ctx, info.client_address, frames)
     valid.submit()
     valid.check()
-    assert cl.proc.poll() is None
+    _alive(cl, client)
 
 
 def _runnable(frame: bytes) -> bool:
@@ -340,7 +349,7 @@ def test_live_worker_socket_fuzz(live, identity, register, data):
     _send_and_sync(ctx, info.worker_address, frames, identity=identity)
     valid.submit()
     valid.check()
-    assert cl.proc.poll() is None
+    _alive(cl, client)
 
 
 def _serves_real_actions(frame: bytes) -> bool:
