@@ -18,12 +18,14 @@ from /proc every ``--sample-s`` seconds.  At the end it prints:
   handing a wave to the client to the future resolving) of every
   ``--sample-every``-th action;
 * the coordinator's RSS: at warm-up, at the end, max/min after warm-up, and
-  the slope of RSS against completed actions after warm-up (MiB per 100k
-  actions; about zero when memory is flat).  Warm-up ends once
-  ``--warmup`` actions have completed: the coordinator keeps the last
-  200,000 results (``CoordinatorConfig.result_cache``) so that a client
-  resubmitting after a reconnect gets them again, and that cache fills
-  during the first 200,000 actions;
+  the slope of RSS against completed actions after warm-up and over the
+  second half of the run (MiB per 100k actions; about zero when memory is
+  flat).  Warm-up ends once ``--warmup`` actions have completed: the
+  coordinator keeps the last 200,000 results
+  (``CoordinatorConfig.result_cache``) so that a client resubmitting after a
+  reconnect gets them again; that cache fills during the first 200,000
+  actions, and its hash table is rebuilt once more (a new table allocated
+  while the old one is live) about 150,000 insertions after it is full;
 * the workers' RSS at warm-up and at the end.
 
 It is a benchmark, not a test: it asserts nothing except that every result
@@ -102,7 +104,7 @@ def main() -> int:
     ap.add_argument("--wave", type=int, default=1000, help="actions each client has in flight at once")
     ap.add_argument("--sample-every", type=int, default=100, help="client round trip of every N-th action")
     ap.add_argument("--sample-s", type=float, default=1.0, help="seconds between RSS samples")
-    ap.add_argument("--warmup", type=int, default=250_000, help="completed actions before memory should be flat")
+    ap.add_argument("--warmup", type=int, default=400_000, help="completed actions before memory should be flat")
     ap.add_argument("--timeline", type=int, default=24, help="rows in the printed timeline")
     ap.add_argument("--policy", default=None)
     ap.add_argument("--run-dir", help="coordinator run directory (default: a temporary one, removed at the end)")
@@ -188,6 +190,11 @@ def main() -> int:
               f"({warm[0][1]:,} actions), {warm[-1][2]:.1f} MiB at the end; after warm-up min {crss.min():.1f} "
               f"max {crss.max():.1f} MiB, max/min {crss.max() / crss.min():.3f}, slope {slope:+.2f} MiB per 100k actions; "
               f"peak over the run {max(s[2] for s in samples):.1f} MiB")
+        half = [s for s in samples if s[1] >= samples[-1][1] / 2]
+        if len(half) >= 3:
+            hslope = np.polyfit([s[1] for s in half], [s[2] for s in half], 1)[0] * 100_000
+            print(f"second half of the run ({half[0][1]:,} to {half[-1][1]:,} actions): RSS {min(s[2] for s in half):.1f}"
+                  f"..{max(s[2] for s in half):.1f} MiB, slope {hslope:+.3f} MiB per 100k actions")
         w0, w1 = warm[0][3], warm[-1][3]
         print("worker RSS MiB at warm-up -> end: " + ", ".join(f"{a:.1f} -> {b:.1f}" for a, b in zip(w0, w1)))
     else:
