@@ -11,6 +11,7 @@ must keep getting exactly the right results.
 """
 from __future__ import annotations
 
+import os
 import time
 
 import msgpack
@@ -26,6 +27,8 @@ from tangram_hpc.connection import ConnectionInfo
 from tangram_hpc.launch import LocalCluster
 
 NOOP = "tangram_hpc.handlers:noop"
+#: TANGRAM_FUZZ_SCALE=20 fuzzes twenty times longer (CI runs the default, 1).
+SCALE = max(1, int(os.environ.get("TANGRAM_FUZZ_SCALE", "1")))
 ALL_TYPES = frozenset(P.NAMES)
 
 # -- seeds: valid frames of every message the coordinator accepts ------------------
@@ -163,7 +166,7 @@ def _consume(frame: bytes, allowed: frozenset) -> None:
             pass
 
 
-_offline = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+_offline = settings(max_examples=400 * SCALE, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @_offline
@@ -282,7 +285,7 @@ def _alive(cl: LocalCluster, client: Client) -> None:
     assert cl.real_workers <= workers, "a real worker was lost (crashed, or dropped by the coordinator)"
 
 
-_live = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+_live = settings(max_examples=120 * SCALE, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                         HealthCheck.too_slow])
 
 
