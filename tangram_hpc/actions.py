@@ -183,7 +183,7 @@ class ActionSpec:
         if not isinstance(aid, str) or not 0 < len(aid) <= _ID_MAX:
             raise ValidationError("action id must be a non-empty string of at most 128 characters")
         kind = w.get("k")
-        if kind not in BUILTIN_KINDS and kind not in _extra_kinds:
+        if not isinstance(kind, str) or (kind not in BUILTIN_KINDS and kind not in _extra_kinds):
             raise ValidationError(f"unknown action kind {kind!r}; known: {', '.join(known_kinds())}")
         env = _opt_str(w, "e", "env")
         demand = _DEFAULT_DEMAND
@@ -284,7 +284,7 @@ class ActionResult:
     def from_wire(cls, w: Any) -> "ActionResult":
         if not isinstance(w, (list, tuple)) or len(w) != 10:
             raise ValidationError("result must be a list of 10 fields")
-        if not isinstance(w[0], str) or w[1] not in Status.FINAL:
+        if not isinstance(w[0], str) or not isinstance(w[1], str) or w[1] not in Status.FINAL:
             raise ValidationError("result has a bad id or status")
         return cls(*w)
 

@@ -125,6 +125,7 @@ class Counters:
     bad_frames: int = 0
     stale_results: int = 0
     workers_lost: int = 0
+    launch_failures: int = 0
     by_status: dict = field(default_factory=dict)
 
 
@@ -394,6 +395,9 @@ class Coordinator:
             self._on_register(ident, body, now)
             return
         if w is None:
+            if mtype == P.DONE:
+                # Late outcomes of a worker declared lost: their actions were retried elsewhere.
+                self.counters.stale_results += len(body)
             # A worker we declared lost (or one from before a restart): it must start over.
             self._send_ident(ident, P.encode(P.STOP, {"reason": "unknown worker: register again",
                                                       "reregister": True}))
@@ -643,12 +647,18 @@ class Coordinator:
                 self._starting.pop(ev.handle)
                 self._launched.pop(ev.handle, None)
                 if ev.state != "ended":
-                    self._launch_failures.append((now, f"{ev.handle}: {ev.state} {ev.reason}".strip()))
+                    self._launch_failed(now, f"{ev.handle}: {ev.state} {ev.reason}".strip())
             if wid is not None and wid in self._workers:
                 self._lose_worker(self._workers[wid], now, f"backend job {ev.handle} {ev.state} {ev.reason}".strip())
         if now - getattr(self, "_last_pool", 0.0) >= self.config.pool_interval_s:
             self._last_pool = now
             self._pool_decide(now)
+
+    def _launch_failed(self, now: float, why: str) -> None:
+        self.counters.launch_failures += 1
+        self._launch_failures.append((now, why))
+        if len(self._launch_failures) > 100:  # a crash-looping backend must not grow this forever
+            del self._launch_failures[:-50]
 
     def _pool_decide(self, now: float) -> None:
         if self.pool is None or self.backend is None:
@@ -671,7 +681,7 @@ class Coordinator:
                 try:
                     handles = self.backend.launch(spec, d.count)
                 except Exception as e:
-                    self._launch_failures.append((now, f"launch failed: {e}"))
+                    self._launch_failed(now, f"launch failed: {e}")
                     log.warning("could not launch %d worker(s) of %s: %s", d.count, d.shape, e)
                     continue
                 for h in handles:
@@ -722,7 +732,9 @@ class Coordinator:
             "pending": self.policy.pending_count, "running": self.policy.running_count,
             "submitted": c.submitted, "completed": c.completed, "failed": c.failed, "retried": c.retried,
             "rejected": c.rejected, "bad_frames": c.bad_frames, "stale_results": c.stale_results,
-            "workers_lost": c.workers_lost, "by_status": dict(c.by_status),
+            "workers_lost": c.workers_lost, "launch_failures": c.launch_failures,
+            "recent_launch_failures": [why for _, why in self._launch_failures[-5:]],
+            "by_status": dict(c.by_status),
             "starting_workers": len(self._starting),
             "pool": self.pool.explain() if self.pool is not None else "",
             "workers": [

@@ -99,7 +99,7 @@ def decode(frame: bytes, allowed: frozenset[int], max_bytes: int = MAX_FRAME_BYT
     version, mtype, body = msg
     if version != PROTOCOL_VERSION:
         raise ProtocolError("version", f"protocol version {version!r} not supported; this peer speaks {PROTOCOL_VERSION}")
-    if mtype not in allowed:
+    if not isinstance(mtype, int) or mtype not in allowed:  # a list or map here is unhashable
         raise ProtocolError("unknown_type", f"message type {mtype!r} not accepted here")
     shape = _BODY_SHAPE.get(mtype)
     if shape is not None and not isinstance(body, shape):

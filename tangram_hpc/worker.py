@@ -149,8 +149,9 @@ class Worker:
                     outcome = handler(spec, cpus)
                 except Exception as e:  # a handler bug must not kill the executor thread
                     outcome = (Status.ERROR, None, f"handler crashed: {type(e).__name__}: {e}")
-            if spec.kind == "function" and isinstance(spec.payload, dict):
-                self._learn(spec.payload.get("fn"), time.perf_counter() - t0)
+            target = _target(spec)
+            if target is not None:
+                self._learn(target, time.perf_counter() - t0)
             self._complete(spec.id, attempt, outcome, started, time.time(), slots, gen)
 
     def _complete(self, aid: str, attempt: int, outcome, started: float, finished: float,
@@ -314,7 +315,7 @@ class Worker:
             self._running[(spec.id, attempt)] = slots
             if spec.kind == "reward" and self.services is not None:
                 self._submit_reward(spec, attempt, slots, gen)
-            elif spec.kind == "function" and self._fast.get(spec.payload.get("fn") if isinstance(spec.payload, dict) else None, 1.0) < _INLINE_S:
+            elif self._fast.get(_target(spec), 1.0) < _INLINE_S:
                 self._run_inline(spec, attempt, slots, gen)
             elif ncores == 0:
                 self._light.put((spec, attempt, slots, gen))
@@ -405,6 +406,13 @@ class Worker:
             os.write(self._wake_w, b"\0")
         except OSError:
             pass
+
+
+def _target(spec: ActionSpec) -> str | None:
+    # The payload comes from a client: a target that is not a string (a list is unhashable) is the
+    # handler's error to report, never a reason for this loop to fail.
+    fn = spec.payload.get("fn") if spec.kind == "function" and isinstance(spec.payload, dict) else None
+    return fn if isinstance(fn, str) else None
 
 
 #: Functions whose recent run time is below this run inline on the I/O thread.
