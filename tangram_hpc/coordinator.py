@@ -26,7 +26,6 @@ import logging
 import os
 import socket
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,7 +33,7 @@ from typing import Any
 import zmq
 
 from . import protocol as P
-from .actions import BUILTIN_KINDS, ActionSpec, Status, ValidationError, new_action_id
+from .actions import BUILTIN_KINDS, ActionSpec, Status, ValidationError, new_action_id, register_kind
 from .backends.base import WorkerBackend, WorkerLaunchSpec
 from .connection import ConnectionInfo
 from .policy.base import Launch, PoolPolicy, PoolView, Reclaim, SchedulingPolicy, WorkerStatus
@@ -97,6 +96,31 @@ class _Action:
         self.waiters: list[tuple[bytes, str]] | None = None  # (client, action id) sharing an idempotency key
 
 
+class _Recent:
+    """A bounded map of recent entries in two generations of plain dicts.
+
+    Lookups see both; once the young one holds half the capacity it becomes the old one and
+    the old one is dropped whole.  Dropping whole dicts, rather than evicting entry by entry
+    from one ordered map, keeps the coordinator's memory flat over millions of actions.
+    """
+
+    __slots__ = ("half", "young", "old")
+
+    def __init__(self, capacity: int):
+        self.half = max(1, capacity // 2)
+        self.young: dict = {}
+        self.old: dict = {}
+
+    def get(self, key):
+        v = self.young.get(key)
+        return v if v is not None else self.old.get(key)
+
+    def put(self, key, value) -> None:
+        self.young[key] = value
+        if len(self.young) >= self.half:
+            self.old, self.young = self.young, {}
+
+
 class _Worker:
     __slots__ = ("info", "ident", "last_seen", "running", "busy_cores", "draining", "idle_since",
                  "services", "envs", "registered_at", "drain_reason")
@@ -145,8 +169,8 @@ class Coordinator:
         self._launched: dict[str, WorkerShape] = {}                # handle -> shape asked for
         self._reclaim_at: dict[str, float] = {}                    # drained handle -> cancel its job then
         self._launch_failures: list[tuple[float, str]] = []
-        self._recent: OrderedDict[str, list] = OrderedDict()     # action id -> result wire
-        self._idem: dict[str, str] = {}                          # idempotency key -> action id
+        self._recent = _Recent(config.result_cache)               # action id -> result wire
+        self._idem = _Recent(config.result_cache)                 # idempotency key -> action id
         self._client_pending: dict[bytes, int] = {}
         self._client_out: dict[bytes, list] = {}
         self._worker_out: dict[str, list] = {}
@@ -346,7 +370,7 @@ class Coordinator:
     def _on_idempotent(self, ident: bytes, spec: ActionSpec, key: str, now: float) -> bool:
         first = self._idem.get(key)
         if first is None:
-            self._idem[key] = spec.id
+            self._idem.put(key, spec.id)
             return False
         live = self._actions.get(first)
         if live is not None:
@@ -356,7 +380,7 @@ class Coordinator:
             return True
         done = self._recent.get(first)
         if done is None:
-            self._idem[key] = spec.id  # original forgotten: run again
+            self._idem.put(key, spec.id)  # original forgotten: run again
             return False
         copy = list(done)
         copy[0] = spec.id
@@ -427,11 +451,16 @@ class Coordinator:
         wid = ident.decode("utf-8", "replace")
         if reg["id"] != wid:
             raise P.ProtocolError("malformed", "REGISTER id must equal the socket identity")
+        if not reg["kinds"]:
+            raise P.ProtocolError("malformed", "REGISTER declares no action kinds: such a worker could run nothing")
+        for kind in reg["kinds"]:
+            if kind not in BUILTIN_KINDS:
+                register_kind(kind)  # clients may now submit actions of the worker's own kinds
         old = self._workers.get(wid)
         if old is not None:
             self._lose_worker(old, now, f"worker {wid} registered again")
         info = WorkerInfo(id=wid, cores=reg["cores"], mem_mb=reg["mem_mb"], gpus=reg["gpus"],
-                          gpu_mem_mb=reg["gpu_mem_mb"], kinds=frozenset(reg["kinds"] or BUILTIN_KINDS),
+                          gpu_mem_mb=reg["gpu_mem_mb"], kinds=frozenset(reg["kinds"]),
                           services=frozenset(reg["services"]), handle=reg["handle"], host=reg["host"] or "",
                           partition=reg["partition"], extra={"pid": reg["pid"]})
         w = _Worker(info, ident, now)
@@ -448,8 +477,13 @@ class Coordinator:
     def _on_done(self, w: _Worker, items: list, now: float) -> None:
         policy = self.policy
         actions = self._actions
+        bad = 0
         for item in items:
-            aid, attempt, status, output, error, started, finished = P.check_done(item)
+            try:
+                aid, attempt, status, output, error, started, finished = P.check_done(item)
+            except ValidationError:
+                bad += 1  # one broken item must not strand the rest of the batch
+                continue
             a = actions.get(aid)
             if a is None or a.attempt != attempt or a.worker != w.info.id:
                 self.counters.stale_results += 1
@@ -465,6 +499,8 @@ class Coordinator:
                 status = Status.CANCELLED
             self._finalize(a, status, output, error, started, finished)
         self._dirty = True
+        if bad:
+            raise P.ProtocolError("invalid", f"{bad} malformed DONE item(s) from worker {w.info.id} ignored")
 
     def _lose_worker(self, w: _Worker, now: float, reason: str) -> None:
         wid = w.info.id
@@ -531,12 +567,7 @@ class Coordinator:
             self._client_pending.pop(a.client, None)
         res = [aid, status, output, error, a.submitted, started, finished, a.worker, a.cores, a.attempt]
         self._client_out.setdefault(a.client, []).append(res)
-        recent = self._recent
-        recent[aid] = res
-        if len(recent) > self.config.result_cache:
-            old, _ = recent.popitem(last=False)
-            if spec.idempotency_key is not None and len(self._idem) > self.config.result_cache:
-                self._idem.clear()  # rare; keys of forgotten results would only re-run
+        self._recent.put(aid, res)
         if a.waiters:
             for ident, other in a.waiters:
                 copy = list(res)

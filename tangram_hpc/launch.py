@@ -113,6 +113,10 @@ def build_coordinator(args: argparse.Namespace) -> Coordinator:
         pool = StaticPool([shape] * args.workers + [reward] * args.reward_workers)
     elif args.backend == "slurm":
         backend, pool = _slurm(args, cfg, policy)
+    if pool is not None:
+        # An action larger than every shape the pool can provide fails at once with the reason
+        # instead of waiting forever (with --backend none any size of worker may still join).
+        policy.set_shapes(pool.shapes)
     return Coordinator(cfg, policy, pool=pool, backend=backend)
 
 

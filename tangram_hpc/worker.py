@@ -84,6 +84,7 @@ class Worker:
         self._coordinator: str | None = None
         self._registered = False
         self._leaving: str | None = None
+        self._exit_code = 0
         self._fast: dict[str, float] = {}   # function target -> recent run time (s)
         self._last_gc = time.monotonic()
         self._cancel_fds: dict[str, int] = {}   # running sandbox action -> write end of its cancel pipe
@@ -213,7 +214,7 @@ class Worker:
                     if self._registered:
                         self._send(P.HEARTBEAT, {"leaving": self._leaving})
                     return 0
-            return 0
+            return self._exit_code
         finally:
             for t in self._threads:
                 (self._light if t.name.startswith("light") else self._tasks).put(None)
@@ -292,7 +293,14 @@ class Worker:
                     log.info("stopping: %s", body.get("reason"))
                     self._stop = True
             elif mtype == P.ERROR:
-                log.warning("coordinator error: %s", body.get("message"))
+                if not self._registered:
+                    # Our REGISTER was refused: retrying would be refused forever, so exit and let
+                    # the backend report a failed start.
+                    log.error("the coordinator refused this worker: %s", body.get("message"))
+                    self._stop = True
+                    self._exit_code = 2
+                else:
+                    log.warning("coordinator error: %s", body.get("message"))
         return heard
 
     def _on_assign(self, items: list) -> None:
@@ -423,12 +431,19 @@ _LIGHT_THREADS = 4
 _FROM_COORDINATOR = frozenset({P.WELCOME, P.ASSIGN, P.KILL, P.STOP, P.HEARTBEAT, P.ERROR})
 
 
+def _count(text: str) -> int:
+    n = int(text)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {n}")
+    return n
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--connection-file", required=False, help="coordinator connection file (default $TANGRAM_CONNECTION)")
-    p.add_argument("--cores", type=int, default=0, help="cores this worker offers (default: all CPUs it may use)")
-    p.add_argument("--mem-mb", type=int, default=0, help="memory it offers in MiB (0: not enforced by the scheduler)")
-    p.add_argument("--gpus", type=int, default=0, help="GPUs it offers (default 0)")
-    p.add_argument("--gpu-mem-mb", type=int, default=0, help="total GPU memory in MiB (or the host-RAM budget "
+    p.add_argument("--cores", type=_count, default=0, help="cores this worker offers (default: all CPUs it may use)")
+    p.add_argument("--mem-mb", type=_count, default=0, help="memory it offers in MiB (0: not enforced by the scheduler)")
+    p.add_argument("--gpus", type=_count, default=0, help="GPUs it offers (default 0)")
+    p.add_argument("--gpu-mem-mb", type=_count, default=0, help="total GPU memory in MiB (or the host-RAM budget "
                    "standing in for it when services run on the CPU)")
     p.add_argument("--handle", default=os.environ.get(HANDLE_ENV), help="backend handle of the job running it")
     p.add_argument("--run-dir", help="directory for environments and scratch (default: under the coordinator's)")

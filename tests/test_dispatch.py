@@ -111,13 +111,9 @@ def test_resubmitting_a_finished_action_returns_the_same_result(cluster):
     assert again.output == first.output and again.worker == first.worker
 
 
-def test_unplaceable_demand_waits_then_is_not_lost(client):
-    spec = ActionSpec(kind="sandbox", payload={"cmd": "true"}, demand=Demand(64, 64))
-    r = client.submit(spec)
-    with pytest.raises(TimeoutError):
-        r.result(1.0)
-    client.cancel(spec.id)
-    assert r.result(10).status == Status.CANCELLED
+def test_demand_no_worker_shape_can_hold_fails_with_the_reason(client):
+    r = client.submit(ActionSpec(kind="sandbox", payload={"cmd": "true"}, demand=Demand(64, 64))).result(10)
+    assert r.status == Status.ERROR and "cannot be placed" in r.error
 
 
 def test_async_client(cluster):

@@ -23,8 +23,9 @@ import zmq
 
 from tangram_hpc import Client, Status, function, sandbox
 from tangram_hpc import protocol as P
-from tangram_hpc.connection import wait_for_file
+from tangram_hpc.connection import ConnectionInfo, wait_for_file
 from tangram_hpc.launch import LocalCluster
+from tangram_hpc.security import CurveKeys
 
 pytestmark = pytest.mark.slow
 
@@ -100,13 +101,12 @@ def _stop(proc: subprocess.Popen) -> None:
 
 def test_sigstop_worker_then_resume_delivers_each_result_once(tmp_path):
     """A stopped worker is declared lost and its actions rerun elsewhere; its late results are dropped."""
-    marks = tmp_path / "marks"
     with LocalCluster(workers=2, cores=2, run_dir=tmp_path / "run",
                       extra_args=["--worker-timeout", "2.5", "--heartbeat", "0.5"]) as cl, cl.client() as c:
         deliveries = _track(c)
-        # Each run appends "<index> <worker pid>" when it finishes: the proof that the stopped worker's
-        # attempts did run to the end after it was resumed.
-        specs = [sandbox(f"sleep 1; echo {i} $PPID >> {marks}; echo {i}") for i in range(8)]
+        # Each run appends its index to a file in its environment (on the host: under the worker's
+        # directory) when it finishes: the proof that the stopped worker's attempts did run to the end.
+        specs = [sandbox(f"sleep 1; echo {i} >> marks; echo {i}", env=f"mark-{i}") for i in range(8)]
         futs = c.submit_many(specs)
         victim = _wait(lambda: next((w for w in c.status()["workers"] if w["running"] == 2), None), 10,
                        "a worker running two actions")
@@ -125,7 +125,8 @@ def test_sigstop_worker_then_resume_delivers_each_result_once(tmp_path):
         # The resumed worker finishes its two abandoned attempts.  It reports them if it gets to before
         # it learns it was dropped (the coordinator then counts them as stale), else it drops them itself
         # when it registers again; test_late_result_of_a_lost_worker_is_stale pins the first path down.
-        late = lambda: [ln for ln in marks.read_text().splitlines() if ln.split()[1] == str(victim["pid"])]
+        victim_dir = tmp_path / "run" / f"worker-{victim['id']}"
+        late = lambda: [ln for f in victim_dir.glob("envs/*/marks") for ln in f.read_text().splitlines()]
         ran_on_victim = {r.output["stdout"].strip() for r in results if r.worker == victim["id"]}
         _wait(lambda: len(late()) == len(ran_on_victim) + 2, 15, "the stopped worker's attempts to finish")
         st = c.status()
@@ -146,13 +147,14 @@ def _coordinator(run_dir: Path, *extra: str) -> subprocess.Popen:
 class _RawWorker:
     """A worker speaking the protocol by hand: the test decides when it falls silent and what it reports."""
 
-    def __init__(self, ctx: zmq.Context, address: str, wid: str):
+    def __init__(self, ctx: zmq.Context, conn: ConnectionInfo, wid: str):
         self.id = wid
         self.sock = ctx.socket(zmq.DEALER)
+        CurveKeys.apply_client(self.sock, conn)   # it holds the key: the protocol is under test here
         self.sock.setsockopt(zmq.IDENTITY, wid.encode())
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.RCVTIMEO, 10_000)
-        self.sock.connect(address)
+        self.sock.connect(conn.worker_address)
 
     def send(self, mtype: int, body) -> None:
         self.sock.send(P.encode(mtype, body))
@@ -174,8 +176,8 @@ def test_late_result_of_a_lost_worker_is_stale(tmp_path):
     coord = _coordinator(tmp_path, "--worker-timeout", "1.5")
     ctx = zmq.Context()
     try:
-        address = wait_for_file(conn, 30).worker_address
-        slow, spare = _RawWorker(ctx, address, "raw-slow"), _RawWorker(ctx, address, "raw-spare")
+        info = wait_for_file(conn, 30)
+        slow, spare = _RawWorker(ctx, info, "raw-slow"), _RawWorker(ctx, info, "raw-spare")
         slow.register()
         with Client(connection_file=str(conn)) as c:
             deliveries = _track(c)

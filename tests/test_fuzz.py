@@ -25,6 +25,7 @@ from tangram_hpc import protocol as P
 from tangram_hpc.actions import BUILTIN_KINDS, ActionResult, ActionSpec, Demand, ValidationError
 from tangram_hpc.connection import ConnectionInfo
 from tangram_hpc.launch import LocalCluster
+from tangram_hpc.security import CurveKeys
 
 NOOP = "tangram_hpc.handlers:noop"
 #: TANGRAM_FUZZ_SCALE=20 fuzzes twenty times longer (CI runs the default, 1).
@@ -232,9 +233,11 @@ def live(tmp_path_factory):
 _PROBE_TYPE = 12345  # an unknown type: always answered with an ERROR naming it, after all earlier frames
 
 
-def _send_and_sync(ctx: zmq.Context, address: str, frames: list[bytes], identity: bytes | None = None) -> None:
-    """Send frames on a fresh DEALER, then wait until the coordinator has handled all of them."""
+def _send_and_sync(ctx: zmq.Context, info: ConnectionInfo, address: str, frames: list[bytes],
+                   identity: bytes | None = None) -> None:
+    """Send frames on a fresh DEALER (holding the client key), then wait until the coordinator handled them."""
     s = ctx.socket(zmq.DEALER)
+    CurveKeys.apply_client(s, info)
     s.setsockopt(zmq.LINGER, 0)
     s.setsockopt(zmq.RCVTIMEO, 10_000)
     if identity is not None:
@@ -300,7 +303,7 @@ def test_live_client_socket_fuzz(live, frames):
     valid = _Valid(client)
     valid.submit()
     ctx = zmq.Context.instance()
-    _send_and_sync(ctx, info.client_address, frames)
+    _send_and_sync(ctx, info, info.client_address, frames)
     valid.submit()
     valid.check()
     _alive(cl, client)
@@ -349,7 +352,7 @@ def test_live_worker_socket_fuzz(live, identity, register, data):
     # the fuzzer must not register one that real actions would be sent to.
     assume(not any(_serves_real_actions(f) for f in frames))
     ctx = zmq.Context.instance()
-    _send_and_sync(ctx, info.worker_address, frames, identity=identity)
+    _send_and_sync(ctx, info, info.worker_address, frames, identity=identity)
     valid.submit()
     valid.check()
     _alive(cl, client)
@@ -380,6 +383,7 @@ def test_bad_item_in_a_submit_batch_fails_alone(live):
     _, _, info = live
     ctx = zmq.Context.instance()
     s = ctx.socket(zmq.DEALER)
+    CurveKeys.apply_client(s, info)
     s.setsockopt(zmq.LINGER, 0)
     s.setsockopt(zmq.RCVTIMEO, 10_000)
     s.connect(info.client_address)
@@ -412,11 +416,11 @@ def test_function_action_with_an_odd_target_fails_alone(live, fn):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="FifoPolicy has no unplaceable(): a head no worker can run blocks "
-                                       "every action behind it; remove this mark when it is fixed")
-def test_unplaceable_action_blocks_the_fifo_queue(tmp_path):
-    with LocalCluster(workers=1, cores=1, run_dir=tmp_path, extra_args=["--policy", "fifo"]) as cl, \
+@pytest.mark.parametrize("policy", ["fifo", "elastic"])
+def test_unplaceable_action_fails_and_blocks_nothing(tmp_path, policy):
+    with LocalCluster(workers=1, cores=1, run_dir=tmp_path, extra_args=["--policy", policy]) as cl, \
             cl.client() as c:
         stuck = c.submit(function(NOOP, "needs 8 cores", cores=8))
         assert c.submit(function(NOOP, "fits")).result(3).output == "fits"
-        assert stuck.result(10).status == "error"
+        r = stuck.result(10)
+        assert r.status == "error" and "cannot be placed" in r.error and "8" in r.error

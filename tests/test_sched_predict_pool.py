@@ -156,3 +156,24 @@ def test_drains_workers_near_their_time_limit_and_replaces_them():
     young = _ws("young", busy=16, running=16)
     young.ends_at = 5000.0
     assert not any(isinstance(d, Reclaim) for d in pc.decide(PoolView(1000.0, [], [young])))
+
+
+def test_static_pool_replaces_backs_off_and_gives_back_extras():
+    from tangram_hpc.policy.base import StaticPool
+    shape = WorkerShape(2)
+    pool = StaticPool([shape, shape])
+    assert pool.decide(PoolView(0.0, [], [])) == [Launch(shape, 2)]
+    one = _ws("a", shape, idle_since=0.0)
+    one.started_at = 1.0
+    assert pool.decide(PoolView(5.0, [], [one], starting=[(shape, 4.0)])) == []
+    # starts keep failing: 1, 2, 4, 8 ... seconds between attempts
+    failures = [(10.0, "exit status 1"), (11.0, "exit status 1"), (13.0, "exit status 1")]
+    assert pool.decide(PoolView(14.0, [], [one], failures=failures)) == []
+    assert "backing off" in pool.explain()
+    assert pool.decide(PoolView(17.5, [], [one], failures=failures)) == [Launch(shape, 1)]
+    # a lost worker came back: three where two are kept, and the idle extra is given back
+    b, c = _ws("b", shape, idle_since=20.0), _ws("c", shape, busy=2, running=1)
+    b.started_at = c.started_at = 20.0
+    out = pool.decide(PoolView(30.0, [], [one, b, c], failures=failures))
+    assert [d.worker_id for d in out if isinstance(d, Reclaim)] == ["a"]
+    assert not any(isinstance(d, Launch) for d in out)

@@ -109,6 +109,10 @@ class PoolController(PoolPolicy):
         self._last = ""
         self._seen_failures = 0.0
 
+    @property
+    def shapes(self) -> list[WorkerShape]:
+        return list(self.config.shapes)
+
     def update_cluster(self, capacity: ClusterCapacity | None) -> None:
         """The batch system's current free resources (the Slurm backend polls them)."""
         self.cluster = capacity
