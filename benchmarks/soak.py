@@ -62,7 +62,8 @@ def rss_mib(pid: int) -> float:
     return float("nan")
 
 
-def _client(conn_file: str, k: int, n: int, wave: int, sample_every: int, progress, start, out) -> None:
+def _client(conn_file: str, k: int, n: int, wave: int, sample_every: int, progress, start, out,
+            action_cores: int = 1) -> None:
     from tangram_hpc import Client, function
     acts = np.empty(n, dtype=np.float32)
     rtts: list[float] = []
@@ -72,7 +73,7 @@ def _client(conn_file: str, k: int, n: int, wave: int, sample_every: int, progre
         i = 0
         while i < n:
             m = min(wave, n - i)
-            specs = [function(NOOP, i + j) for j in range(m)]
+            specs = [function(NOOP, i + j, cores=action_cores) for j in range(m)]
             t_sub = time.perf_counter()
             futs = c.submit_many(specs)
             stamps = []
@@ -107,6 +108,8 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=400_000, help="completed actions before memory should be flat")
     ap.add_argument("--timeline", type=int, default=24, help="rows in the printed timeline")
     ap.add_argument("--policy", default=None)
+    ap.add_argument("--action-cores", type=int, default=1,
+                    help="core demand of each no-op (0: light actions, pipelined to workers; default 1)")
     ap.add_argument("--run-dir", help="coordinator run directory (default: a temporary one, removed at the end)")
     args = ap.parse_args()
 
@@ -122,7 +125,7 @@ def main() -> int:
             start = ctx.Event()
             out = ctx.Queue()
             procs = [ctx.Process(target=_client, args=(str(cl.connection_file), k, n, args.wave, args.sample_every,
-                                                       progress[k], start, out))
+                                                       progress[k], start, out, args.action_cores))
                      for k, n in enumerate(per)]
             for p in procs:
                 p.start()
