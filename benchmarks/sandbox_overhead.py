@@ -17,6 +17,9 @@ import tempfile
 import time
 from pathlib import Path
 
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
 from tangram_hpc.actions import ActionSpec, Status
 from tangram_hpc.managers import Limits, SandboxManager, TreeTemplate
 

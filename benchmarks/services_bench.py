@@ -10,10 +10,15 @@ Usage: python3 benchmarks/services_bench.py [--actions N] [--no-model]
 from __future__ import annotations
 
 import argparse
+import sys
 import threading
 import time
+from pathlib import Path
 
 import psutil
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from tangram_hpc.managers.devices import discover_devices
 from tangram_hpc.managers.service_spec import ServiceSpec
