@@ -46,6 +46,7 @@ def test_environment_moves_to_another_worker_when_its_worker_leaves(tmp_path):
             assert r.ok, r.error
             assert r.worker != worker_a
             assert r.output["stdout"] == "state of turn 1\nx\n"
+            assert os.listdir(tmp_path / "snapshots") == []   # consumed by the restore
     finally:
         for p in procs:
             p.kill()

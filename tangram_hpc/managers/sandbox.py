@@ -32,6 +32,7 @@ import resource
 import shutil
 import signal
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -162,6 +163,7 @@ class SandboxManager:
         drop = self.root_mode and (self.layout is not None or _traversable(self.root))
         self.envs = EnvStore(self.root, templates or {}, default_template, env_ttl, warm_pool, drop)
         self._closed = False
+        self._ensure_lock = threading.Lock()
 
     # -- public API ---------------------------------------------------------------
     @property
@@ -253,13 +255,16 @@ class SandboxManager:
         This is how an environment follows its trajectory to another worker after its
         first worker was drained (which snapshots every environment it hosts).
         """
-        if env_id in self.envs.ids():
-            return False
-        snap = self.latest_snapshot(env_id)
-        if snap is None:
-            return False
-        self.restore(env_id, snap)
-        return True
+        with self._ensure_lock:  # two first actions of one environment restore it once
+            if env_id in self.envs.ids():
+                return False
+            snap = self.latest_snapshot(env_id)
+            if snap is None:
+                return False
+            self.restore(env_id, snap)
+            # Consumed: the environment lives here now, and a later drain writes a newer snapshot.
+            Path(snap).unlink(missing_ok=True)
+            return True
 
     def snapshot_all(self) -> list[str]:
         """Snapshot every environment (a worker being drained); returns the paths."""
