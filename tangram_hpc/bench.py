@@ -131,25 +131,21 @@ def match_step(plan: Plan, target_step: float, progress=None) -> dict[str, Any]:
     C, G = w.cluster.cpu_workers, w.cluster.gpu_workers
     if not ok(run(C, G)):
         return {"matched": False, "cpu_workers": C, "gpu_workers": G, "result": run(C, G)}
-    lo, hi = 1, C                # smallest CPU count that still matches
+    c = _smallest(C, lambda n: ok(run(n, G)))      # fewest CPU workers that still match
+    g = _smallest(G, lambda n: ok(run(c, n))) if G else G
+    return {"matched": True, "cpu_workers": c, "gpu_workers": g, "result": run(c, g)}
+
+
+def _smallest(hi: int, good) -> int:
+    """The smallest n in 1..hi with good(n), for a good() that stays true above it (bisection)."""
+    lo = 1
     while lo < hi:
         mid = (lo + hi) // 2
-        if ok(run(mid, G)):
+        if good(mid):
             hi = mid
         else:
             lo = mid + 1
-    c = lo
-    g = G
-    if G:
-        lo, hi = 1, G
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if ok(run(c, mid)):
-                hi = mid
-            else:
-                lo = mid + 1
-        g = lo
-    return {"matched": True, "cpu_workers": c, "gpu_workers": g, "result": run(c, g)}
+    return lo
 
 
 def _summary(r: SimResult) -> dict[str, Any]:

@@ -405,24 +405,24 @@ class SandboxManager:
             files[f"{sf.CODE_DIR}/{lang.filename}"] = req.code.encode()
             self.envs.write_files(env, files)
             compile_argv, run_argv = req.argvs()
+
+            def step(argv, stdin, timeout_s):
+                res, _, _ = self._exec(env, argv, stdin, {}, base.merged({"timeout_s": timeout_s}), cpus, False,
+                                       cancel_fd)
+                return res, sf.command_result(timed_out=res.timed_out, returncode=res.returncode,
+                                              stdout=res.text("stdout"), stderr=res.text("stderr"),
+                                              wall_s=res.wall_s)
+
             ok = True
             if compile_argv is not None:
-                res, _, _ = self._exec(env, compile_argv, None, {}, base.merged(
-                    {"timeout_s": req.compile_timeout}), cpus, False, cancel_fd)
+                res, compile_result = step(compile_argv, None, req.compile_timeout)
                 if res.cancelled:
                     return SandboxOutcome(Status.CANCELLED, None, "cancelled while compiling")
-                compile_result = sf.command_result(timed_out=res.timed_out, returncode=res.returncode,
-                                                   stdout=res.text("stdout"), stderr=res.text("stderr"),
-                                                   wall_s=res.wall_s)
                 ok = not res.timed_out and res.returncode == 0
             if ok:
-                res, _, _ = self._exec(env, run_argv, req.stdin, {}, base.merged(
-                    {"timeout_s": req.run_timeout}), cpus, False, cancel_fd)
+                res, run_result = step(run_argv, req.stdin, req.run_timeout)
                 if res.cancelled:
                     return SandboxOutcome(Status.CANCELLED, None, "cancelled while running")
-                run_result = sf.command_result(timed_out=res.timed_out, returncode=res.returncode,
-                                               stdout=res.text("stdout"), stderr=res.text("stderr"),
-                                               wall_s=res.wall_s)
             for name in req.fetch_files:
                 data = read_inside(env.path, name, _FETCH_LIMIT)
                 if data is not None:
