@@ -43,7 +43,7 @@ from .runlog import RunLog
 log = logging.getLogger("tangram.coordinator")
 
 _BATCH = 2000          # messages drained from one socket per loop turn
-_SUBMIT_SLICE = 5000   # results per RESULT frame
+_RESULT_SLICE = 5000   # results per RESULT frame
 
 
 @dataclass
@@ -167,6 +167,7 @@ class Coordinator:
         self._handles: dict[str, str] = {}                       # backend handle -> worker id
         self._starting: dict[str, tuple[WorkerShape, float]] = {}  # handle -> (shape, requested at)
         self._launched: dict[str, WorkerShape] = {}                # handle -> shape asked for
+        self._last_pool = 0.0                                      # when the pool policy last decided
         self._reclaim_at: dict[str, float] = {}                    # drained handle -> cancel its job then
         self._launch_failures: list[tuple[float, str]] = []
         self._recent = _Recent(config.result_cache)               # action id -> result wire
@@ -243,15 +244,12 @@ class Coordinator:
             while not self._stop:
                 now_m = time.monotonic()
                 wait = max(0.0, next_tick - now_m)
-                wakeup = self.policy.next_wakeup(time.time())
-                if wakeup is not None:
-                    wait = min(wait, max(0.0, wakeup - time.time()))
                 events = dict(poller.poll(int(wait * 1000) + (0 if wait == 0 else 1)))
                 if self.workers in events:
                     self._drain(self.workers, self._on_worker_frame)
                 if self.clients in events:
                     self._drain(self.clients, self._on_client_frame)
-                if self._dirty or wakeup is not None:
+                if self._dirty:
                     self._dispatch(time.time())
                 self._flush()
                 now_m = time.monotonic()
@@ -600,9 +598,9 @@ class Coordinator:
             out, self._client_out = self._client_out, {}
             send = self.clients.send_multipart
             for ident, results in out.items():
-                for i in range(0, len(results), _SUBMIT_SLICE):
+                for i in range(0, len(results), _RESULT_SLICE):
                     try:
-                        send([ident, P.encode(P.RESULT, results[i:i + _SUBMIT_SLICE])], zmq.NOBLOCK)
+                        send([ident, P.encode(P.RESULT, results[i:i + _RESULT_SLICE])], zmq.NOBLOCK)
                     except zmq.ZMQError:
                         pass  # client gone; it resubmits on reconnect and gets cached results
 
@@ -681,7 +679,7 @@ class Coordinator:
                     self._launch_failed(now, f"{ev.handle}: {ev.state} {ev.reason}".strip())
             if wid is not None and wid in self._workers:
                 self._lose_worker(self._workers[wid], now, f"backend job {ev.handle} {ev.state} {ev.reason}".strip())
-        if now - getattr(self, "_last_pool", 0.0) >= self.config.pool_interval_s:
+        if now - self._last_pool >= self.config.pool_interval_s:
             self._last_pool = now
             self._pool_decide(now)
 

@@ -131,7 +131,7 @@ def check_register(body: dict) -> dict:
         out[key] = v
     if out["cores"] < 1:
         raise ProtocolError("malformed", "REGISTER cores must be at least 1")
-    for key in ("kinds", "services", "envs"):
+    for key in ("kinds", "services"):
         v = body.get(key, [])
         if not isinstance(v, list) or len(v) > 100_000 or not all(isinstance(s, str) for s in v):
             raise ProtocolError("malformed", f"REGISTER {key} must be a list of strings")

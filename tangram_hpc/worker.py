@@ -247,8 +247,7 @@ class Worker:
             "id": self.id, "pid": os.getpid(), "cores": self.cores, "mem_mb": c.mem_mb, "gpus": c.gpus,
             "gpu_mem_mb": c.gpu_mem_mb, "kinds": list(c.kinds),
             "services": sorted(self.services.service_names) if self.services is not None else [],
-            "handle": c.handle, "host": socket.gethostname(), "partition": os.environ.get("SLURM_JOB_PARTITION"),
-            "envs": []})
+            "handle": c.handle, "host": socket.gethostname(), "partition": os.environ.get("SLURM_JOB_PARTITION")})
 
     def _heartbeat(self) -> None:
         body: dict[str, Any] = {"running": len(self._running)}
@@ -259,7 +258,8 @@ class Worker:
             now = time.monotonic()
             if now - self._last_gc > 30:
                 self._last_gc = now
-                self.sandboxes.gc(now)
+                # Deleting expired environment trees can take a while: never on the I/O thread.
+                threading.Thread(target=self.sandboxes.gc, args=(now,), name="env-gc", daemon=True).start()
         self._send(P.HEARTBEAT, body)
 
     def _drain_socket(self) -> bool:

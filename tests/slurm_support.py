@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support import wait_until  # noqa: F401  (the Slurm tests import it from here)
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "slurm"
@@ -40,15 +41,6 @@ def dev_cluster() -> None:
         _unavailable(f"scripts/dev-cluster.sh start failed ({proc.returncode}): {proc.stderr[-2000:]}")
 
 
-def wait_until(pred, timeout: float = 30.0, interval: float = 0.2, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 def sbatch(*args: str) -> int:

@@ -27,6 +27,8 @@ from tangram_hpc.connection import ConnectionInfo, wait_for_file
 from tangram_hpc.launch import LocalCluster
 from tangram_hpc.security import CurveKeys
 
+from support import wait_until
+
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
@@ -65,15 +67,8 @@ def _exactly_once(client: Client, deliveries: Counter, specs, futures, timeout: 
     return results
 
 
-def _wait(predicate, timeout: float, what: str, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(interval)
+def _wait(predicate, timeout: float, what: str):
+    return wait_until(predicate, timeout, 0.05, what)
 
 
 def _popen(args, log: Path, **kw) -> subprocess.Popen:

@@ -395,6 +395,18 @@ class EnvStore:
             raise
         return str(final)
 
+    def latest_snapshot(self, env_id: str, snapshot_dir: Path) -> str | None:
+        """The newest :meth:`snapshot` of ``env_id`` in ``snapshot_dir`` (by any worker), if any."""
+        if not Path(snapshot_dir).is_dir():
+            return None
+        pattern = re.compile(re.escape(_dirname(env_id)) + r"-(\d+)-[0-9a-f]{8}\.tar\.gz$")
+        best: tuple[int, str] | None = None
+        for entry in os.scandir(snapshot_dir):
+            m = pattern.match(entry.name)
+            if m and (best is None or (int(m.group(1)), entry.name) > best):
+                best = (int(m.group(1)), entry.name)
+        return str(Path(snapshot_dir) / best[1]) if best else None
+
     def restore(self, env_id: str, snapshot: str, template: str | None = None) -> Environment:
         """Recreate ``env_id`` from a snapshot, replacing any local copy."""
         src = Path(snapshot)

@@ -41,7 +41,7 @@ from ..actions import ActionSpec, Status
 from . import sandboxfusion as sf
 from .bwrap import SANDBOX_DIR, BwrapLayout, BwrapUnavailable, probe_bwrap
 from .cgroups import Cgroups, CgroupScope
-from .environments import EnvError, EnvStore, Environment, _dirname, read_inside
+from .environments import EnvError, EnvStore, Environment, read_inside
 from .limits import Limits, LimitsError, wrapper_argv
 from .process import ProcResult, run_bounded
 
@@ -239,15 +239,7 @@ class SandboxManager:
 
     def latest_snapshot(self, env_id: str) -> str | None:
         """The newest snapshot of ``env_id`` in ``snapshot_dir`` (by any worker), if any."""
-        if self.snapshot_dir is None or not self.snapshot_dir.is_dir():
-            return None
-        pattern = re.compile(re.escape(_dirname(env_id)) + r"-(\d+)-[0-9a-f]{8}\.tar\.gz$")
-        best: tuple[int, str] | None = None
-        for entry in os.scandir(self.snapshot_dir):
-            m = pattern.match(entry.name)
-            if m and (best is None or (int(m.group(1)), entry.name) > best):
-                best = (int(m.group(1)), entry.name)
-        return str(self.snapshot_dir / best[1]) if best else None
+        return None if self.snapshot_dir is None else self.envs.latest_snapshot(env_id, self.snapshot_dir)
 
     def ensure(self, env_id: str) -> bool:
         """Before running in ``env_id``: restore it from a snapshot when this worker lacks it.

@@ -72,10 +72,6 @@ class SchedulingPolicy(ABC):
     @abstractmethod
     def schedule(self, now: float) -> list[Assignment]: ...
 
-    def next_wakeup(self, now: float) -> float | None:
-        """Latest time the driver should call :meth:`schedule` again with no new event."""
-        return None
-
     @property
     @abstractmethod
     def pending_count(self) -> int: ...
