@@ -31,6 +31,8 @@ export TANGRAM_CONNECTION_FILE=$CONN
 rm -f "$CONN"   # a file from an earlier run would look like success
 # the job must import tangram_hpc even when it is not installed
 export PYTHONPATH="$HERE${PYTHONPATH:+:$PYTHONPATH}"
+# the python scripts/setup-env.sh installed into, unless the caller chose one
+if [[ -z ${TANGRAM_PYTHON:-} && -x $HERE/.venv/bin/python ]]; then export TANGRAM_PYTHON=$HERE/.venv/bin/python; fi
 job=$(sbatch --parsable --chdir "$SHARED" --export=ALL "$@" "$HERE/slurm_templates/coordinator.sbatch")
 job=${job%%;*}
 deadline=$((SECONDS + WAIT))

@@ -10,6 +10,7 @@ the right one.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -220,12 +221,28 @@ exec -a "$0" {python} "$@"
 """
 
 
+def _broken_python(tmp_path: Path, flag: Path) -> Path:
+    """A wrapper interpreter that the coordinator keeps as its ``sys.executable``.
+
+    ``exec -a`` leaves the wrapper's path in argv[0], so Python looks for its environment beside the
+    wrapper: when the tests run in a venv, mirror its pyvenv.cfg and lib/ there, or the wrapper would
+    start a bare interpreter without the project's packages.
+    """
+    root = tmp_path / "pyenv"
+    (root / "bin").mkdir(parents=True)
+    if sys.prefix != sys.base_prefix:
+        shutil.copy(Path(sys.prefix) / "pyvenv.cfg", root / "pyvenv.cfg")
+        (root / "lib").symlink_to(Path(sys.prefix) / "lib")
+    python = root / "bin" / "python3"
+    python.write_text(_BROKEN_PYTHON.format(flag=flag, python=sys.executable))
+    python.chmod(python.stat().st_mode | stat.S_IXUSR)
+    return python
+
+
 def test_backend_failing_to_start_workers_keeps_actions_pending(tmp_path):
     flag = tmp_path / "environment-broken"
     flag.touch()
-    python = tmp_path / "python3"
-    python.write_text(_BROKEN_PYTHON.format(flag=flag, python=sys.executable))
-    python.chmod(python.stat().st_mode | stat.S_IXUSR)
+    python = _broken_python(tmp_path, flag)
     run = tmp_path / "run"
     conn = run / "connection.json"
     # The local backend starts workers with the coordinator's own interpreter path (sys.executable).
