@@ -75,6 +75,8 @@ def add_coordinator_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-attempts", type=int, default=3, help="attempts per action across worker losses")
     g.add_argument("--worker-timeout", type=float, default=5.0, help="seconds of silence before a worker is lost")
     g.add_argument("--heartbeat", type=float, default=1.0)
+    g.add_argument("--timeout-grace", type=float, default=5.0,
+                   help="seconds past an action's timeout before the coordinator times it out itself")
     g = p.add_argument_group("limits")
     g.add_argument("--max-pending-per-client", type=int, default=200_000,
                    help="unfinished actions one client may have (default 200,000)")
@@ -90,7 +92,8 @@ def build_coordinator(args: argparse.Namespace) -> Coordinator:
     cfg = CoordinatorConfig(run_dir=run_dir, connection_file=args.connection_file, host=host,
                             client_port=args.client_port, worker_port=args.worker_port,
                             heartbeat_s=args.heartbeat, worker_timeout_s=args.worker_timeout,
-                            max_attempts=args.max_attempts, max_pending_per_client=args.max_pending_per_client,
+                            max_attempts=args.max_attempts, timeout_grace_s=args.timeout_grace,
+                            max_pending_per_client=args.max_pending_per_client,
                             max_pending_total=args.max_pending, max_frame_bytes=args.max_frame_bytes)
     if args.insecure:
         if not is_loopback(host):
