@@ -43,7 +43,7 @@ class CoordinatorError(RuntimeError):
 
 
 class Client:
-    """Connect to a coordinator by connection file (or ``$TANGRAM_CONNECTION``) or by address."""
+    """Connect to a coordinator by connection file (or ``$TANGRAM_CONNECTION_FILE``) or by address."""
 
     def __init__(self, address: str | None = None, *, connection_file: str | None = None,
                  connection: ConnectionInfo | None = None, name: str | None = None,
@@ -51,7 +51,7 @@ class Client:
         if connection is None and address is None:
             connection_file = connection_file or default_connection_file()
             if not connection_file:
-                raise ValueError("give a coordinator address, a connection file, or set $TANGRAM_CONNECTION")
+                raise ValueError("give a coordinator address, a connection file, or set $TANGRAM_CONNECTION_FILE")
             connection = ConnectionInfo.read(connection_file)
         self._connection_file = connection_file
         self._conn = connection

@@ -11,7 +11,7 @@ from .client import Client
 
 
 def _connection_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--connection-file", "-c", help="coordinator connection file (default $TANGRAM_CONNECTION)")
+    p.add_argument("--connection-file", "-c", help="coordinator connection file (default $TANGRAM_CONNECTION_FILE)")
     p.add_argument("--address", help="coordinator client address instead of a connection file (insecure only)")
 
 

@@ -13,7 +13,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-ENV_VAR = "TANGRAM_CONNECTION"
+#: The variable naming the connection file, for clients, workers and the coordinator alike.
+CONNECTION_FILE_ENV = "TANGRAM_CONNECTION_FILE"
 
 
 @dataclass(slots=True)
@@ -70,4 +71,4 @@ def wait_for_file(path: str | os.PathLike, timeout: float = 60.0, poll: float = 
 
 
 def default_connection_file() -> str | None:
-    return os.environ.get(ENV_VAR)
+    return os.environ.get(CONNECTION_FILE_ENV) or None

@@ -13,7 +13,8 @@ import pytest
 
 from tangram_hpc import protocol as P
 from tangram_hpc.actions import ActionSpec, Demand, Status, function
-from tangram_hpc.coordinator import ActionLedger, CoordinatorConfig
+from tangram_hpc.config import CoordinatorSettings
+from tangram_hpc.coordinator import ActionLedger
 from tangram_hpc.policy.fifo import FifoPolicy
 from tangram_hpc.resources import WorkerInfo, WorkerShape
 
@@ -21,7 +22,7 @@ C1, C2 = b"client-1", b"client-2"
 
 
 def make(**settings) -> ActionLedger:
-    return ActionLedger(CoordinatorConfig(run_dir="unused", **settings), FifoPolicy())
+    return ActionLedger(CoordinatorSettings(**settings), FifoPolicy())
 
 
 def join(ledger: ActionLedger, wid: str, cores: int = 1, now: float = 0.0) -> None:

@@ -18,6 +18,9 @@ from dataclasses import dataclass
 
 from ..resources import ClusterCapacity, WorkerShape
 
+#: The variable that carries a started worker's handle into its process.
+HANDLE_ENV = "TANGRAM_WORKER_HANDLE"
+
 
 @dataclass(slots=True, frozen=True)
 class BackendEvent:

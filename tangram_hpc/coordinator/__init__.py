@@ -18,7 +18,7 @@ from .ledger import ActionLedger
 from .outbox import Counters, Outbox
 from .pool_driver import PoolDriver
 from .registry import WorkerRecord, WorkerRegistry
-from .server import Coordinator, CoordinatorConfig
+from .server import Coordinator
 
-__all__ = ["ActionLedger", "Coordinator", "CoordinatorConfig", "Counters", "Outbox", "PoolDriver",
+__all__ = ["ActionLedger", "Coordinator", "Counters", "Outbox", "PoolDriver",
            "WorkerRecord", "WorkerRegistry"]

@@ -23,17 +23,15 @@ The rules:
 from __future__ import annotations
 
 import heapq
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .. import protocol as P
+from ..config import CoordinatorSettings
 from ..actions import ActionSpec, Status, ValidationError
 from ..policy.base import SchedulingPolicy
 from ..resources import WorkerInfo
 from .outbox import Counters, Outbox
 from .registry import WorkerRecord, WorkerRegistry
-
-if TYPE_CHECKING:
-    from .server import CoordinatorConfig
 
 
 class _Action:
@@ -77,7 +75,7 @@ class RecentMap:
 
 
 class ActionLedger:
-    def __init__(self, config: CoordinatorConfig, policy: SchedulingPolicy, workers: WorkerRegistry | None = None,
+    def __init__(self, config: CoordinatorSettings, policy: SchedulingPolicy, workers: WorkerRegistry | None = None,
                  *, outbox: Outbox | None = None, counters: Counters | None = None, action_log=None):
         self.config = config
         self.policy = policy

@@ -11,23 +11,20 @@ it is still there ``drain_grace_s`` later.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 from .. import protocol as P
 from ..backends.base import WorkerBackend, WorkerLaunchSpec
+from ..config import CoordinatorSettings
 from ..policy.base import Launch, PoolPolicy, PoolView, Reclaim, WorkerStatus
 from ..resources import WorkerShape
 from .ledger import ActionLedger
 from .registry import WorkerRecord
 
-if TYPE_CHECKING:
-    from .server import CoordinatorConfig
-
 log = logging.getLogger("tangram.coordinator")
 
 
 class PoolDriver:
-    def __init__(self, config: CoordinatorConfig, pool: PoolPolicy, backend: WorkerBackend, ledger: ActionLedger,
+    def __init__(self, config: CoordinatorSettings, pool: PoolPolicy, backend: WorkerBackend, ledger: ActionLedger,
                  *, connection_file: str, cpu_worker_args: tuple[str, ...] = (),
                  service_worker_args: tuple[str, ...] = ()):
         self.config = config

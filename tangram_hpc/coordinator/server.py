@@ -14,18 +14,16 @@ import logging
 import os
 import socket
 import time
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
-
 import zmq
 
 from .. import protocol as P
 from ..actions import ValidationError, new_action_id
 from ..backends.base import WorkerBackend
+from ..config import CoordinatorSettings
 from ..connection import ConnectionInfo
 from ..policy.base import PoolPolicy, SchedulingPolicy
 from ..runlog import RunLog
+from ..security import CurveKeys
 from .ledger import ActionLedger
 from .outbox import Outbox
 from .pool_driver import PoolDriver
@@ -37,42 +35,16 @@ _BATCH = 2000          # messages drained from one socket per loop turn
 _RESULT_SLICE = 5000   # results per RESULT frame
 
 
-@dataclass
-class CoordinatorConfig:
-    run_dir: Path
-    connection_file: Path | None = None
-    host: str = "127.0.0.1"
-    advertise_host: str | None = None
-    client_port: int = 0
-    worker_port: int = 0
-    heartbeat_s: float = 1.0
-    worker_timeout_s: float = 5.0
-    max_attempts: int = 3
-    timeout_grace_s: float = 5.0
-    max_frame_bytes: int = P.MAX_FRAME_BYTES
-    max_pending_per_client: int = 200_000
-    max_pending_total: int = 1_000_000
-    result_cache: int = 200_000
-    hwm: int = 200_000
-    pool_interval_s: float = 1.0
-    drain_grace_s: float = 30.0   # a stopped worker's time to snapshot and exit before its job is cancelled
-    #: extra worker command-line arguments for CPU workers and for service (GPU) workers
-    cpu_worker_args: tuple[str, ...] = ()
-    service_worker_args: tuple[str, ...] = ()
-    #: CurveZMQ keys (see tangram_hpc.security); None means plain TCP.
-    curve: Any = None
-
-    def __post_init__(self) -> None:
-        self.run_dir = Path(self.run_dir)
-        if self.connection_file is None:
-            self.connection_file = self.run_dir / "connection.json"
-        self.connection_file = Path(self.connection_file)
-
-
 class Coordinator:
-    def __init__(self, config: CoordinatorConfig, policy: SchedulingPolicy,
-                 pool: PoolPolicy | None = None, backend: WorkerBackend | None = None):
-        self.config = config
+    """``config`` is the [coordinator] section; ``curve`` the CurveZMQ keys (None: plain TCP);
+    the worker arguments go to every CPU / service worker the pool launches."""
+
+    def __init__(self, config: CoordinatorSettings, policy: SchedulingPolicy,
+                 pool: PoolPolicy | None = None, backend: WorkerBackend | None = None, *,
+                 curve: CurveKeys | None = None, cpu_worker_args: tuple[str, ...] = (),
+                 service_worker_args: tuple[str, ...] = ()):
+        self.config = config = config.resolved()
+        self.curve = curve
         self.policy = policy
         self.backend = backend
         self.id = new_action_id()[:12]
@@ -89,8 +61,8 @@ class Coordinator:
         if pool is not None and backend is not None:
             self.pool_driver = PoolDriver(config, pool, backend, self.ledger,
                                           connection_file=str(config.connection_file),
-                                          cpu_worker_args=config.cpu_worker_args,
-                                          service_worker_args=config.service_worker_args)
+                                          cpu_worker_args=cpu_worker_args,
+                                          service_worker_args=service_worker_args)
         self._stop = False
         self._started = time.time()
         self._ctx: zmq.Context | None = None
@@ -103,16 +75,17 @@ class Coordinator:
         ctx = self._ctx = zmq.Context()
         self.clients = self._router(ctx, mandatory=False)
         self.worker_socket = self._router(ctx, mandatory=True)
-        if cfg.curve is not None:
-            cfg.curve.apply_server(self.clients, self.worker_socket, ctx)
+        curve = self.curve
+        if curve is not None:
+            curve.apply_server(self.clients, self.worker_socket, ctx)
         cport = self._bind(self.clients, cfg.client_port)
         wport = self._bind(self.worker_socket, cfg.worker_port)
         host = cfg.advertise_host or (cfg.host if cfg.host not in ("0.0.0.0", "*") else socket.getfqdn())
         self.info = ConnectionInfo(
             client_address=f"tcp://{host}:{cport}", worker_address=f"tcp://{host}:{wport}",
             coordinator_id=self.id, run_dir=str(cfg.run_dir),
-            server_public_key=cfg.curve.server_public_text if cfg.curve else "",
-            client_key_file=str(cfg.curve.client_key_file) if cfg.curve else "")
+            server_public_key=curve.server_public_text if curve else "",
+            client_key_file=str(curve.client_key_file) if curve else "")
         self.info.write(cfg.connection_file)
         return self.info
 
@@ -184,8 +157,8 @@ class Coordinator:
         bye = P.encode(P.STOP, {"reason": "coordinator shutting down", "reregister": False})
         for w in self.workers:
             self._send_ident(w.ident, bye)
-        if self.config.curve is not None:
-            self.config.curve.stop()
+        if self.curve is not None:
+            self.curve.stop()
         if self.backend is not None:
             try:
                 self.backend.shutdown()
