@@ -30,16 +30,13 @@ import zmq
 from . import protocol as P
 from .actions import ActionResult, ActionSpec
 from .connection import ConnectionInfo, default_connection_file
+from .errors import CoordinatorError
 
 log = logging.getLogger("tangram.client")
 
 _SUBMIT_BATCH = 2000
 
 ActionFuture = Future  # resolves to an ActionResult (whatever its status); never raises for a failed action
-
-
-class CoordinatorError(RuntimeError):
-    """The coordinator answered with an ERROR frame for a request of this client."""
 
 
 class Client:

@@ -31,7 +31,7 @@ from ..config import ConfigError, SlurmSettings
 from ..policy.pool import PoolConfig, PoolController
 from ..resources import ClusterCapacity, PartitionFree, WorkerShape
 from ..slurm import ClusterView, JobInfo, PartitionInfo, SlurmCommandError, cluster_view
-from .base import HANDLE_ENV, BackendEvent, WorkerBackend, WorkerLaunchSpec
+from .base import HANDLE_ENV, BackendEvent, JobState, WorkerBackend, WorkerLaunchSpec
 from .guards import CircuitBreaker, LaunchRefused, SubmitRateLimiter
 
 __all__ = ["SlurmBackend", "SlurmBackendConfig", "LaunchRefused", "backend_config", "backend_from_settings",
@@ -130,7 +130,7 @@ class _Job:
     shape: WorkerShape
     partition: str | None
     submitted: float
-    state: str = "pending"
+    state: JobState = JobState.PENDING
     reason: str = ""
     running_since: float | None = None
     end_time: float | None = None
@@ -279,14 +279,14 @@ class SlurmBackend(WorkerBackend):
         except Exception as e:  # sbatch refused (bad account, QOS limit, controller down)
             reason = f"sbatch failed: {str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}"
             self.breaker.record_failure(now, reason)
-            j = _Job(handle, "", shape, partition, now, state="failed", reason=reason, final=True)
+            j = _Job(handle, "", shape, partition, now, state=JobState.FAILED, reason=reason, final=True)
             self._jobs[handle] = j
-            self._pending_events.append(BackendEvent(handle, "failed", reason))
+            self._pending_events.append(BackendEvent(handle, JobState.FAILED, reason))
             return handle
         j = _Job(handle, str(job.job_id), shape, partition, now)
         self._jobs[handle] = j
         self._by_id[j.job_id] = j
-        self._pending_events.append(BackendEvent(handle, "pending", "submitted"))
+        self._pending_events.append(BackendEvent(handle, JobState.PENDING, "submitted"))
         if self._jobs_log:
             with open(self._jobs_log, "ab") as f:
                 f.write(msgpack.packb([now, handle, int(job.job_id), shape.cores, shape.gpus, partition]))
@@ -337,48 +337,48 @@ class SlurmBackend(WorkerBackend):
             if j.vanished_since is None:
                 j.vanished_since = now
             elif now - j.vanished_since >= self.config.vanished_grace_s:
-                self._finish(j, "ended", "job vanished from squeue and sacct", now, events)
+                self._finish(j, JobState.ENDED, "job vanished from squeue and sacct", now, events)
 
     def _apply(self, j: _Job, slurm_state: str, reason: str, info: JobInfo | None, now: float,
                events: list[BackendEvent]) -> None:
         if slurm_state in _PENDING:
-            if j.state == "running":  # requeued after preemption
-                events.append(BackendEvent(j.handle, "preempted", f"requeued: {reason or slurm_state}"))
+            if j.state is JobState.RUNNING:  # requeued after preemption
+                events.append(BackendEvent(j.handle, JobState.PREEMPTED, f"requeued: {reason or slurm_state}"))
                 j.running_since = None
-            if j.state != "pending" or (reason and reason != j.reason):
-                j.state, j.reason = "pending", reason
-                events.append(BackendEvent(j.handle, "pending", reason or slurm_state))
+            if j.state is not JobState.PENDING or (reason and reason != j.reason):
+                j.state, j.reason = JobState.PENDING, reason
+                events.append(BackendEvent(j.handle, JobState.PENDING, reason or slurm_state))
             return
         if slurm_state in _RUNNING:
             if info is not None:
                 j.end_time = info.end_time
-            if j.state != "running" and slurm_state != "COMPLETING":
-                j.state, j.reason, j.running_since = "running", "", now
-                events.append(BackendEvent(j.handle, "running", info.nodes if info else ""))
+            if j.state is not JobState.RUNNING and slurm_state != "COMPLETING":
+                j.state, j.reason, j.running_since = JobState.RUNNING, "", now
+                events.append(BackendEvent(j.handle, JobState.RUNNING, info.nodes if info else ""))
             if not j.healthy and j.running_since is not None and now - j.running_since >= self.config.healthy_after_s:
                 j.healthy = True
                 self.breaker.record_success(now)
             return
         # final states
         if slurm_state == "COMPLETED":
-            self._finish(j, "ended", "completed", now, events)
+            self._finish(j, JobState.ENDED, "completed", now, events)
         elif slurm_state == "CANCELLED":
-            self._finish(j, "ended", "reclaimed" if j.reclaimed else "cancelled outside tangram (scancel)",
+            self._finish(j, JobState.ENDED, "reclaimed" if j.reclaimed else "cancelled outside tangram (scancel)",
                          now, events)
         elif slurm_state == "TIMEOUT":
-            self._finish(j, "timeout", "time limit reached", now, events)
+            self._finish(j, JobState.TIMEOUT, "time limit reached", now, events)
         elif slurm_state == "PREEMPTED":
-            self._finish(j, "preempted", reason or "preempted", now, events)
+            self._finish(j, JobState.PREEMPTED, reason or "preempted", now, events)
         else:
-            self._finish(j, "failed", f"{slurm_state.lower()}{': ' + reason if reason else ''}", now, events)
+            self._finish(j, JobState.FAILED, f"{slurm_state.lower()}{': ' + reason if reason else ''}", now, events)
 
-    def _finish(self, j: _Job, state: str, reason: str, now: float, events: list[BackendEvent]) -> None:
+    def _finish(self, j: _Job, state: JobState, reason: str, now: float, events: list[BackendEvent]) -> None:
         j.final, j.state, j.reason = True, state, reason
         events.append(BackendEvent(j.handle, state, reason))
         self._by_id.pop(j.job_id, None)
         ran = j.running_since is not None and now - j.running_since >= self.config.healthy_after_s
         # a job that failed before it ran healthy_after_s is a failed start
-        if state == "failed" and not (ran or j.healthy):
+        if state is JobState.FAILED and not (ran or j.healthy):
             self.breaker.record_failure(now, f"{j.handle} (job {j.job_id}) {reason}")
 
     # -- stopping ------------------------------------------------------------
@@ -404,7 +404,7 @@ class SlurmBackend(WorkerBackend):
 
     def time_limit(self, handle: str) -> float | None:
         j = self._jobs.get(handle)
-        return j.end_time if j and j.state == "running" else None
+        return j.end_time if j and j.state is JobState.RUNNING else None
 
     def explain(self) -> str:
         """One line: breaker state, rate-limit note, job counts."""

@@ -17,8 +17,8 @@ drive them in-process and read the outbox.
 from .ledger import ActionLedger
 from .outbox import Counters, Outbox
 from .pool_driver import PoolDriver
-from .registry import WorkerRecord, WorkerRegistry
+from .registry import WorkerRecord, WorkerRegistry, WorkerState
 from .server import Coordinator
 
 __all__ = ["ActionLedger", "Coordinator", "Counters", "Outbox", "PoolDriver",
-           "WorkerRecord", "WorkerRegistry"]
+           "WorkerRecord", "WorkerRegistry", "WorkerState"]

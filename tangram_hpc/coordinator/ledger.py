@@ -31,7 +31,7 @@ from ..actions import ActionSpec, Status, ValidationError
 from ..policy.base import SchedulingPolicy
 from ..resources import WorkerInfo
 from .outbox import Counters, Outbox
-from .registry import WorkerRecord, WorkerRegistry
+from .registry import WorkerRecord, WorkerRegistry, WorkerState
 
 
 class _Action:
@@ -219,7 +219,7 @@ class ActionLedger:
     def drain(self, worker_id: str, reason: str, now: float) -> None:
         """Give a worker no new actions; the pool driver reclaims it once its running ones end."""
         w = self.workers.by_id.get(worker_id)
-        if w is None or w.draining:
+        if w is None or w.state is WorkerState.DRAINING:
             return
         self.workers.mark_draining(w, reason, now)
         self.policy.set_draining(worker_id, True)

@@ -13,12 +13,12 @@ from __future__ import annotations
 import logging
 
 from .. import protocol as P
-from ..backends.base import WorkerBackend, WorkerLaunchSpec
+from ..backends.base import JobState, WorkerBackend, WorkerLaunchSpec
 from ..config import CoordinatorSettings
 from ..policy.base import Launch, PoolPolicy, PoolView, Reclaim, WorkerStatus
 from ..resources import WorkerShape
 from .ledger import ActionLedger
-from .registry import WorkerRecord
+from .registry import WorkerRecord, WorkerState
 
 log = logging.getLogger("tangram.coordinator")
 
@@ -63,10 +63,10 @@ class PoolDriver:
             return
         workers = self.ledger.workers
         for ev in events:
-            if ev.state in ("pending", "running"):
+            if ev.state.live:
                 continue
             self._reclaim_at.pop(ev.handle, None)  # it ended by itself
-            if self.starting.pop(ev.handle, None) is not None and ev.state != "ended":
+            if self.starting.pop(ev.handle, None) is not None and ev.state is not JobState.ENDED:
                 self._launch_failed(now, f"{ev.handle}: {ev.state} {ev.reason}".strip())
             wid = workers.by_handle.get(ev.handle)
             if wid is not None:
@@ -79,7 +79,8 @@ class PoolDriver:
         view = PoolView(
             now=now, pending=self.ledger.policy.pending_actions(),
             workers=[WorkerStatus(info=w.info, busy_cores=w.busy_cores, running=len(w.running),
-                                  idle_since=w.idle_since, envs=len(w.envs), draining=w.draining,
+                                  idle_since=w.idle_since, envs=len(w.envs),
+                                  draining=w.state is WorkerState.DRAINING,
                                   started_at=w.registered_at,
                                   ends_at=backend.time_limit(w.info.handle) if w.info.handle else None,
                                   shape=w.launched_shape)
@@ -113,7 +114,7 @@ class PoolDriver:
     def finish_drains(self, now: float) -> None:
         """Stop drained workers with nothing left running; cancel their jobs after the grace period."""
         for w in self.ledger.workers:
-            if w.draining and not w.running:
+            if w.state is WorkerState.DRAINING and not w.running:
                 # STOP first: the worker snapshots its environments and exits by itself (taking any
                 # zombie attempt with it); the job is cancelled only if it is still there after the grace.
                 self.ledger.outbox.to_workers.append(

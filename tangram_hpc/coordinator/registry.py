@@ -6,11 +6,22 @@ every change of membership is one record in the run's worker log.
 """
 from __future__ import annotations
 
+from enum import Enum
 from typing import Iterator
 
 from .. import protocol as P
 from ..actions import BUILTIN_KINDS, register_kind
 from ..resources import WorkerInfo, WorkerShape
+
+
+class WorkerState(str, Enum):
+    """A registered worker's state (a ``str`` enum: ``status`` shows the value)."""
+
+    OK = "ok"                  # takes new actions
+    DRAINING = "draining"      # takes none; reclaimed once its running actions end
+
+    __str__ = str.__str__
+    __format__ = str.__format__
 
 
 class WorkerRecord:
@@ -23,7 +34,7 @@ class WorkerRecord:
     ``(attempt, cores)``.
     """
 
-    __slots__ = ("info", "ident", "last_seen", "running", "busy_cores", "zombies", "draining", "drain_reason",
+    __slots__ = ("info", "ident", "last_seen", "running", "busy_cores", "zombies", "state", "drain_reason",
                  "idle_since", "services", "envs", "registered_at", "launched_shape")
 
     def __init__(self, info: WorkerInfo, ident: bytes, now: float):
@@ -33,7 +44,7 @@ class WorkerRecord:
         self.running: set[str] = set()
         self.busy_cores = 0
         self.zombies: dict[str, tuple[int, int]] = {}
-        self.draining = False
+        self.state = WorkerState.OK
         self.drain_reason = ""
         self.idle_since: float | None = now
         self.services: frozenset[str] = frozenset()
@@ -115,7 +126,7 @@ class WorkerRegistry:
         return changed
 
     def mark_draining(self, w: WorkerRecord, reason: str, now: float) -> None:
-        w.draining = True
+        w.state = WorkerState.DRAINING
         w.drain_reason = reason
         self._record(now, "drain", w)
 

@@ -338,7 +338,7 @@ class Coordinator:
                 {"id": w.info.id, "host": w.info.host, "pid": w.info.extra.get("pid"), "handle": w.info.handle,
                  "cores": w.info.cores, "busy_cores": w.busy_cores, "zombie_cores": w.zombie_cores,
                  "running": len(w.running), "gpus": w.info.gpus, "services": sorted(w.services),
-                 "envs": len(w.envs), "draining": w.draining, "last_seen_s": round(now - w.last_seen, 2)}
+                 "envs": len(w.envs), "state": w.state, "last_seen_s": round(now - w.last_seen, 2)}
                 for w in self.workers],
         }
         if self.pool_driver is not None:
