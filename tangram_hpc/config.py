@@ -4,13 +4,13 @@ A *section* is a dataclass below; a *key* is one field of it, declared with
 :func:`key`.  Everything else is derived from these declarations:
 
 * the command-line flags of ``tangram-hpc coordinator`` and ``tangram-hpc
-  worker`` (:func:`add_arguments`; the sections each command reads are in
-  :data:`COMMAND_SECTIONS`);
+  worker`` (:mod:`tangram_hpc.config_cli`; the sections each command reads
+  are in :data:`COMMAND_SECTIONS`);
 * the TOML file (``--config FILE`` or ``$TANGRAM_CONFIG``), one table per
   section;
 * environment overrides, for the keys that name a variable;
-* ``tangram-hpc config show``, which prints the effective values and where
-  each came from.
+* ``tangram-hpc config show`` (also in ``config_cli``), which prints the
+  effective values and where each came from.
 
 Precedence: default < file < environment < command line.  An unknown section
 or key, or a value of the wrong type, is a :class:`ConfigError` that lists the
@@ -27,10 +27,8 @@ boolean that defaults to true gets a ``--no-...`` flag.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import difflib
-import json
 import os
 import sys
 import time
@@ -52,8 +50,8 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 __all__ = ["CONFIG_ENV", "COMMAND_SECTIONS", "ConfigError", "CoordinatorSettings", "PoolSettings",
-           "SandboxSettings", "ServicesSettings", "Settings", "SlurmSettings", "WorkerSettings", "add_arguments",
-           "default_run_dir", "key", "load", "settings_from_args"]
+           "SandboxSettings", "ServicesSettings", "Settings", "SlurmSettings", "WorkerSettings", "default_run_dir",
+           "key", "load"]
 
 #: The configuration file when ``--config`` is not given.
 CONFIG_ENV = "TANGRAM_CONFIG"
@@ -267,7 +265,9 @@ COMMAND_SECTIONS = {
 # -- the schema, derived from the dataclasses ------------------------------------------
 
 @dataclass(frozen=True, slots=True)
-class _Field:
+class DeclaredKey:
+    """One declared key as the loader sees it: its section, name, base type, default and :class:`Key`."""
+
     section: str
     name: str
     type: Any           # str, int, float, bool, Path or list (of str)
@@ -285,7 +285,7 @@ def _section_classes() -> dict[str, type]:
     return {f.name: hints[f.name] for f in dataclasses.fields(Settings) if dataclasses.is_dataclass(hints[f.name])}
 
 
-def _fields(cls: type, section: str) -> dict[str, _Field]:
+def _fields(cls: type, section: str) -> dict[str, DeclaredKey]:
     hints = typing.get_type_hints(cls)
     out = {}
     for f in dataclasses.fields(cls):
@@ -296,12 +296,12 @@ def _fields(cls: type, section: str) -> dict[str, _Field]:
         if typing.get_origin(base) is list:
             base = list
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        out[f.name] = _Field(section, f.name, base, optional, default, f.metadata["key"])
+        out[f.name] = DeclaredKey(section, f.name, base, optional, default, f.metadata["key"])
     return out
 
 
 SECTIONS: dict[str, type] = _section_classes()
-SCHEMA: dict[str, dict[str, _Field]] = {name: _fields(cls, name) for name, cls in SECTIONS.items()}
+SCHEMA: dict[str, dict[str, DeclaredKey]] = {name: _fields(cls, name) for name, cls in SECTIONS.items()}
 
 
 def _unknown(what: str, name: str, valid: list[str], where: str) -> ConfigError:
@@ -310,7 +310,7 @@ def _unknown(what: str, name: str, valid: list[str], where: str) -> ConfigError:
     return ConfigError(f"unknown {what} {name!r} in {where}{hint} Valid: {', '.join(valid)}")
 
 
-def _convert(f: _Field, value: Any, where: str, text: bool = False) -> Any:
+def convert(f: DeclaredKey, value: Any, where: str, text: bool = False) -> Any:
     """A value as the key's type, checked: TOML types from a file, a string (``text``) from a variable or flag."""
     try:
         out = _parse_text(f, value) if text else _check_type(f, value)
@@ -327,7 +327,7 @@ _EXPECTED = {bool: "true or false", int: "an integer", float: "a number", list: 
              Path: "a path", str: "a string"}
 
 
-def _check_type(f: _Field, value: Any) -> Any:
+def _check_type(f: DeclaredKey, value: Any) -> Any:
     tp = f.type
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
@@ -340,7 +340,7 @@ def _check_type(f: _Field, value: Any) -> Any:
     raise ValueError(f"expected {_EXPECTED[tp]}")
 
 
-def _parse_text(f: _Field, text: str) -> Any:
+def _parse_text(f: DeclaredKey, text: str) -> Any:
     tp = f.type
     if tp is bool:
         word = text.strip().lower()
@@ -392,10 +392,10 @@ def load(file: str | os.PathLike | None = None, environ: Mapping[str, str] | Non
     for section, fields_ in SCHEMA.items():
         for name, f in fields_.items():
             if name in doc.get(section, {}):
-                values[section][name] = _convert(f, doc[section][name], f"file {path}")
+                values[section][name] = convert(f, doc[section][name], f"file {path}")
                 sources[section, name] = "file"
             if f.key.env and environ.get(f.key.env):
-                values[section][name] = _convert(f, environ[f.key.env], f"${f.key.env}", text=True)
+                values[section][name] = convert(f, environ[f.key.env], f"${f.key.env}", text=True)
                 sources[section, name] = f"env {f.key.env}"
     for (section, name), value in (cli or {}).items():
         values[section][name] = value
@@ -408,150 +408,3 @@ def default_run_dir(runs_root: str | os.PathLike | None = None) -> Path:
     """A new run directory: ``RUNS_ROOT/<date>-<time>-<pid>``."""
     root = Path(runs_root if runs_root is not None else load().coordinator.runs_root).expanduser()
     return root / time.strftime(f"%Y%m%d-%H%M%S-{os.getpid()}")
-
-
-# -- the command line ----------------------------------------------------------------
-
-def flag_of(f: _Field, command: str) -> str:
-    if f.key.flag:
-        return f.key.flag
-    name = f.name.replace("_", "-")
-    flag = f"--{name}" if f.section == command else f"--{f.section}-{name}"
-    return flag if not (f.type is bool and f.default) else "--no-" + flag[2:]
-
-
-def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
-    """``--config`` and one flag per key of the command's sections; unset flags leave the file and env in charge."""
-    parser.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
-                        help=f"TOML configuration file (default ${CONFIG_ENV}); precedence: default < file < "
-                             "environment < command line; 'tangram-hpc config show' prints the result")
-    for section in COMMAND_SECTIONS[command]:
-        doc = (SECTIONS[section].__doc__ or section).strip()
-        g = parser.add_argument_group(doc)
-        for f in SCHEMA[section].values():
-            g.add_argument(flag_of(f, command), dest=f"{section}.{f.name}", default=argparse.SUPPRESS,
-                           help=_help(f), **_argparse_kwargs(f))
-
-
-def _help(f: _Field) -> str:
-    parts = [f.key.help]
-    if f.default not in (None, [], "") and not (f.type is bool):
-        parts.append(f"default {','.join(f.default) if f.type is list else f.default}")
-    if f.key.env:
-        parts.append(f"env ${f.key.env}")
-    parts.append(f"file {f.label}")
-    return f"{parts[0]} ({'; '.join(parts[1:])})".replace("%", "%%")
-
-
-def _argparse_kwargs(f: _Field) -> dict[str, Any]:
-    if f.type is bool:
-        return {"action": "store_false" if f.default else "store_true"}
-    kw: dict[str, Any] = {"metavar": f.key.metavar or _metavar(f)}
-    if f.key.choices:
-        kw["choices"] = f.key.choices
-        kw.pop("metavar")
-    if f.type is list:
-        if f.key.split:
-            kw["type"] = lambda text: [v for v in text.split(f.key.split) if v]
-        else:
-            kw["action"] = "append"
-        return kw
-
-    def parse(text: str) -> Any:
-        try:
-            return _convert(f, text, "the command line", text=True)
-        except ConfigError as e:
-            raise argparse.ArgumentTypeError(str(e).replace(f"{f.label} from the command line: ", "")) from None
-    kw["type"] = parse
-    return kw
-
-
-def _metavar(f: _Field) -> str:
-    if f.type is int:
-        return "N"
-    if f.type is float:
-        return "S" if f.name.endswith("_s") else "X"
-    return "PATH" if f.type is Path else f.name.upper()
-
-
-def settings_from_args(args: argparse.Namespace) -> Settings:
-    """The effective configuration of a command whose parser :func:`add_arguments` built."""
-    cli = {}
-    for dest, value in vars(args).items():
-        section, dot, name = dest.partition(".")
-        if dot and section in SCHEMA and name in SCHEMA[section]:
-            cli[section, name] = value
-    return load(getattr(args, "config", None), cli=cli)
-
-
-def worker_flags(settings: Settings, section: str) -> list[str]:
-    """Flags that pass a section's explicitly set values on to a worker's command line."""
-    out: list[str] = []
-    for name, value in settings.explicit(section).items():
-        f = SCHEMA[section][name]
-        flag = flag_of(f, "worker")
-        if f.type is bool:
-            if value != f.default:
-                out.append(flag)
-        elif f.type is list:
-            if f.key.split:
-                out += [flag, f.key.split.join(value)]
-            else:
-                for v in value:
-                    out += [flag, v]
-        elif value is not None:
-            out += [flag, str(value)]
-    return out
-
-
-# -- tangram-hpc config show ----------------------------------------------------------
-
-def add_config_arguments(p: argparse.ArgumentParser) -> None:
-    sub = p.add_subparsers(dest="config_command", metavar="ACTION", required=True)
-    show = sub.add_parser("show", help="print the effective configuration and where each value came from",
-                          description="Print the effective configuration (default < file < environment) as "
-                                      "TOML, each value with its source; the output is a valid config file.")
-    show.add_argument("--config", metavar="FILE", help=f"configuration file (default ${CONFIG_ENV})")
-    show.add_argument("--json", action="store_true", help="print JSON: value, source, variable and help per key")
-    show.add_argument("--section", choices=list(SCHEMA), action="append", help="only this section (repeatable)")
-
-
-def config_main(args: argparse.Namespace) -> int:
-    settings = load(args.config)
-    sections = args.section or list(SCHEMA)
-    if args.json:
-        print(json.dumps(_as_json(settings, sections), indent=2))
-    else:
-        print(_as_toml(settings, sections))
-    return 0
-
-
-def _as_json(settings: Settings, sections: list[str]) -> dict:
-    out: dict[str, Any] = {"file": str(settings.file) if settings.file else None, "sections": {}}
-    for section in sections:
-        values = getattr(settings, section)
-        out["sections"][section] = {
-            name: {"value": _plain(getattr(values, name)), "source": settings.source(section, name),
-                   "env": f.key.env, "flag": {c: flag_of(f, c) for c, secs in COMMAND_SECTIONS.items()
-                                             if section in secs},
-                   "help": f.key.help}
-            for name, f in SCHEMA[section].items()}
-    return out
-
-
-def _plain(v: Any) -> Any:
-    return str(v) if isinstance(v, Path) else v
-
-
-def _as_toml(settings: Settings, sections: list[str]) -> str:
-    lines = [f"# tangram-hpc configuration (default < file < environment < command line); "
-             f"file: {settings.file or 'none'}"]
-    for section in sections:
-        values = getattr(settings, section)
-        lines += ["", f"[{section}]"]
-        for name, f in SCHEMA[section].items():
-            v = getattr(values, name)
-            src = settings.source(section, name)
-            text = f"# {name} is unset" if v is None else f"{name} = {json.dumps(_plain(v))}"
-            lines.append(f"{text:<40} # ({src}) {f.key.help}")
-    return "\n".join(lines)

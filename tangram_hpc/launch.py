@@ -21,8 +21,8 @@ from pathlib import Path
 
 import zmq
 
-from .config import (ConfigError, CoordinatorSettings, Settings, add_arguments, default_run_dir,
-                     settings_from_args, worker_flags)
+from .config import ConfigError, CoordinatorSettings, Settings, default_run_dir
+from .config_cli import add_arguments, settings_from_args, worker_flags
 from .connection import ConnectionInfo, wait_for_file
 from .coordinator import Coordinator
 from .policy.base import SchedulingPolicy, StaticPool

@@ -435,12 +435,12 @@ _FROM_COORDINATOR = frozenset({P.WELCOME, P.ASSIGN, P.KILL, P.STOP, P.HEARTBEAT,
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from .config import add_arguments as add_config_arguments
+    from .config_cli import add_arguments as add_config_arguments
     add_config_arguments(p, "worker")
 
 
 def config_from_args(args: argparse.Namespace) -> WorkerConfig:
-    from .config import settings_from_args
+    from .config_cli import settings_from_args
     return config_from_settings(settings_from_args(args))
 
 
@@ -497,16 +497,21 @@ def run_worker(cfg: WorkerConfig) -> int:
     return w.run()
 
 
+def worker_main(args: argparse.Namespace) -> int:
+    try:
+        cfg = config_from_args(args)
+    except (ConfigError, OSError) as e:   # a bad setting, or no connection file (yet)
+        print(f"tangram-hpc worker: error: {e}", file=sys.stderr)
+        return 2
+    return run_worker(cfg)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="tangram-hpc worker", description="Run a tangram-hpc worker.")
     add_arguments(p)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    try:
-        cfg = config_from_args(args)
-    except ConfigError as e:
-        p.error(str(e))
-    return run_worker(cfg)
+    return worker_main(args)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import pytest
 from tangram_hpc import Status, function
 from tangram_hpc import config as C
 from tangram_hpc.config import ConfigError, load
+from tangram_hpc.config_cli import add_arguments, flag_of, settings_from_args
 from tangram_hpc.launch import LocalCluster
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,15 +35,15 @@ def write(tmp_path: Path, text: str, name: str = "tangram.toml") -> Path:
 
 def parse(command: str, *argv: str) -> C.Settings:
     p = argparse.ArgumentParser()
-    C.add_arguments(p, command)
-    return C.settings_from_args(p.parse_args(list(argv)))
+    add_arguments(p, command)
+    return settings_from_args(p.parse_args(list(argv)))
 
 
 # -- the schema ----------------------------------------------------------------------
 
 def test_every_key_has_help_and_every_flag_and_variable_is_unambiguous():
     for command, sections in C.COMMAND_SECTIONS.items():
-        flags = [C.flag_of(f, command) for s in sections for f in C.SCHEMA[s].values()]
+        flags = [flag_of(f, command) for s in sections for f in C.SCHEMA[s].values()]
         assert len(flags) == len(set(flags)), command
     envs: dict[str, list[str]] = {}
     for section, fields in C.SCHEMA.items():

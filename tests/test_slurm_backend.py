@@ -13,7 +13,8 @@ from slurm_support import TESTS_DIR, dev_cluster, wait_until  # noqa: F401
 from tangram_hpc.backends.base import WorkerLaunchSpec
 from tangram_hpc.backends.slurm import (
     SLURM_JOBS_LOG, LaunchRefused, SlurmBackend, SlurmBackendConfig, backend_config, pool_from_settings)
-from tangram_hpc.config import ConfigError, add_arguments, settings_from_args
+from tangram_hpc.config import ConfigError
+from tangram_hpc.config_cli import add_arguments, settings_from_args
 from tangram_hpc.resources import WorkerShape
 from tangram_hpc.slurm.cli_view import CliClusterView
 

@@ -6,15 +6,12 @@ The template passes the pool's settings as the variables tangram-hpc reads itsel
 """
 from __future__ import annotations
 
-import json
 import os
 import subprocess
-import time
 
 import pytest
 
 from slurm_support import REPO, dev_cluster, wait_until  # noqa: F401
-
 from tangram_hpc import report
 from tangram_hpc.actions import ActionSpec, Demand
 from tangram_hpc.slurm.cli_view import CliClusterView

@@ -23,6 +23,7 @@ The rules:
 from __future__ import annotations
 
 import heapq
+import logging
 from typing import Any
 
 from .. import protocol as P
@@ -32,6 +33,9 @@ from ..policy.base import SchedulingPolicy
 from ..resources import WorkerInfo
 from .outbox import Counters, Outbox
 from .registry import WorkerRecord, WorkerRegistry, WorkerState
+
+
+log = logging.getLogger("tangram.coordinator")
 
 
 class _Action:
@@ -238,6 +242,7 @@ class ActionLedger:
             return None
         self.counters.workers_lost += 1
         lost = self._forget(w, now)
+        log.warning("worker %s lost (%s); %d running actions to retry", worker_id, reason, len(w.running))
         max_attempts = self.config.max_attempts
         for aid in set(lost) | w.running:
             a = self._actions.get(aid)

@@ -241,14 +241,9 @@ class Coordinator:
                 raise P.ProtocolError("invalid", f"{bad} malformed DONE item(s) from worker {wid} ignored")
         elif mtype == P.HEARTBEAT:
             if body.get("leaving"):
-                self._lose(wid, now, f"worker {wid} is leaving: {body.get('leaving')}")
+                ledger.lose_worker(wid, now, f"worker {wid} is leaving: {body.get('leaving')}")
             else:
                 ledger.worker_report(wid, body, now)
-
-    def _lose(self, wid: str, now: float, reason: str) -> None:
-        w = self.ledger.lose_worker(wid, now, reason)
-        if w is not None:
-            log.warning("worker %s lost (%s); %d running actions to retry", wid, reason, len(w.running))
 
     # -- frames out --------------------------------------------------------------
     def _flush(self) -> None:
@@ -293,7 +288,7 @@ class Coordinator:
             now = time.time()
             if self.pool_driver is not None:
                 self.pool_driver.poll(now)  # the backend usually knows why (exit status, job state)
-            self._lose(w.info.id, now, "connection closed")
+            self.ledger.lose_worker(w.info.id, now, "connection closed")
 
     def _send_ident(self, ident: bytes, frame: bytes) -> bool:
         try:
@@ -310,7 +305,7 @@ class Coordinator:
             if w.info.id not in self.workers.by_id:
                 continue  # lost while this loop ran
             if now - w.last_seen > timeout:
-                self._lose(w.info.id, now, f"no heartbeat for {now - w.last_seen:.1f}s")
+                self.ledger.lose_worker(w.info.id, now, f"no heartbeat for {now - w.last_seen:.1f}s")
             else:
                 self._send_worker(w, hb)
         self.ledger.expire(now)
