@@ -67,19 +67,78 @@ def main() -> int:
         bad = 0
         for cores in args.action_cores:
             bad += throughput(cl, args, cores, worker_pids)
-        # -- latency ------------------------------------------------------------
-        with cl.client() as c:
-            for i in range(50):
-                c.submit(function("tangram_hpc.handlers:noop", i)).result(10)
-            rtt = []
-            for i in range(args.latency):
-                t = time.perf_counter()
-                r = c.submit(function("tangram_hpc.handlers:noop", i)).result(10)
-                rtt.append(time.perf_counter() - t)
-                assert r.output == i
-        print(f"latency: {args.latency} sequential round trips: p50 {pct(rtt, 50) * 1e3:.3f} ms  "
-              f"p99 {pct(rtt, 99) * 1e3:.3f} ms")
+        bad += latency(cl, args.latency)
     return 1 if bad else 0
+
+
+def latency(cl, n: int, rounds: int = 4) -> int:
+    """Sequential no-op round trips through a raw socket, Client and AsyncClient, interleaved in rounds."""
+    import asyncio
+
+    import zmq
+
+    from tangram_hpc import AsyncClient, protocol as P
+    from tangram_hpc.security import CurveKeys
+
+    info = cl.info
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.DEALER)
+    raw.setsockopt(zmq.IDENTITY, b"bench-raw-" + os.urandom(4).hex().encode())
+    if info.secure:
+        CurveKeys.apply_client(raw, info)
+    raw.connect(info.client_address)
+    raw.send(P.encode(P.HELLO, {"name": "bench-raw"}))
+    raw.recv()  # WELCOME
+
+    def raw_once(i: int) -> float:
+        spec = function("tangram_hpc.handlers:noop", i)
+        t = time.perf_counter()
+        raw.send(P.encode(P.SUBMIT, [spec.to_wire()]))
+        while True:
+            mtype, body = P.decode(raw.recv(), frozenset({P.RESULT, P.HEARTBEAT, P.WELCOME}))
+            if mtype == P.RESULT:
+                break
+        dt = time.perf_counter() - t
+        assert body[0][2] == i
+        return dt
+
+    times: dict[str, list[float]] = {"raw socket": [], "Client": [], "AsyncClient": []}
+    bad = 0
+    with cl.client() as c:
+        def client_once(i: int) -> float:
+            t = time.perf_counter()
+            r = c.submit(function("tangram_hpc.handlers:noop", i)).result(10)
+            dt = time.perf_counter() - t
+            assert r.output == i
+            return dt
+
+        async def async_round(k: int) -> list[float]:
+            out = []
+            async with AsyncClient(connection_file=str(cl.connection_file)) as ac:
+                for i in range(50):      # warm-up
+                    await ac.submit(function("tangram_hpc.handlers:noop", i))
+                for i in range(k):
+                    t = time.perf_counter()
+                    r = await ac.submit(function("tangram_hpc.handlers:noop", i))
+                    out.append(time.perf_counter() - t)
+                    assert r.output == i
+            return out
+
+        for i in range(50):
+            raw_once(i)
+            client_once(i)
+        per = max(1, n // rounds)
+        for _ in range(rounds):
+            times["raw socket"] += [raw_once(i) for i in range(per)]
+            times["Client"] += [client_once(i) for i in range(per)]
+            times["AsyncClient"] += asyncio.run(async_round(per))
+    ctx.destroy(0)
+    base = pct(times["raw socket"], 50)
+    print(f"latency: {per * rounds} sequential no-op round trips each, interleaved in {rounds} rounds:")
+    for name, xs in times.items():
+        print(f"  {name:<12} p50 {pct(xs, 50) * 1e3:.3f} ms  p99 {pct(xs, 99) * 1e3:.3f} ms  "
+              f"(p50 {pct(xs, 50) / base:.2f}x the raw socket)")
+    return bad
 
 
 def throughput(cl, args, cores: int, worker_pids: list[int]) -> int:

@@ -1,11 +1,23 @@
 """The Python API a training job uses: submit actions, get futures, gather results.
 
-A :class:`Client` owns one DEALER socket driven by a background I/O thread.
-``submit`` only appends to a queue (and wakes the thread when it may be
-asleep), so callers on any thread pay microseconds; the I/O thread sends
-queued submissions in batches and resolves futures as results arrive.
+A :class:`Client` owns one DEALER socket; whichever thread *owns* it does the
+socket I/O (ZMQ sockets are not thread-safe, so exactly one thread at a time):
 
-Robustness:
+* a thread waiting in ``future.result()`` takes the socket and polls it
+  itself, so a sequential submit/result loop costs no thread hand-off at all;
+  other waiting threads follow, each woken exactly when its own future
+  resolves or when the socket is handed on to it;
+* ``submit`` sends at once from the caller's thread when nobody owns the
+  socket, else queues and wakes the owner;
+* a background I/O thread owns the socket when nobody waits (results for
+  futures watched through callbacks, ``as_completed`` or asyncio), sends
+  heartbeats and follows a restarted coordinator.  After a waiting thread
+  returns it stays away a couple of milliseconds, so the next call of a
+  sequential loop finds the socket free.
+
+:class:`AsyncClient` drives its own socket from the asyncio loop, with no
+thread at all.  Both speak the protocol through one
+:class:`~tangram_hpc.client_session.ClientSession`:
 
 * every unfinished action is remembered until its result arrives; when the
   coordinator restarts (heartbeat replies carry its incarnation id) the
@@ -17,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import threading
 import time
@@ -29,79 +42,182 @@ import zmq
 
 from . import protocol as P
 from .actions import ActionResult, ActionSpec
+from .client_session import ClientSession, CoordinatorError, reread_connection
 from .connection import ConnectionInfo, default_connection_file
-from .errors import CoordinatorError
+
+__all__ = ["Client", "AsyncClient", "ActionFuture", "CoordinatorError"]
 
 log = logging.getLogger("tangram.client")
 
-_SUBMIT_BATCH = 2000
+#: After a waiting thread hands the socket back, the I/O thread leaves it alone this long,
+#: so a sequential submit/result loop keeps doing its own I/O without hand-offs.
+_LINGER_S = 0.002
+#: How long a new client waits for the coordinator's WELCOME (its frame limit) before going on.
+_HELLO_WAIT_S = 2.0
+_CLOSE_WAIT_S = 5.0
 
-ActionFuture = Future  # resolves to an ActionResult (whatever its status); never raises for a failed action
+
+def _resolve(address: str | None, connection_file: str | None,
+             connection: ConnectionInfo | None) -> tuple[str, str | None, ConnectionInfo | None]:
+    if connection is None and address is None:
+        connection_file = connection_file or default_connection_file()
+        if not connection_file:
+            raise ValueError("give a coordinator address, a connection file, or set $TANGRAM_CONNECTION_FILE")
+        connection = ConnectionInfo.read(connection_file)
+    return address or connection.client_address, connection_file, connection
 
 
-class Client:
+def _dealer(ctx: zmq.Context, ident: bytes, address: str, conn: ConnectionInfo | None) -> zmq.Socket:
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.IDENTITY, ident)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.SNDHWM, 0)   # never drop a submission on our side: the coordinator applies limits
+    s.setsockopt(zmq.RCVHWM, 0)
+    if conn is not None and conn.secure:
+        from .security import CurveKeys
+        CurveKeys.apply_client(s, conn)
+    s.connect(address)
+    return s
+
+
+class ActionFuture(Future):
+    """A :class:`concurrent.futures.Future` of an :class:`ActionResult` (whatever its status).
+
+    ``result()`` never raises for a failed action; while it waits, the calling thread may do the
+    client's socket I/O itself instead of waiting for the I/O thread to hand the result over.
+    """
+
+    def __init__(self, client: "Client"):
+        super().__init__()
+        self._client = client
+
+    def result(self, timeout: float | None = None) -> Any:
+        if not self.done():
+            self._client._wait_for(self, timeout)
+        # A client closing fails its unresolved futures from the I/O thread: give that a moment.
+        return super().result(timeout=_CLOSE_WAIT_S if self._client._closed else 0)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        if not self.done():
+            self._client._wait_for(self, timeout)
+        return super().exception(timeout=_CLOSE_WAIT_S if self._client._closed else 0)
+
+
+class _Waiter:
+    """A thread parked until its future resolves or the socket is handed to it (a locked lock)."""
+
+    __slots__ = ("_lock",)
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+
+    def wake(self, *_: Any) -> None:
+        try:
+            self._lock.release()
+        except RuntimeError:
+            pass  # woken twice (its future resolved and the socket was offered): once is enough
+
+    def wait(self, timeout: float | None) -> None:
+        self._lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout))
+
+
+class _ClientBase:
+    """What both clients share: where the coordinator is, who we are, the protocol session."""
+
+    _default_name = "client"
+
+    def __init__(self, address: str | None = None, *, connection_file: str | None = None,
+                 connection: ConnectionInfo | None = None, name: str | None = None,
+                 heartbeat_s: float = 1.0, reconnect_after_s: float = 3.0):
+        self._address, self._connection_file, self._conn = _resolve(address, connection_file, connection)
+        self.name = name or f"{self._default_name}-{os.getpid()}"
+        self._ident = f"{self.name}-{os.urandom(4).hex()}".encode()
+        self._heartbeat_s = heartbeat_s
+        self._reconnect_after_s = reconnect_after_s
+        self._session = ClientSession(self.name)
+
+    @classmethod
+    def from_connection_file(cls, path: str | None = None, **kw: Any):
+        return cls(connection_file=path, **kw)
+
+    @property
+    def outstanding(self) -> int:
+        """Actions submitted whose result has not arrived."""
+        return len(self._session.pending)
+
+    @property
+    def resubmissions(self) -> int:
+        """Actions sent again because the coordinator restarted."""
+        return self._session.resubmissions
+
+    @property
+    def errors(self) -> deque[str]:
+        """The coordinator's recent ERROR replies to this client."""
+        return self._session.errors
+
+    def _fail_unresolved(self) -> None:
+        err = CoordinatorError("the client was closed before the result arrived")
+        futs = [f for f, _ in list(self._session.pending.values())] + list(self._session.status_waiters)
+        for fut in futs:
+            if not fut.done():
+                fut.set_exception(err)
+
+
+class Client(_ClientBase):
     """Connect to a coordinator by connection file (or ``$TANGRAM_CONNECTION_FILE``) or by address."""
 
     def __init__(self, address: str | None = None, *, connection_file: str | None = None,
                  connection: ConnectionInfo | None = None, name: str | None = None,
                  heartbeat_s: float = 1.0, reconnect_after_s: float = 3.0):
-        if connection is None and address is None:
-            connection_file = connection_file or default_connection_file()
-            if not connection_file:
-                raise ValueError("give a coordinator address, a connection file, or set $TANGRAM_CONNECTION_FILE")
-            connection = ConnectionInfo.read(connection_file)
-        self._connection_file = connection_file
-        self._conn = connection
-        self._address = address or connection.client_address
-        self.name = name or f"client-{os.getpid()}"
-        self._ident = f"{self.name}-{os.urandom(4).hex()}".encode()
-        self._heartbeat_s = heartbeat_s
-        self._reconnect_after_s = reconnect_after_s
-        self._pending: dict[str, tuple[Future, dict]] = {}
-        self._outq: deque = deque()
+        super().__init__(address, connection_file=connection_file, connection=connection, name=name,
+                         heartbeat_s=heartbeat_s, reconnect_after_s=reconnect_after_s)
+        # Socket ownership: at most one thread (the owner) touches the socket and the poller.
+        self._cv = threading.Condition(threading.Lock())
+        self._owner: int | None = None
+        self._followers: deque[_Waiter] = deque()
+        self._step_aside = False          # a waiting thread asks the I/O thread for the socket
+        self._linger_until = 0.0
+        self._closed = False
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._wake_sent = False
-        self._closed = False
-        self._coordinator: str | None = None
-        self._max_frame = P.MAX_FRAME_BYTES  # updated from the coordinator's WELCOME
-        self._status_waiters: deque[Future] = deque()
-        self.errors: deque[str] = deque(maxlen=100)
-        self.resubmissions = 0
+        self._next_hb = 0.0
+        self._last_heard = time.monotonic()
         self._ctx = zmq.Context()
+        self._sock = _dealer(self._ctx, self._ident, self._address, self._conn)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._wake_r, zmq.POLLIN)
+        self._hello = threading.Event()
+        self._io_ident: int | None = None
         self._thread = threading.Thread(target=self._io, name="tangram-client-io", daemon=True)
         self._ready = threading.Event()
-        self._hello = threading.Event()
         self._thread.start()
         self._ready.wait()
         # Learn the coordinator's limits before the first submission when it is up; go on if it is not.
-        self._hello.wait(timeout=2.0)
-
-    @classmethod
-    def from_connection_file(cls, path: str | None = None, **kw: Any) -> "Client":
-        return cls(connection_file=path, **kw)
+        self._hello.wait(timeout=_HELLO_WAIT_S)
 
     # -- public API ----------------------------------------------------------
     def submit(self, spec: ActionSpec) -> ActionFuture:
         """Queue one action; the future resolves to its :class:`ActionResult`."""
-        fut: Future = Future()
-        wire = spec.to_wire()
-        self._pending[spec.id] = (fut, wire)
-        self._outq.append(wire)
-        self._wake()
+        if self._closed:
+            raise CoordinatorError("the client is closed")
+        fut = ActionFuture(self)
+        self._session.add(spec, fut)
+        self._kick()
         return fut
 
     def submit_many(self, specs: Iterable[ActionSpec]) -> list[ActionFuture]:
+        if self._closed:
+            raise CoordinatorError("the client is closed")
+        add = self._session.add
         futs = []
-        pending = self._pending
-        outq = self._outq
         for spec in specs:
-            fut: Future = Future()
-            wire = spec.to_wire()
-            pending[spec.id] = (fut, wire)
-            outq.append(wire)
+            fut = ActionFuture(self)
+            add(spec, fut)
             futs.append(fut)
-        self._wake()
+        self._kick()
         return futs
 
     def map(self, specs: Iterable[ActionSpec], timeout: float | None = None) -> list[ActionResult]:
@@ -109,7 +225,7 @@ class Client:
         return self.gather(self.submit_many(specs), timeout=timeout)
 
     @staticmethod
-    def gather(futures: Iterable[ActionFuture], timeout: float | None = None) -> list[ActionResult]:
+    def gather(futures: Iterable[Future], timeout: float | None = None) -> list[ActionResult]:
         deadline = None if timeout is None else time.monotonic() + timeout
         out = []
         for f in futures:
@@ -119,34 +235,35 @@ class Client:
 
     def cancel(self, action_ids: str | Iterable[str]) -> None:
         """Ask the coordinator to cancel; the futures still resolve (status ``cancelled`` or final)."""
-        ids = [action_ids] if isinstance(action_ids, str) else list(action_ids)
-        self._outq.append((P.CANCEL, ids))
-        self._wake()
+        self._session.cancel([action_ids] if isinstance(action_ids, str) else list(action_ids))
+        self._kick()
 
     def status(self, timeout: float = 10.0) -> dict:
         """The coordinator's view: workers, queue, counters."""
-        fut: Future = Future()
-        self._status_waiters.append(fut)
-        self._outq.append((P.STATUS, {}))
-        self._wake()
+        fut = ActionFuture(self)
+        self._session.ask_status(fut)
+        self._kick()
         try:
             return fut.result(timeout)
         except FutureTimeout:
             raise TimeoutError(f"no status from the coordinator at {self._address} within {timeout:g}s") from None
 
-    @property
-    def outstanding(self) -> int:
-        return len(self._pending)
-
     def close(self) -> None:
+        """Disconnect; futures still unresolved get a :class:`CoordinatorError`."""
         if self._closed:
             return
-        self._closed = True
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
         self._wake()
+        # The I/O thread takes the socket back, closes it and fails what is unresolved, which wakes
+        # every waiting thread through its future.
         self._thread.join(timeout=5)
         self._ctx.destroy(linger=0)
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        with self._cv:
+            r, w, self._wake_w = self._wake_r, self._wake_w, -1
+        os.close(r)
+        os.close(w)
 
     def __enter__(self) -> "Client":
         return self
@@ -154,192 +271,350 @@ class Client:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    # -- I/O thread ------------------------------------------------------------
+    # -- socket ownership -------------------------------------------------------
     def _wake(self) -> None:
-        if not self._wake_sent:
+        if not self._wake_sent and self._wake_w >= 0:
             self._wake_sent = True
             try:
                 os.write(self._wake_w, b"\0")
-            except (BlockingIOError, OSError):
-                pass
+            except OSError:
+                pass  # pipe full: the owner wakes anyway
 
-    def _connect(self) -> zmq.Socket:
-        s = self._ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.IDENTITY, self._ident)
-        s.setsockopt(zmq.LINGER, 0)
-        s.setsockopt(zmq.SNDHWM, 0)   # never drop a submission on our side: the coordinator applies limits
-        s.setsockopt(zmq.RCVHWM, 0)
-        if self._conn is not None and self._conn.secure:
-            from .security import CurveKeys
-            CurveKeys.apply_client(s, self._conn)
-        s.connect(self._address)
-        return s
+    def _kick(self) -> None:
+        """Send what is queued: from this thread when the socket is free, else by waking its owner."""
+        cv = self._cv
+        outq = self._session.outq
+        while outq:
+            if self._owner is None and cv.acquire(blocking=False):
+                if self._owner is None and not self._closed:
+                    self._owner = threading.get_ident()
+                    cv.release()
+                    try:
+                        self._flush()
+                    finally:
+                        self._release()
+                    continue  # threads that found us owning only queued: send theirs too
+                cv.release()
+            self._wake()
+            return
 
-    def _io(self) -> None:
-        sock = self._connect()
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
-        sock.send(P.encode(P.HELLO, {"name": self.name}))
-        self._ready.set()
-        last_heard = time.monotonic()
-        next_hb = 0.0
-        while not self._closed:
+    def _release(self, linger: bool = False) -> None:
+        with self._cv:
+            self._owner = None
+            if linger:
+                self._linger_until = time.monotonic() + _LINGER_S
+            self._offer()
+
+    def _offer(self) -> None:
+        """Hand the free socket to a parked waiter, else to the I/O thread (cv held).
+
+        While lingering the I/O thread is not woken: it would only find it must keep away, and its
+        wake-up would compete for the GIL with the caller's next round trip.
+        """
+        if self._owner is None:
+            if self._followers:
+                self._followers.popleft().wake()
+            elif time.monotonic() >= self._linger_until:
+                self._cv.notify_all()
+
+    def _wait_for(self, fut: Future, timeout: float | None) -> None:
+        """Return once ``fut`` is done, ``timeout`` passed or the client closed; meanwhile lead or follow."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        cv = self._cv
+        try:
+            while not fut.done() and not self._closed:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return
+                with cv:
+                    lead = self._owner is None
+                    if lead:
+                        self._owner = threading.get_ident()
+                    else:
+                        waiter = _Waiter()
+                        self._followers.append(waiter)
+                        if self._owner == self._io_ident:
+                            self._step_aside = True
+                            self._wake()
+                if lead:
+                    try:
+                        self._lead(fut, deadline)
+                    finally:
+                        self._release(linger=True)
+                else:
+                    fut.add_done_callback(waiter.wake)
+                    waiter.wait(left)
+                    with cv:
+                        try:
+                            self._followers.remove(waiter)
+                        except ValueError:
+                            pass  # it was handed the socket
+        finally:
+            with cv:
+                self._offer()  # the socket may have been offered to us after our future resolved
+
+    def _lead(self, fut: Future, deadline: float | None) -> None:
+        while not fut.done() and not self._closed:
             now = time.monotonic()
-            if now >= next_hb:
-                sock.send(P.encode(P.HEARTBEAT, {}))
-                next_hb = now + self._heartbeat_s
-                if now - last_heard > self._reconnect_after_s and self._reread_connection():
-                    poller.unregister(sock)
-                    sock.close(0)
-                    sock = self._connect()
-                    sock.send(P.encode(P.HELLO, {"name": self.name}))
-                    poller.register(sock, zmq.POLLIN)
-                    last_heard = now
-            events = dict(poller.poll(int(max(0.0, next_hb - now) * 1000) + 1))
-            if self._wake_r in events:
+            if deadline is not None and now >= deadline:
+                return
+            wait = self._next_hb - now
+            if deadline is not None:
+                wait = min(wait, deadline - now)
+            self._pump(max(0.0, wait))
+
+    # -- socket I/O (only ever by the owner) ------------------------------------
+    def _pump(self, timeout_s: float) -> None:
+        """Send what is queued, wait up to ``timeout_s`` for input, handle it, do the heartbeat."""
+        outq = self._session.outq
+        if outq:
+            self._flush()
+        sock = self._sock
+        readable = False
+        for obj, _ in self._poller.poll(math.ceil(timeout_s * 1000)):
+            if obj is sock:
+                readable = True
+            else:
                 self._wake_sent = False
                 try:
                     os.read(self._wake_r, 4096)
                 except BlockingIOError:
                     pass
-            if self._outq:
-                self._send_queued(sock)
-            if sock in events:
-                last_heard = time.monotonic()
-                self._receive(sock)
-        sock.close(0)
+        if outq:
+            self._flush()
+        if readable:
+            self._last_heard = time.monotonic()
+            self._receive()
+            if outq:   # a coordinator restart queued every unfinished action again
+                self._flush()
+        if time.monotonic() >= self._next_hb:
+            self._heartbeat()
 
-    def _send_queued(self, sock: zmq.Socket) -> None:
-        outq = self._outq
-        batch: list = []
-        while outq:
-            item = outq.popleft()
-            if isinstance(item, dict):
-                batch.append(item)
-                if len(batch) >= _SUBMIT_BATCH:
-                    self._send_submit(sock, batch)
-                    batch = []
-            else:
-                if batch:
-                    self._send_submit(sock, batch)
-                    batch = []
-                sock.send(P.encode(*item))
-        if batch:
-            self._send_submit(sock, batch)
+    def _flush(self) -> None:
+        send = self._sock.send
+        for frame in self._session.frames():
+            send(frame)
 
-    def _send_submit(self, sock: zmq.Socket, batch: list) -> None:
-        frame = P.encode(P.SUBMIT, batch)
-        if len(frame) <= self._max_frame:
-            sock.send(frame)
-        elif len(batch) > 1:  # split to fit the coordinator's frame limit
-            half = len(batch) // 2
-            self._send_submit(sock, batch[:half])
-            self._send_submit(sock, batch[half:])
-        else:
-            aid = batch[0]["i"]
-            entry = self._pending.pop(aid, None)
-            if entry is not None:
-                now = time.time()
-                entry[0].set_result(ActionResult(aid, "error", error=(
-                    f"rejected: the action is {len(frame)} bytes on the wire, over the coordinator's frame "
-                    f"limit of {self._max_frame}; pass large data through files"), submitted=now, finished=now))
-
-    def _receive(self, sock: zmq.Socket) -> None:
-        pending = self._pending
+    def _receive(self) -> None:
+        sock = self._sock
+        on_frame = self._session.on_frame
         for _ in range(10_000):
             try:
                 frame = sock.recv(zmq.NOBLOCK)
             except zmq.Again:
-                return
+                break
+            on_frame(frame)
+        if self._session.welcomed and not self._hello.is_set():
+            self._hello.set()
+
+    def _heartbeat(self) -> None:
+        now = time.monotonic()
+        self._sock.send(P.encode(P.HEARTBEAT, {}))
+        self._next_hb = now + self._heartbeat_s
+        if now - self._last_heard > self._reconnect_after_s:
+            info = reread_connection(self._connection_file, self._conn, self._address)
+            if info is not None:  # the coordinator came back on another address or with other keys
+                self._poller.unregister(self._sock)
+                self._sock.close(0)
+                self._conn, self._address = info, info.client_address
+                self._sock = _dealer(self._ctx, self._ident, self._address, self._conn)
+                self._poller.register(self._sock, zmq.POLLIN)
+                self._sock.send(ClientSession.hello_frame(self.name))
+                self._last_heard = now
+
+    def _io(self) -> None:
+        me = self._io_ident = threading.get_ident()
+        cv = self._cv
+        with cv:
+            self._owner = me
+        self._sock.send(ClientSession.hello_frame(self.name))
+        self._release()
+        self._ready.set()
+        while True:
+            with cv:
+                while not self._closed:
+                    if self._owner is None and not self._followers:
+                        now = time.monotonic()
+                        if now >= self._linger_until or now >= self._next_hb:
+                            break
+                        cv.wait(min(self._linger_until, self._next_hb) - now)
+                    else:
+                        cv.wait(self._heartbeat_s)  # an owning waiter sends the heartbeats meanwhile
+                if self._closed:
+                    break
+                self._owner = me
+                self._step_aside = False
+                brief = time.monotonic() < self._linger_until
+            stepped_aside = False
             try:
-                mtype, body = P.decode(frame, _FROM_COORDINATOR)
-            except P.ProtocolError as e:
-                self.errors.append(str(e))
-                continue
-            if mtype == P.RESULT:
-                for w in body:
-                    entry = pending.pop(w[0], None) if isinstance(w, list) and w else None
-                    if entry is None:
-                        continue  # a duplicate (resubmission raced the first result)
-                    try:
-                        entry[0].set_result(ActionResult.from_wire(w))
-                    except Exception as e:
-                        entry[0].set_exception(CoordinatorError(f"bad result from coordinator: {e}"))
-            elif mtype == P.HEARTBEAT or mtype == P.WELCOME:
-                limit = body.get("limits", {}).get("max_frame_bytes") if mtype == P.WELCOME else None
-                if isinstance(limit, int) and limit > 0:
-                    self._max_frame = limit
-                    self._hello.set()
-                cid = body.get("coordinator")
-                if self._coordinator is not None and cid != self._coordinator:
-                    self._resubmit(sock, cid)
-                self._coordinator = cid
-            elif mtype == P.STATUS:
-                if self._status_waiters:
-                    self._status_waiters.popleft().set_result(body)
-            elif mtype == P.ERROR:
-                msg = f"{body.get('code')}: {body.get('message')}"
-                self.errors.append(msg)
-                log.warning("coordinator error: %s", msg)
+                if brief:   # only the heartbeat is due: the socket goes straight back
+                    self._pump(0.0)
+                else:
+                    while not self._closed:
+                        if self._step_aside:
+                            stepped_aside = True
+                            break
+                        self._pump(max(0.0, self._next_hb - time.monotonic()))
+            finally:
+                self._release(linger=stepped_aside)
+        self._shut_down()
 
-    def _resubmit(self, sock: zmq.Socket, cid: str) -> None:
-        wires = [w for _, w in list(self._pending.values())]
-        log.warning("coordinator restarted (%s -> %s): resubmitting %d unfinished actions",
-                    self._coordinator, cid, len(wires))
-        self.resubmissions += len(wires)
-        for i in range(0, len(wires), _SUBMIT_BATCH):
-            sock.send(P.encode(P.SUBMIT, wires[i:i + _SUBMIT_BATCH]))
-
-    def _reread_connection(self) -> bool:
-        """After a silence, follow a coordinator that came back on another address."""
-        if not self._connection_file:
-            return False
-        try:
-            info = ConnectionInfo.read(self._connection_file)
-        except (OSError, ValueError):
-            return False
-        if info.client_address == self._address and info.server_public_key == getattr(self._conn, "server_public_key", ""):
-            return False
-        self._conn = info
-        self._address = info.client_address
-        return True
+    def _shut_down(self) -> None:
+        with self._cv:
+            while self._owner is not None:
+                self._cv.wait(0.05)
+            self._owner = threading.get_ident()
+        self._sock.close(0)
+        self._fail_unresolved()
 
 
-_FROM_COORDINATOR = frozenset({P.RESULT, P.HEARTBEAT, P.WELCOME, P.STATUS, P.ERROR})
+class AsyncClient(_ClientBase):
+    """asyncio flavour of :class:`Client`: ``await client.submit(spec)`` returns the result.
 
+    It drives its own socket from the event loop it is first used in (readiness callbacks on the
+    socket's file descriptor, a heartbeat task), so results reach coroutines with no thread hand-off.
+    """
 
-class AsyncClient:
-    """asyncio flavour of :class:`Client`: ``await client.submit(spec)`` returns the result."""
+    _default_name = "aclient"
 
-    def __init__(self, *args: Any, **kwargs: Any):
-        self._client = Client(*args, **kwargs)
+    def __init__(self, address: str | None = None, *, connection_file: str | None = None,
+                 connection: ConnectionInfo | None = None, name: str | None = None,
+                 heartbeat_s: float = 1.0, reconnect_after_s: float = 3.0):
+        super().__init__(address, connection_file=connection_file, connection=connection, name=name,
+                         heartbeat_s=heartbeat_s, reconnect_after_s=reconnect_after_s)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ctx: zmq.Context | None = None
+        self._sock: zmq.Socket | None = None
+        self._fd: int | None = None
+        self._ticker: asyncio.Task | None = None
+        self._hold_until = 0.0   # submissions wait for WELCOME (the frame limit) until then
+        self._last_heard = 0.0
+        self._closed = False
 
-    @classmethod
-    def from_connection_file(cls, path: str | None = None, **kw: Any) -> "AsyncClient":
-        return cls(connection_file=path, **kw)
-
+    # -- public API ----------------------------------------------------------
     def submit_nowait(self, spec: ActionSpec) -> "asyncio.Future[ActionResult]":
-        return asyncio.wrap_future(self._client.submit(spec))
+        """Queue one action from the running loop; the returned future resolves to its result."""
+        loop = self._start()
+        fut = loop.create_future()
+        self._session.add(spec, fut)
+        self._flush()
+        return fut
 
     async def submit(self, spec: ActionSpec) -> ActionResult:
         return await self.submit_nowait(spec)
 
     async def map(self, specs: Iterable[ActionSpec]) -> list[ActionResult]:
-        futs = self._client.submit_many(specs)
-        return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futs)))
+        loop = self._start()
+        futs = []
+        for spec in specs:
+            fut = loop.create_future()
+            self._session.add(spec, fut)
+            futs.append(fut)
+        self._flush()
+        return list(await asyncio.gather(*futs))
 
     async def status(self, timeout: float = 10.0) -> dict:
-        return await asyncio.get_running_loop().run_in_executor(None, self._client.status, timeout)
+        fut = self._start().create_future()
+        self._session.ask_status(fut)
+        self._flush()
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"no status from the coordinator at {self._address} within {timeout:g}s") from None
 
     def cancel(self, action_ids: str | Iterable[str]) -> None:
-        self._client.cancel(action_ids)
+        self._session.cancel([action_ids] if isinstance(action_ids, str) else list(action_ids))
+        if self._sock is not None:
+            self._flush()
 
     async def close(self) -> None:
-        self._client.close()
+        """Disconnect; futures still unresolved get a :class:`CoordinatorError`."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._ticker is not None:
+            self._ticker.cancel()
+        self._disconnect()
+        if self._ctx is not None:
+            self._ctx.destroy(linger=0)
+        self._fail_unresolved()
 
     async def __aenter__(self) -> "AsyncClient":
+        self._start()
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.close()
+
+    # -- the loop side ---------------------------------------------------------
+    def _start(self) -> asyncio.AbstractEventLoop:
+        if self._loop is not None:
+            return self._loop
+        if self._closed:
+            raise CoordinatorError("the client is closed")
+        self._loop = loop = asyncio.get_running_loop()
+        self._ctx = zmq.Context()
+        self._connect()
+        self._hold_until = time.monotonic() + _HELLO_WAIT_S
+        self._ticker = loop.create_task(self._tick())
+        return loop
+
+    def _connect(self) -> None:
+        self._sock = _dealer(self._ctx, self._ident, self._address, self._conn)
+        self._fd = self._sock.getsockopt(zmq.FD)
+        self._loop.add_reader(self._fd, self._on_readable)
+        self._sock.send(ClientSession.hello_frame(self.name))
+        self._last_heard = time.monotonic()
+        self._on_readable()
+
+    def _disconnect(self) -> None:
+        if self._sock is not None:
+            self._loop.remove_reader(self._fd)
+            self._sock.close(0)
+            self._sock = None
+
+    def _flush(self) -> None:
+        s = self._session
+        if self._sock is None or not s.outq:
+            return
+        if not s.welcomed and time.monotonic() < self._hold_until:
+            return  # sent once WELCOME tells the coordinator's frame limit (or the hold passes)
+        send = self._sock.send
+        for frame in s.frames():
+            send(frame)
+        # ZMQ's descriptor is edge-triggered and a send may consume the edge: look for input now.
+        self._on_readable()
+
+    def _on_readable(self) -> None:
+        sock = self._sock
+        if sock is None:
+            return
+        on_frame = self._session.on_frame
+        got = False
+        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            try:
+                frame = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            got = True
+            on_frame(frame)
+        if got:
+            self._last_heard = time.monotonic()
+            if self._session.outq:   # WELCOME arrived, or a restarted coordinator needs our actions again
+                self._flush()
+
+    async def _tick(self) -> None:
+        while not self._closed:
+            await asyncio.sleep(self._heartbeat_s)
+            if self._sock is None:
+                continue
+            now = time.monotonic()
+            self._sock.send(P.encode(P.HEARTBEAT, {}))
+            if now - self._last_heard > self._reconnect_after_s:
+                info = reread_connection(self._connection_file, self._conn, self._address)
+                if info is not None:
+                    self._disconnect()
+                    self._conn, self._address = info, info.client_address
+                    self._connect()
+            self._flush()
+            self._on_readable()

@@ -3,10 +3,14 @@ import asyncio
 import os
 import threading
 import time
+from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import as_completed
 
 import pytest
 
+from support import wait_until
 from tangram_hpc import ActionSpec, AsyncClient, Client, Demand, Status, function, sandbox
+from tangram_hpc.client import CoordinatorError
 
 
 def test_function_and_sandbox_actions(client):
@@ -137,3 +141,66 @@ def test_status_lists_workers(client):
     st = client.status()
     assert len(st["workers"]) == 2 and all(w["cores"] == 2 for w in st["workers"])
     assert st["completed"] > 0
+
+
+def test_many_threads_waiting_at_once_each_get_their_own_results(client):
+    # Threads take turns driving the socket; each must wake for its own result, never hang.
+    errors: list = []
+
+    def loop(t: int) -> None:
+        try:
+            for i in range(150):
+                r = client.submit(function("tangram_hpc.handlers:noop", (t, i))).result(30)
+                assert r.ok and r.output == [t, i], r
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=loop, args=(t,)) for t in range(12)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(120)
+    assert not any(th.is_alive() for th in threads) and not errors, errors
+
+
+def test_results_reach_callbacks_and_as_completed_with_no_thread_waiting(client):
+    specs = [function("tangram_hpc.handlers:noop", i) for i in range(200)]
+    seen: list = []
+    futs = client.submit_many(specs)
+    for f in futs:
+        f.add_done_callback(lambda f: seen.append(f.result(0).output))
+    done = [f.result(0).output for f in as_completed(futs, timeout=30)]
+    assert sorted(done) == list(range(200))
+    wait_until(lambda: len(seen) == 200, 10, what="every callback")
+    assert sorted(seen) == list(range(200))
+
+
+def test_a_waiting_thread_times_out_and_the_client_still_works(client):
+    slow = client.submit(function("time:sleep", 1.0))
+    with pytest.raises(FutureTimeout):
+        slow.result(0.05)
+    assert client.submit(function("math:sqrt", 9)).result(10).output == 3.0
+    assert slow.result(10).ok
+
+
+def test_closing_fails_unresolved_futures_and_wakes_waiting_threads(cluster):
+    c = cluster.client()
+    fut = c.submit(function("time:sleep", 3))
+    got: list = []
+    waiter = threading.Thread(target=lambda: got.append(_outcome(fut)))
+    waiter.start()
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    c.close()
+    waiter.join(10)
+    assert not waiter.is_alive() and time.monotonic() - t0 < 6
+    assert isinstance(got[0], CoordinatorError) and "closed" in str(got[0])
+    with pytest.raises(CoordinatorError, match="closed"):
+        c.submit(function("math:sqrt", 4))
+
+
+def _outcome(fut):
+    try:
+        return fut.result(20)
+    except Exception as e:
+        return e

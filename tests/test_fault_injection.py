@@ -37,7 +37,7 @@ NOOP = "tangram_hpc.handlers:noop"
 
 
 class _CountingPending(dict):
-    """Stands in for ``Client._pending``: the client pops an id once per result it receives for it."""
+    """Stands in for the client session's ``pending``: it pops an id once per result it receives for it."""
 
     def __init__(self, inner: dict):
         super().__init__(inner)
@@ -50,9 +50,10 @@ class _CountingPending(dict):
 
 def _track(client: Client) -> Counter:
     """Count the results the coordinator delivers to ``client``, per action id (before de-duplication)."""
-    assert not client._pending, "track a client before it submits"
-    client._pending = _CountingPending(client._pending)
-    return client._pending.deliveries
+    session = client._session
+    assert not session.pending, "track a client before it submits"
+    session.pending = _CountingPending(session.pending)
+    return session.pending.deliveries
 
 
 def _exactly_once(client: Client, deliveries: Counter, specs, futures, timeout: float = 60.0,

@@ -1,4 +1,5 @@
 """Nothing is lost: worker SIGKILL, a poison action, coordinator restart with clients connected."""
+import asyncio
 import os
 import signal
 import subprocess
@@ -7,7 +8,7 @@ import time
 
 import pytest
 
-from tangram_hpc import Client, Status, function, sandbox
+from tangram_hpc import AsyncClient, Client, Status, function, sandbox
 from tangram_hpc.connection import wait_for_file
 from tangram_hpc.launch import LocalCluster
 
@@ -89,3 +90,37 @@ def test_coordinator_restart_with_clients_connected(tmp_path):
         coord.kill()
         for w in workers:
             w.kill()
+
+
+def test_coordinator_restart_with_an_async_client_connected(tmp_path):
+    conn = tmp_path / "connection.json"
+    coord = _coordinator(tmp_path)
+    worker = None
+    try:
+        wait_for_file(conn, 30)
+        worker = subprocess.Popen([sys.executable, "-m", "tangram_hpc.worker", "--connection-file", str(conn),
+                                   "--cores", "2"], stdout=open(tmp_path / "w.log", "ab"), stderr=subprocess.STDOUT)
+
+        async def scenario():
+            nonlocal coord
+            async with AsyncClient(connection_file=str(conn)) as c:
+                deadline = time.time() + 30
+                while len((await c.status())["workers"]) < 1:
+                    assert time.time() < deadline
+                    await asyncio.sleep(0.1)
+                specs = [function("time:sleep", 0.3) for _ in range(12)]
+                futs = [c.submit_nowait(s) for s in specs]
+                await asyncio.sleep(0.5)
+                coord.kill()
+                coord.wait()
+                coord = _coordinator(tmp_path)   # same ports and keys: the client follows by itself
+                results = await asyncio.wait_for(asyncio.gather(*futs), 120)
+                assert [r.id for r in results] == [s.id for s in specs]
+                assert all(r.ok for r in results), [r.error for r in results if not r.ok]
+                assert c.resubmissions > 0 and c.outstanding == 0
+
+        asyncio.run(scenario())
+    finally:
+        coord.kill()
+        if worker is not None:
+            worker.kill()

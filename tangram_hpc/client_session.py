@@ -1,0 +1,185 @@
+"""The client side of the protocol, with no sockets and no threads.
+
+:class:`ClientSession` knows what a client must send and what a frame from the
+coordinator means: it keeps every unfinished action until its result arrives,
+batches submissions into frames that fit the coordinator's limit, resolves
+futures (de-duplicated by action id), answers status requests, and queues all
+unfinished actions again when the coordinator's incarnation id changes.
+
+The drivers own the socket: :class:`~tangram_hpc.client.Client` from whichever
+thread holds it, :class:`~tangram_hpc.client.AsyncClient` from an asyncio loop.
+Both hand frames to :meth:`ClientSession.on_frame` and send what
+:meth:`ClientSession.frames` yields.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from concurrent.futures import InvalidStateError as FutureStateError
+from typing import Any, Iterator
+
+from . import protocol as P
+from .actions import ActionResult, ActionSpec
+from .connection import ConnectionInfo
+from .errors import CoordinatorError
+
+log = logging.getLogger("tangram.client")
+
+SUBMIT_BATCH = 2000
+_RECEIVE_BATCH = 10_000
+_FROM_COORDINATOR = frozenset({P.RESULT, P.HEARTBEAT, P.WELCOME, P.STATUS, P.ERROR})
+
+
+def _settle(fut: Any, result: Any = None, error: BaseException | None = None) -> None:
+    # concurrent.futures and asyncio futures alike; one the caller cancelled stays cancelled.
+    try:
+        if error is None:
+            fut.set_result(result)
+        else:
+            fut.set_exception(error)
+    except Exception as e:  # both future kinds raise an InvalidStateError of their own when done
+        if not isinstance(e, FutureStateError) and type(e).__name__ != "InvalidStateError":
+            raise
+
+
+class ClientSession:
+    """Protocol state of one client: unfinished actions, queued messages, the coordinator's limits."""
+
+    def __init__(self, name: str):
+        self.name = name
+        #: action id -> (future, wire form); an entry leaves only when its result arrives
+        self.pending: dict[str, tuple[Any, dict]] = {}
+        #: messages to send: action wire maps (batched into SUBMIT frames) and (type, body) pairs
+        self.outq: deque = deque()
+        self.status_waiters: deque = deque()
+        self.coordinator: str | None = None
+        self.max_frame = P.MAX_FRAME_BYTES   # updated from the coordinator's WELCOME
+        self.welcomed = False
+        self.errors: deque[str] = deque(maxlen=100)
+        self.resubmissions = 0
+
+    # -- what the caller asks for ----------------------------------------------------
+    def add(self, spec: ActionSpec, fut: Any) -> None:
+        wire = spec.to_wire()
+        self.pending[spec.id] = (fut, wire)
+        self.outq.append(wire)
+
+    def cancel(self, ids: list[str]) -> None:
+        self.outq.append((P.CANCEL, ids))
+
+    def ask_status(self, fut: Any) -> None:
+        self.status_waiters.append(fut)
+        self.outq.append((P.STATUS, {}))
+
+    @staticmethod
+    def hello_frame(name: str) -> bytes:
+        return P.encode(P.HELLO, {"name": name})
+
+    # -- what to send ----------------------------------------------------------------
+    def frames(self) -> Iterator[bytes]:
+        """Encode everything queued, submissions in batches that fit the frame limit."""
+        outq = self.outq
+        batch: list = []
+        while outq:
+            item = outq.popleft()
+            if isinstance(item, dict):
+                batch.append(item)
+                if len(batch) >= SUBMIT_BATCH:
+                    yield from self._submit_frames(batch)
+                    batch = []
+            else:
+                if batch:
+                    yield from self._submit_frames(batch)
+                    batch = []
+                yield P.encode(*item)
+        if batch:
+            yield from self._submit_frames(batch)
+
+    def _submit_frames(self, batch: list) -> Iterator[bytes]:
+        frame = P.encode(P.SUBMIT, batch)
+        if len(frame) <= self.max_frame:
+            yield frame
+        elif len(batch) > 1:  # split to fit the coordinator's frame limit
+            half = len(batch) // 2
+            yield from self._submit_frames(batch[:half])
+            yield from self._submit_frames(batch[half:])
+        else:
+            aid = batch[0]["i"]
+            entry = self.pending.pop(aid, None)
+            if entry is not None:
+                now = time.time()
+                _settle(entry[0], ActionResult(aid, "error", error=(
+                    f"rejected: the action is {len(frame)} bytes on the wire, over the coordinator's frame "
+                    f"limit of {self.max_frame}; pass large data through files"), submitted=now, finished=now))
+
+    # -- what arrived ----------------------------------------------------------------
+    def on_frame(self, frame: bytes) -> int:
+        """Handle one frame from the coordinator; return how many futures it resolved."""
+        try:
+            mtype, body = P.decode(frame, _FROM_COORDINATOR)
+        except P.ProtocolError as e:
+            self.errors.append(str(e))
+            return 0
+        if mtype == P.RESULT:
+            return self._on_results(body)
+        if mtype == P.HEARTBEAT or mtype == P.WELCOME:
+            if mtype == P.WELCOME:
+                limit = body.get("limits", {}).get("max_frame_bytes")
+                if isinstance(limit, int) and limit > 0:
+                    self.max_frame = limit
+                self.welcomed = True
+            cid = body.get("coordinator")
+            if self.coordinator is not None and cid != self.coordinator:
+                self._requeue_unfinished(cid)
+            self.coordinator = cid
+        elif mtype == P.STATUS:
+            if self.status_waiters:
+                _settle(self.status_waiters.popleft(), body)
+                return 1
+        elif mtype == P.ERROR:
+            msg = f"{body.get('code')}: {body.get('message')}"
+            self.errors.append(msg)
+            log.warning("coordinator error: %s", msg)
+        return 0
+
+    def _on_results(self, body: list) -> int:
+        pending = self.pending
+        n = 0
+        for w in body:
+            entry = pending.pop(w[0], None) if isinstance(w, list) and w else None
+            if entry is None:
+                continue  # a duplicate (a resubmission raced the first result)
+            n += 1
+            try:
+                res = ActionResult.from_wire(w)
+            except Exception as e:
+                _settle(entry[0], error=CoordinatorError(f"bad result from coordinator: {e}"))
+                continue
+            _settle(entry[0], res)
+        return n
+
+    def _requeue_unfinished(self, cid: str) -> None:
+        """A new coordinator incarnation knows nothing of ours: submit every unfinished action again."""
+        wires = [w for _, w in list(self.pending.values())]
+        log.warning("coordinator restarted (%s -> %s): resubmitting %d unfinished actions",
+                    self.coordinator, cid, len(wires))
+        self.resubmissions += len(wires)
+        # Ahead of anything queued: those were meant for the old incarnation too.
+        queued = [item for item in self.outq if not isinstance(item, dict)]
+        self.outq.clear()
+        self.outq.extend(wires)
+        self.outq.extend(queued)
+
+
+def reread_connection(path: str | None, current: ConnectionInfo | None, address: str) -> ConnectionInfo | None:
+    """After a silence: the connection file's new contents when the coordinator moved or re-keyed."""
+    if not path:
+        return None
+    try:
+        info = ConnectionInfo.read(path)
+    except (OSError, ValueError):
+        return None
+    if info.client_address == address and info.server_public_key == getattr(current, "server_public_key", ""):
+        return None
+    return info
