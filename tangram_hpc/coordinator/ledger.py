@@ -79,13 +79,16 @@ class RecentMap:
 
 
 class ActionLedger:
+    """The live actions of one coordinator; ``action_log`` gets one record per final result
+    (a :class:`~tangram_hpc.runlog.RunLog`, or any list)."""
+
     def __init__(self, config: CoordinatorSettings, policy: SchedulingPolicy, workers: WorkerRegistry | None = None,
-                 *, outbox: Outbox | None = None, counters: Counters | None = None, action_log=None):
+                 *, outbox: Outbox | None = None, action_log=None):
         self.config = config
         self.policy = policy
         self.workers = workers if workers is not None else WorkerRegistry()
         self.outbox = outbox if outbox is not None else Outbox()
-        self.counters = counters if counters is not None else Counters()
+        self.counters = Counters()
         self.action_log = action_log if action_log is not None else []
         self.dirty = False                 # something changed that may let the policy start actions
         self._actions: dict[str, _Action] = {}
@@ -110,9 +113,6 @@ class ActionLedger:
     @property
     def zombie_cores(self) -> int:
         return sum(w.zombie_cores for w in self.workers.by_id.values())
-
-    def pending_for(self, client: bytes) -> int:
-        return self._client_pending.get(client, 0)
 
     # -- clients -----------------------------------------------------------------
     def submit(self, client: bytes, wires: list, now: float) -> None:
