@@ -22,7 +22,7 @@ from /proc every ``--sample-s`` seconds.  At the end it prints:
   second half of the run (MiB per 100k actions; about zero when memory is
   flat).  Warm-up ends once ``--warmup`` actions have completed: the
   coordinator keeps the last 200,000 results
-  (``CoordinatorConfig.result_cache``) so that a client resubmitting after a
+  (``[coordinator] result_cache``) so that a client resubmitting after a
   reconnect gets them again; that cache fills during the first 200,000
   actions, and its hash table is rebuilt once more (a new table allocated
   while the old one is live) about 150,000 insertions after it is full;

@@ -7,9 +7,10 @@ The public API::
 from .actions import (ActionFailed, ActionResult, ActionSpec, Demand, Status, ValidationError, function,
                       register_kind, reward, sandbox)
 from .client import AsyncClient, Client
+from .errors import TangramError
 from .launch import LocalCluster
 
 __version__ = "0.1.0"
 
-__all__ = ["ActionSpec", "ActionResult", "ActionFailed", "Demand", "Status", "ValidationError", "Client",
-           "AsyncClient", "LocalCluster", "sandbox", "function", "reward", "register_kind"]
+__all__ = ["ActionSpec", "ActionResult", "ActionFailed", "Demand", "Status", "TangramError", "ValidationError",
+           "Client", "AsyncClient", "LocalCluster", "sandbox", "function", "reward", "register_kind"]

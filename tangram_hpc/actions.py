@@ -17,7 +17,10 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
+
+from .errors import ActionFailed, ValidationError
 
 __all__ = [
     "ActionSpec",
@@ -41,10 +44,6 @@ _extra_kinds: set[str] = set()
 _KIND_RE = re.compile(r"^[a-z][a-z0-9_.-]{0,31}$")
 _ID_MAX = 128
 _LABEL_MAX = 256
-
-
-class ValidationError(ValueError):
-    """An action spec or result that does not follow the schema."""
 
 
 def register_kind(kind: str) -> None:
@@ -231,15 +230,24 @@ def _opt_num(w: dict, key: str, name: str) -> float | None:
     return float(v)
 
 
-class Status:
-    """Final states of an action (plain strings on the wire)."""
+class Status(str, Enum):
+    """Final states of an action.
+
+    A ``str`` enum: members equal their values (``Status.OK == "ok"``), print as them, and go
+    over the wire as plain strings; results read back from the wire carry the plain strings.
+    """
 
     OK = "ok"            # ran and returned
     FAILED = "failed"    # ran and raised / exited non-zero
     TIMEOUT = "timeout"  # killed at its timeout
     CANCELLED = "cancelled"
     ERROR = "error"      # could not be run: rejected, retries exhausted, no capable worker
-    FINAL = frozenset({OK, FAILED, TIMEOUT, CANCELLED, ERROR})
+
+    __str__ = str.__str__        # "ok", not "Status.OK", in messages and f-strings
+    __format__ = str.__format__
+
+
+Status.FINAL = frozenset(Status)  # every status is final; kept as a set for membership tests of wire values
 
 
 @dataclass(slots=True)
@@ -293,14 +301,6 @@ class ActionResult:
         if self.status != Status.OK:
             raise ActionFailed(self)
         return self.output
-
-
-class ActionFailed(RuntimeError):
-    """Raised by ``Future.result()`` when an action did not finish ``ok``."""
-
-    def __init__(self, result: ActionResult):
-        self.result = result
-        super().__init__(f"action {result.id} {result.status}: {result.error or ''}".rstrip(": "))
 
 
 # -- constructors for the common kinds ---------------------------------------

@@ -11,6 +11,8 @@ import importlib
 import logging
 import sys
 
+from .errors import ConfigError
+
 #: subcommand -> (module, one-line help)
 COMMANDS = {
     "coordinator": ("tangram_hpc.launch", "run a coordinator (and its workers, through a backend)"),
@@ -21,12 +23,15 @@ COMMANDS = {
     "bench": ("tangram_hpc.bench", "simulate a workload under tangram and the baselines; print ACT, step time, resources"),
     "fidelity": ("tangram_hpc.sim.replay", "run a small workload live on local workers and in the simulator; compare ACT"),
     "demo": ("tangram_hpc.demo", "run a synthetic agentic-RL step on a local coordinator and print ACT statistics"),
+    "config": ("tangram_hpc.config_cli", "show the effective configuration (defaults, file, environment) and its sources"),
 }
 
 _ENTRY = {  # modules hosting several subcommands name their functions per command
     "submit": ("add_submit_arguments", "submit_main"),
     "status": ("add_status_arguments", "status_main"),
     "coordinator": ("add_coordinator_arguments", "coordinator_main"),
+    "config": ("add_config_arguments", "config_main"),
+    "worker": ("add_arguments", "worker_main"),
 }
 
 
@@ -58,9 +63,11 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
     _, main_name = _ENTRY.get(args._command, ("add_arguments", "main"))
     mod = importlib.import_module(args._module)
-    if args._command == "worker":
-        return mod.run_worker(mod.config_from_args(args))
-    return int(getattr(mod, main_name)(args) or 0)
+    try:
+        return int(getattr(mod, main_name)(args) or 0)
+    except ConfigError as e:
+        print(f"tangram-hpc {args._command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

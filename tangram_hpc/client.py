@@ -62,7 +62,7 @@ def _resolve(address: str | None, connection_file: str | None,
     if connection is None and address is None:
         connection_file = connection_file or default_connection_file()
         if not connection_file:
-            raise ValueError("give a coordinator address, a connection file, or set $TANGRAM_CONNECTION")
+            raise ValueError("give a coordinator address, a connection file, or set $TANGRAM_CONNECTION_FILE")
         connection = ConnectionInfo.read(connection_file)
     return address or connection.client_address, connection_file, connection
 
@@ -165,7 +165,7 @@ class _ClientBase:
 
 
 class Client(_ClientBase):
-    """Connect to a coordinator by connection file (or ``$TANGRAM_CONNECTION``) or by address."""
+    """Connect to a coordinator by connection file (or ``$TANGRAM_CONNECTION_FILE``) or by address."""
 
     def __init__(self, address: str | None = None, *, connection_file: str | None = None,
                  connection: ConnectionInfo | None = None, name: str | None = None,

@@ -22,16 +22,13 @@ from typing import Any, Iterator
 from . import protocol as P
 from .actions import ActionResult, ActionSpec
 from .connection import ConnectionInfo
+from .errors import CoordinatorError
 
 log = logging.getLogger("tangram.client")
 
 SUBMIT_BATCH = 2000
 _RECEIVE_BATCH = 10_000
 _FROM_COORDINATOR = frozenset({P.RESULT, P.HEARTBEAT, P.WELCOME, P.STATUS, P.ERROR})
-
-
-class CoordinatorError(RuntimeError):
-    """The coordinator answered with an ERROR frame, or sent a result this client cannot read."""
 
 
 def _settle(fut: Any, result: Any = None, error: BaseException | None = None) -> None:

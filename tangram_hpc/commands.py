@@ -11,7 +11,7 @@ from .client import Client
 
 
 def _connection_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--connection-file", "-c", help="coordinator connection file (default $TANGRAM_CONNECTION)")
+    p.add_argument("--connection-file", "-c", help="coordinator connection file (default $TANGRAM_CONNECTION_FILE)")
     p.add_argument("--address", help="coordinator client address instead of a connection file (insecure only)")
 
 
@@ -98,15 +98,18 @@ def format_status(st: dict) -> str:
     lines = [f"coordinator {st['coordinator']}  up {st['uptime_s']:.0f}s  pending {st['pending']}  "
              f"running {st['running']}  completed {st['completed']}  failed {st['failed']}  "
              f"retried {st['retried']}  rejected {st['rejected']}  bad frames {st['bad_frames']}"]
+    if st.get("zombie_cores"):
+        lines.append(f"zombie cores: {st['zombie_cores']} (held by timed-out or cancelled actions their workers "
+                     "have not yet reported ended)")
     if st.get("pool"):
         lines.append(f"pool: {st['pool']}")
     if st.get("starting_workers"):
         lines.append(f"workers starting: {st['starting_workers']}")
     lines.append(f"{'worker':<34} {'host':<14} {'cores':>9} {'run':>5} {'gpus':>4} {'envs':>4}  state")
     for w in st["workers"]:
-        state = "draining" if w["draining"] else "ok"
         lines.append(f"{w['id'][:34]:<34} {w['host'][:14]:<14} {w['busy_cores']:>4}/{w['cores']:<4} "
-                     f"{w['running']:>5} {w['gpus']:>4} {w['envs']:>4}  {state}"
+                     f"{w['running']:>5} {w['gpus']:>4} {w['envs']:>4}  {w['state']}"
+                     + (f", {w['zombie_cores']} zombie cores" if w.get("zombie_cores") else "")
                      + (f"  services: {','.join(w['services'])}" if w["services"] else ""))
     if not st["workers"]:
         lines.append("(no workers registered)")

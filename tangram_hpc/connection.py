@@ -13,7 +13,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-ENV_VAR = "TANGRAM_CONNECTION"
+from .errors import ConfigError
+
+#: The variable naming the connection file, for clients, workers and the coordinator alike.
+CONNECTION_FILE_ENV = "TANGRAM_CONNECTION_FILE"
 
 
 @dataclass(slots=True)
@@ -50,10 +53,10 @@ class ConnectionInfo:
         except FileNotFoundError:
             raise FileNotFoundError(f"no connection file at {path}: is the coordinator running?") from None
         except json.JSONDecodeError as e:
-            raise ValueError(f"connection file {path} is not valid JSON: {e}") from None
+            raise ConfigError(f"connection file {path} is not valid JSON: {e}") from None
         known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
         if "client_address" not in known or "worker_address" not in known:
-            raise ValueError(f"connection file {path} lacks the coordinator addresses")
+            raise ConfigError(f"connection file {path} lacks the coordinator addresses")
         return cls(**known)
 
 
@@ -70,4 +73,4 @@ def wait_for_file(path: str | os.PathLike, timeout: float = 60.0, poll: float = 
 
 
 def default_connection_file() -> str | None:
-    return os.environ.get(ENV_VAR)
+    return os.environ.get(CONNECTION_FILE_ENV) or None

@@ -37,7 +37,7 @@ from typing import Any
 
 import msgpack
 
-from .actions import ValidationError
+from .errors import ProtocolError, ValidationError
 
 PROTOCOL_VERSION = 1
 
@@ -64,14 +64,6 @@ WORKER_TYPES = frozenset({REGISTER, HEARTBEAT, DONE})
 #: Default largest frame accepted (bytes).  Also set as ZMQ_MAXMSGSIZE so the
 #: transport drops larger frames before they are buffered whole.
 MAX_FRAME_BYTES = 16 * 1024 * 1024
-
-
-class ProtocolError(ValueError):
-    """A frame that does not follow the protocol; ``code`` is a short machine-readable tag."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(message)
-        self.code = code
 
 
 _packer = msgpack.Packer(use_bin_type=True)

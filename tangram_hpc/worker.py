@@ -28,30 +28,33 @@ import zmq
 
 from . import protocol as P
 from .actions import BUILTIN_KINDS, ActionSpec, Status, ValidationError
+from .config import ConfigError, Settings, WorkerSettings
 from .connection import ConnectionInfo
 from .handlers import FunctionHandler, Handler, resolve
 
 log = logging.getLogger("tangram.worker")
 
-HANDLE_ENV = "TANGRAM_WORKER_HANDLE"
+_DEFAULT = WorkerSettings()
 
 
 @dataclass
 class WorkerConfig:
+    """A worker's runtime configuration (see :func:`config_from_settings`; defaults from [worker])."""
+
     connection: ConnectionInfo
-    cores: int = 0                      # 0: every CPU this process may use
-    mem_mb: int = 0
-    gpus: int = 0
-    gpu_mem_mb: int = 0
+    cores: int = _DEFAULT.cores                  # 0: every CPU this process may use
+    mem_mb: int = _DEFAULT.mem_mb
+    gpus: int = _DEFAULT.gpus
+    gpu_mem_mb: int = _DEFAULT.gpu_mem_mb
     handle: str | None = None
     run_dir: str | None = None
-    heartbeat_s: float = 1.0
-    coordinator_timeout_s: float = 5.0  # silence after which the worker registers again
-    orphan_exit_s: float = 600.0        # silence after which the worker exits
+    heartbeat_s: float = _DEFAULT.heartbeat_s
+    coordinator_timeout_s: float = _DEFAULT.coordinator_timeout_s  # silence after which it registers again
+    orphan_exit_s: float = _DEFAULT.orphan_exit_s                  # silence after which it exits
     kinds: tuple[str, ...] = BUILTIN_KINDS
     handlers: dict[str, Handler] = field(default_factory=dict)
     services: Any = None                # a ServiceManager, or None
-    max_output_bytes: int = P.MAX_FRAME_BYTES // 2
+    max_output_bytes: int = _DEFAULT.max_output_bytes
     worker_id: str | None = None
     unsafe_sandbox: bool = False        # run sandbox commands without bubblewrap (explicit opt-in)
     sandbox_options: dict = field(default_factory=dict)   # more SandboxManager keyword arguments
@@ -431,78 +434,53 @@ _LIGHT_THREADS = 4
 _FROM_COORDINATOR = frozenset({P.WELCOME, P.ASSIGN, P.KILL, P.STOP, P.HEARTBEAT, P.ERROR})
 
 
-def _count(text: str) -> int:
-    n = int(text)
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must not be negative, got {n}")
-    return n
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--connection-file", required=False, help="coordinator connection file (default $TANGRAM_CONNECTION)")
-    p.add_argument("--cores", type=_count, default=0, help="cores this worker offers (default: all CPUs it may use)")
-    p.add_argument("--mem-mb", type=_count, default=0, help="memory it offers in MiB (0: not enforced by the scheduler)")
-    p.add_argument("--gpus", type=_count, default=0, help="GPUs it offers (default 0)")
-    p.add_argument("--gpu-mem-mb", type=_count, default=0, help="total GPU memory in MiB (or the host-RAM budget "
-                   "standing in for it when services run on the CPU)")
-    p.add_argument("--handle", default=os.environ.get(HANDLE_ENV), help="backend handle of the job running it")
-    p.add_argument("--run-dir", help="directory for environments and scratch (default: under the coordinator's)")
-    p.add_argument("--kinds", default=",".join(BUILTIN_KINDS), help="action kinds served, comma-separated")
-    p.add_argument("--handler", action="append", default=[], metavar="KIND=MODULE:FUNC",
-                   help="handler for a user-registered kind: FUNC(spec, cpus) -> (status, output, error)")
-    p.add_argument("--heartbeat", type=float, default=1.0, help="seconds between heartbeats")
-    g = p.add_argument_group("sandboxes (CPU workers)")
-    g.add_argument("--unsafe-sandbox", action="store_true",
-                   help="run sandbox commands WITHOUT isolation when bubblewrap is unavailable (never on shared "
-                        "machines: model-written code then sees everything your account can)")
-    g.add_argument("--sandbox-allow-network", action="store_true", help="let payloads ask for network access")
-    g.add_argument("--sandbox-warm-pool", type=int, default=2, help="ready-made environments kept (default 2)")
-    g.add_argument("--sandbox-env-ttl", type=float, default=3600.0,
-                   help="seconds an idle environment is kept (default 3600)")
-    g.add_argument("--snapshot-dir", help="shared directory for environment snapshots (default RUN_DIR/snapshots)")
-    g = p.add_argument_group("reward-model services (GPU workers)")
-    g.add_argument("--services", metavar="FILE", help="TOML file declaring the services this worker hosts")
-    g.add_argument("--service", action="append", default=[], metavar="NAME=MODULE:LOADER[,KEY=VALUE...]",
-                   help="declare one service (repeatable)")
-    g.add_argument("--service-budget-mb", type=float, default=None,
-                   help="memory budget standing in for GPU memory when services run on the CPU (default 4096)")
-    g.add_argument("--no-preload", action="store_true", help="load services into host RAM on first use only")
+    from .config_cli import add_arguments as add_config_arguments
+    add_config_arguments(p, "worker")
 
 
 def config_from_args(args: argparse.Namespace) -> WorkerConfig:
+    from .config_cli import settings_from_args
+    return config_from_settings(settings_from_args(args))
+
+
+def config_from_settings(settings: Settings) -> WorkerConfig:
+    """The runtime configuration of a worker: its [worker], [sandbox] and [services] sections."""
     from .actions import register_kind
-    from .connection import default_connection_file
-    path = args.connection_file or default_connection_file()
-    if not path:
-        raise SystemExit("tangram-hpc worker: --connection-file (or $TANGRAM_CONNECTION) is required")
+    ws, ss, sv = settings.worker, settings.sandbox, settings.services
+    if not ws.connection_file:
+        raise ConfigError("a worker needs its coordinator's connection file: --connection-file, "
+                          "$TANGRAM_CONNECTION_FILE or [worker] connection_file")
     handlers: dict[str, Callable] = {}
-    kinds = [k for k in args.kinds.split(",") if k]
-    for h in args.handler:
+    kinds = list(dict.fromkeys(ws.kinds))
+    for h in ws.handler:
         kind, _, target = h.partition("=")
         register_kind(kind)
         handlers[kind] = resolve(target)
         if kind not in kinds:
             kinds.append(kind)
     services = None
-    gpus, gpu_mem = args.gpus, args.gpu_mem_mb
-    if args.services or args.service:
+    gpus, gpu_mem = ws.gpus, ws.gpu_mem_mb
+    if sv.file or sv.service:
         from .managers.devices import discover_devices
         from .managers.service_spec import specs_from_cli
         from .managers.services import ServiceManager
-        services = ServiceManager(specs_from_cli(args.services, args.service),
-                                  discover_devices(cpu_budget_mb=args.service_budget_mb))
-        if not args.no_preload:
+        services = ServiceManager(specs_from_cli(sv.file, sv.service), discover_devices(cpu_budget_mb=sv.budget_mb))
+        if sv.preload:
             services.preload()
         gpus = gpus or sum(d.name != "cpu" for d in services.devices)
         gpu_mem = gpu_mem or int(services.capacity_mb())
     elif "reward" in kinds:
         kinds.remove("reward")  # nothing to score with
-    return WorkerConfig(connection=ConnectionInfo.read(path), cores=args.cores, mem_mb=args.mem_mb,
-                        gpus=gpus, gpu_mem_mb=gpu_mem, handle=args.handle, run_dir=args.run_dir,
-                        heartbeat_s=args.heartbeat, kinds=tuple(kinds), handlers=handlers, services=services,
-                        unsafe_sandbox=args.unsafe_sandbox, snapshot_dir=args.snapshot_dir,
-                        sandbox_options={"allow_network": args.sandbox_allow_network,
-                                         "warm_pool": args.sandbox_warm_pool, "env_ttl": args.sandbox_env_ttl})
+    return WorkerConfig(connection=ConnectionInfo.read(ws.connection_file), cores=ws.cores, mem_mb=ws.mem_mb,
+                        gpus=gpus, gpu_mem_mb=gpu_mem, handle=ws.handle,
+                        run_dir=str(ws.run_dir) if ws.run_dir else None, heartbeat_s=ws.heartbeat_s,
+                        coordinator_timeout_s=ws.coordinator_timeout_s, orphan_exit_s=ws.orphan_exit_s,
+                        kinds=tuple(kinds), handlers=handlers, services=services,
+                        max_output_bytes=ws.max_output_bytes, unsafe_sandbox=ss.unsafe,
+                        snapshot_dir=str(ss.snapshot_dir) if ss.snapshot_dir else None,
+                        sandbox_options={"allow_network": ss.allow_network, "warm_pool": ss.warm_pool,
+                                         "env_ttl": ss.env_ttl_s})
 
 
 def run_worker(cfg: WorkerConfig) -> int:
@@ -519,12 +497,21 @@ def run_worker(cfg: WorkerConfig) -> int:
     return w.run()
 
 
+def worker_main(args: argparse.Namespace) -> int:
+    try:
+        cfg = config_from_args(args)
+    except (ConfigError, OSError) as e:   # a bad setting, or no connection file (yet)
+        print(f"tangram-hpc worker: error: {e}", file=sys.stderr)
+        return 2
+    return run_worker(cfg)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="tangram-hpc worker", description="Run a tangram-hpc worker.")
     add_arguments(p)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return run_worker(config_from_args(args))
+    return worker_main(args)
 
 
 if __name__ == "__main__":

@@ -59,7 +59,7 @@ def test_submit_without_coordinator_fails_clearly(tmp_path):
 
 @pytest.mark.slow
 def test_demo_runs_a_step_and_prints_act_statistics(tmp_path):
-    env = dict(os.environ, PYTHONPATH=ROOT, TANGRAM_RUN_DIR=str(tmp_path))
+    env = dict(os.environ, PYTHONPATH=ROOT, TANGRAM_RUNS_ROOT=str(tmp_path))
     r = subprocess.run([sys.executable, "-m", "tangram_hpc.cli", "demo", "--trajectories", "4", "--turns", "2",
                         "--think-ms", "20"], capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr
@@ -67,3 +67,16 @@ def test_demo_runs_a_step_and_prints_act_statistics(tmp_path):
     for row in ("sandbox:edit", "sandbox:test", "function:reward", "mean ACT"):
         assert row in r.stdout
     assert "trajectories finished: 4/4" in r.stderr
+
+
+def test_one_variable_names_the_connection_file(cluster, monkeypatch, tmp_path):
+    from tangram_hpc import Client, function
+    monkeypatch.delenv("TANGRAM_CONNECTION_FILE", raising=False)
+    monkeypatch.setenv("TANGRAM_CONNECTION", str(cluster.connection_file))   # an old spelling: not read
+    with pytest.raises(ValueError, match=r"\$TANGRAM_CONNECTION_FILE"):
+        Client()
+    monkeypatch.setenv("TANGRAM_CONNECTION_FILE", str(cluster.connection_file))
+    with Client() as c:
+        assert c.submit(function("math:sqrt", 9)).result(10).output == 3.0
+    r = cli("submit", "--kind", "function", "--fn", "math:sqrt", "--args", "[16]")   # the CLI reads it too
+    assert r.returncode == 0 and r.stdout == "4.0\n", r.stderr

@@ -94,8 +94,14 @@ def test_cancel_kills_a_running_command(client):
     t0 = time.time()
     client.cancel(spec.id)
     r = fut.result(10)
-    assert r.status == Status.CANCELLED and "process tree killed" in r.error
+    assert r.status == Status.CANCELLED and "cancelled while running" in r.error
     assert time.time() - t0 < 5
+    # Its core stays bound until the worker reports the killed command ended: proof that the
+    # process tree was killed (a sleep 30 left running would hold it for 30 s).
+    deadline = time.time() + 5
+    while client.status()["zombie_cores"] and time.time() < deadline:
+        time.sleep(0.05)
+    assert client.status()["zombie_cores"] == 0 and time.time() - t0 < 5
 
 
 def test_idempotency_key_runs_once(client):

@@ -297,8 +297,8 @@ _live = settings(max_examples=120 * SCALE, deadline=None, suppress_health_check=
 @given(frames=st.lists(any_frame, min_size=1, max_size=6))
 def test_live_client_socket_fuzz(live, frames):
     cl, client, info = live
-    # Strict FIFO holds every action behind one no worker can run (see
-    # test_unplaceable_action_blocks_the_fifo_queue): keep fuzzed demands runnable.
+    # Keep fuzzed demands runnable on this cluster: an unplaceable action fails on its own
+    # (test_unplaceable_action_fails_and_blocks_nothing checks that separately).
     assume(all(_runnable(f) for f in frames))
     valid = _Valid(client)
     valid.submit()

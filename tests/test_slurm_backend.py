@@ -12,8 +12,9 @@ import pytest
 from slurm_support import TESTS_DIR, dev_cluster, wait_until  # noqa: F401
 from tangram_hpc.backends.base import WorkerLaunchSpec
 from tangram_hpc.backends.slurm import (
-    SLURM_JOBS_LOG, LaunchRefused, SlurmBackend, SlurmBackendConfig, add_slurm_arguments,
-    config_from_args, pool_from_args)
+    SLURM_JOBS_LOG, LaunchRefused, SlurmBackend, SlurmBackendConfig, backend_config, pool_from_settings)
+from tangram_hpc.config import ConfigError
+from tangram_hpc.config_cli import add_arguments, settings_from_args
 from tangram_hpc.resources import WorkerShape
 from tangram_hpc.slurm.cli_view import CliClusterView
 
@@ -213,20 +214,23 @@ def test_rate_limit_and_unfit_shape(tmp_path, dev_cluster):
 def test_cli_arguments_build_the_config(tmp_path):
     import argparse
     p = argparse.ArgumentParser()
-    p.add_argument("--run-dir")
-    add_slurm_arguments(p)
-    args = p.parse_args(["--run-dir", str(tmp_path), "--slurm-partition", "cpu", "--slurm-time", "30",
-                         "--slurm-sbatch", "constraint=ib", "--slurm-breaker", "3"])
-    cfg = config_from_args(args)
+    add_arguments(p, "coordinator")
+
+    def slurm(*argv):
+        return settings_from_args(p.parse_args(list(argv))).slurm
+    cfg = backend_config(slurm("--slurm-partition", "cpu", "--slurm-time", "30", "--slurm-sbatch", "constraint=ib",
+                               "--slurm-breaker", "3"), run_dir=tmp_path)
     assert (cfg.partition, cfg.time_min, cfg.extra_sbatch, cfg.breaker_failures, cfg.run_dir) == \
         ("cpu", 30, {"constraint": "ib"}, 3, str(tmp_path))
-    assert config_from_args(args, run_dir="/elsewhere").run_dir == "/elsewhere"
-    args = p.parse_args(["--slurm-worker-cores", "2", "--slurm-max-workers", "3", "--slurm-gpu-workers", "1",
-                         "--slurm-partition", "cpu", "--slurm-gpu-partition", "gpu", "--slurm-idle", "7"])
-    pool = pool_from_args(args)
+    with pytest.raises(ConfigError, match="sbatch wants KEY=VALUE"):
+        backend_config(slurm("--slurm-sbatch", "constraint"))
+    pool = pool_from_settings(slurm("--slurm-worker-cores", "2", "--slurm-max-workers", "3", "--slurm-gpu-workers",
+                                    "1", "--slurm-partition", "cpu", "--slurm-gpu-partition", "gpu",
+                                    "--slurm-idle", "7"))
     cpu, gpu = pool.config.shapes
     assert (cpu.cores, cpu.partition, gpu.gpus, gpu.partition) == (2, "cpu", 1, "gpu")
     assert pool.config.max_workers == {"cpu": 3, "gpu": 1} and pool.config.idle_ttl_s == 7
+    assert pool.config.env_idle_ttl_s == 14    # twice the idle time unless set
 
 
 def test_capacity_from_the_live_partitions(dev_cluster, tmp_path):

@@ -1,26 +1,22 @@
 """End to end on the dev cluster: the coordinator started with sbatch grows and shrinks its
 worker jobs, survives a worker job cancelled from outside, and is reported from sacct.
 
-Needs the coordinator, worker and client (tangram_hpc.coordinator) and the CLI wiring of
-``--backend slurm`` (tangram_hpc.backends.slurm.add_slurm_arguments/backend_from_args/pool_from_args).
+The template passes the pool's settings as the variables tangram-hpc reads itself
+(TANGRAM_WORKER_CORES, TANGRAM_MAX_WORKERS, TANGRAM_IDLE, TANGRAM_WORKER_TIME: the [slurm] section).
 """
 from __future__ import annotations
 
-import json
 import os
 import subprocess
-import time
 
 import pytest
 
 from slurm_support import REPO, dev_cluster, wait_until  # noqa: F401
+from tangram_hpc import report
+from tangram_hpc.actions import ActionSpec, Demand
+from tangram_hpc.slurm.cli_view import CliClusterView
 
-pytest.importorskip("tangram_hpc.coordinator")
 pytestmark = pytest.mark.slurm
-
-from tangram_hpc import report  # noqa: E402
-from tangram_hpc.actions import ActionSpec, Demand  # noqa: E402
-from tangram_hpc.slurm.cli_view import CliClusterView  # noqa: E402
 
 
 def sleep_action(seconds: float, traj: str) -> ActionSpec:

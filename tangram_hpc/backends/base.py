@@ -15,22 +15,42 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from enum import Enum
 
 from ..resources import ClusterCapacity, WorkerShape
+
+#: The variable that carries a started worker's handle into its process.
+HANDLE_ENV = "TANGRAM_WORKER_HANDLE"
+
+
+class JobState(str, Enum):
+    """Where a worker job is in its life (a ``str`` enum: members equal their values)."""
+
+    PENDING = "pending"        # queued
+    RUNNING = "running"
+    ENDED = "ended"            # exited by itself or reclaimed
+    FAILED = "failed"          # could not start, crashed, node failure
+    PREEMPTED = "preempted"
+    TIMEOUT = "timeout"        # hit its time limit
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+    @property
+    def live(self) -> bool:
+        return self in (JobState.PENDING, JobState.RUNNING)
 
 
 @dataclass(slots=True, frozen=True)
 class BackendEvent:
-    """A change in a worker job's life.
-
-    state: ``pending`` (queued), ``running``, ``ended`` (exited by itself or
-    reclaimed), ``failed`` (could not start, crashed, node failure),
-    ``preempted``, ``timeout`` (hit its time limit).
-    """
+    """A change in a worker job's life; ``state`` may be given as its string value."""
 
     handle: str
-    state: str
+    state: JobState
     reason: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "state", JobState(self.state))   # a misspelt state fails here, not later
 
 
 @dataclass(slots=True, frozen=True)

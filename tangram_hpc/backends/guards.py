@@ -17,11 +17,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from ..errors import LaunchRefused
+
 __all__ = ["SubmitRateLimiter", "CircuitBreaker", "LaunchRefused"]
-
-
-class LaunchRefused(RuntimeError):
-    """A backend will not launch workers now; the message says why and until when."""
 
 
 @dataclass

@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .base import BackendEvent, WorkerBackend, WorkerLaunchSpec
+from .base import BackendEvent, JobState, WorkerBackend, WorkerLaunchSpec
 
 
 class LocalBackend(WorkerBackend):
@@ -60,10 +60,10 @@ class LocalBackend(WorkerBackend):
                 continue
             del self._procs[handle]
             if rc == 0:
-                events.append(BackendEvent(handle, "ended"))
+                events.append(BackendEvent(handle, JobState.ENDED))
             else:
                 why = f"killed by signal {-rc}" if rc < 0 else f"exit status {rc}"
-                events.append(BackendEvent(handle, "failed", why))
+                events.append(BackendEvent(handle, JobState.FAILED, why))
         return events
 
     def reclaim(self, handle: str) -> None:
@@ -73,9 +73,6 @@ class LocalBackend(WorkerBackend):
                 os.killpg(p.pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
-
-    def pids(self) -> dict[str, int]:
-        return {h: p.pid for h, p in self._procs.items()}
 
     def shutdown(self) -> None:
         for p in self._procs.values():

@@ -2,7 +2,7 @@
 
 Each worker is one Slurm job running ``tangram_hpc.worker.main([...])``.  Its
 handle (``tgw-<run>-<n>``) is chosen before submission, passed to the worker
-(``--handle`` and ``TANGRAM_WORKER_HANDLE``) and used as the job name, so a
+(``--handle`` and ``$TANGRAM_WORKER_HANDLE``) and used as the job name, so a
 registered worker, its job and the accounting record are tied together.
 
 Tracking costs one ``squeue`` per :meth:`SlurmBackend.poll` for all jobs, plus
@@ -14,7 +14,6 @@ rate-limited and raises :class:`LaunchRefused` when the breaker is open;
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import importlib
 import logging
@@ -28,14 +27,15 @@ from typing import Callable
 
 import msgpack
 
+from ..config import ConfigError, SlurmSettings
 from ..policy.pool import PoolConfig, PoolController
 from ..resources import ClusterCapacity, PartitionFree, WorkerShape
 from ..slurm import ClusterView, JobInfo, PartitionInfo, SlurmCommandError, cluster_view
-from .base import BackendEvent, WorkerBackend, WorkerLaunchSpec
+from .base import HANDLE_ENV, BackendEvent, JobState, WorkerBackend, WorkerLaunchSpec
 from .guards import CircuitBreaker, LaunchRefused, SubmitRateLimiter
 
-__all__ = ["SlurmBackend", "SlurmBackendConfig", "LaunchRefused", "add_slurm_arguments",
-           "backend_from_args", "pool_from_args", "config_from_args", "run_worker", "SLURM_JOBS_LOG"]
+__all__ = ["SlurmBackend", "SlurmBackendConfig", "LaunchRefused", "backend_config", "backend_from_settings",
+           "pool_from_settings", "run_worker", "SLURM_JOBS_LOG"]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,9 @@ _RUNNING = frozenset({"RUNNING", "COMPLETING", "SIGNALING", "STAGE_OUT", "RESIZI
 _FAILED = frozenset({"FAILED", "NODE_FAIL", "BOOT_FAIL", "OUT_OF_MEMORY", "DEADLINE", "REVOKED"})
 
 
+_DEFAULT = SlurmSettings()
+
+
 @dataclass
 class SlurmBackendConfig:
     """How worker jobs are submitted.
@@ -60,13 +63,15 @@ class SlurmBackendConfig:
     ``extra_sbatch``: more ``#SBATCH`` options, e.g. ``{"constraint": "ib"}``.
     ``setup``: shell lines run in the job before the worker (module load, venv).
     ``entry``: the ``module:function`` the job calls with the worker's argv.
+    Defaults of the keys a user sets come from the [slurm] section of
+    :mod:`tangram_hpc.config`.
     """
 
     partition: str | None = None
     gpu_partition: str | None = None
     account: str | None = None
     qos: str | None = None
-    time_min: int = 60
+    time_min: int = _DEFAULT.time_min
     mem_per_core_mb: int | None = None
     extra_sbatch: dict[str, str] = field(default_factory=dict)
     setup: tuple[str, ...] = ()
@@ -74,20 +79,20 @@ class SlurmBackendConfig:
     folder: str | None = None          # submitit folder; default RUN_DIR/submitit/<run tag>
     job_prefix: str = "tgw"
     entry: str = "tangram_hpc.worker:main"
-    submit_per_minute: float = 30.0
-    submit_burst: int = 8
-    breaker_failures: int = 5
-    breaker_window_s: float = 300.0
-    breaker_cooldown_s: float = 120.0
+    submit_per_minute: float = _DEFAULT.submit_rate
+    submit_burst: int = _DEFAULT.submit_burst
+    breaker_failures: int = _DEFAULT.breaker
+    breaker_window_s: float = _DEFAULT.breaker_window_s
+    breaker_cooldown_s: float = _DEFAULT.breaker_cooldown_s
     healthy_after_s: float = 20.0      # a job running this long counts as a good start
     vanished_grace_s: float = 60.0     # gone from squeue and sacct this long: ended
     signal_delay_s: int = 90           # submitit's warning signal before the time limit
-    cluster_view: str = "auto"
+    cluster_view: str = _DEFAULT.view
 
 
 def run_worker(entry: str, argv: list[str], handle: str) -> int:
     """What each worker job runs (module level so submitit pickles it by name)."""
-    os.environ["TANGRAM_WORKER_HANDLE"] = handle
+    os.environ[HANDLE_ENV] = handle
     module, _, func = entry.partition(":")
     rc = getattr(importlib.import_module(module), func)(list(argv))
     if rc:
@@ -125,7 +130,7 @@ class _Job:
     shape: WorkerShape
     partition: str | None
     submitted: float
-    state: str = "pending"
+    state: JobState = JobState.PENDING
     reason: str = ""
     running_since: float | None = None
     end_time: float | None = None
@@ -274,14 +279,14 @@ class SlurmBackend(WorkerBackend):
         except Exception as e:  # sbatch refused (bad account, QOS limit, controller down)
             reason = f"sbatch failed: {str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}"
             self.breaker.record_failure(now, reason)
-            j = _Job(handle, "", shape, partition, now, state="failed", reason=reason, final=True)
+            j = _Job(handle, "", shape, partition, now, state=JobState.FAILED, reason=reason, final=True)
             self._jobs[handle] = j
-            self._pending_events.append(BackendEvent(handle, "failed", reason))
+            self._pending_events.append(BackendEvent(handle, JobState.FAILED, reason))
             return handle
         j = _Job(handle, str(job.job_id), shape, partition, now)
         self._jobs[handle] = j
         self._by_id[j.job_id] = j
-        self._pending_events.append(BackendEvent(handle, "pending", "submitted"))
+        self._pending_events.append(BackendEvent(handle, JobState.PENDING, "submitted"))
         if self._jobs_log:
             with open(self._jobs_log, "ab") as f:
                 f.write(msgpack.packb([now, handle, int(job.job_id), shape.cores, shape.gpus, partition]))
@@ -332,48 +337,48 @@ class SlurmBackend(WorkerBackend):
             if j.vanished_since is None:
                 j.vanished_since = now
             elif now - j.vanished_since >= self.config.vanished_grace_s:
-                self._finish(j, "ended", "job vanished from squeue and sacct", now, events)
+                self._finish(j, JobState.ENDED, "job vanished from squeue and sacct", now, events)
 
     def _apply(self, j: _Job, slurm_state: str, reason: str, info: JobInfo | None, now: float,
                events: list[BackendEvent]) -> None:
         if slurm_state in _PENDING:
-            if j.state == "running":  # requeued after preemption
-                events.append(BackendEvent(j.handle, "preempted", f"requeued: {reason or slurm_state}"))
+            if j.state is JobState.RUNNING:  # requeued after preemption
+                events.append(BackendEvent(j.handle, JobState.PREEMPTED, f"requeued: {reason or slurm_state}"))
                 j.running_since = None
-            if j.state != "pending" or (reason and reason != j.reason):
-                j.state, j.reason = "pending", reason
-                events.append(BackendEvent(j.handle, "pending", reason or slurm_state))
+            if j.state is not JobState.PENDING or (reason and reason != j.reason):
+                j.state, j.reason = JobState.PENDING, reason
+                events.append(BackendEvent(j.handle, JobState.PENDING, reason or slurm_state))
             return
         if slurm_state in _RUNNING:
             if info is not None:
                 j.end_time = info.end_time
-            if j.state != "running" and slurm_state != "COMPLETING":
-                j.state, j.reason, j.running_since = "running", "", now
-                events.append(BackendEvent(j.handle, "running", info.nodes if info else ""))
+            if j.state is not JobState.RUNNING and slurm_state != "COMPLETING":
+                j.state, j.reason, j.running_since = JobState.RUNNING, "", now
+                events.append(BackendEvent(j.handle, JobState.RUNNING, info.nodes if info else ""))
             if not j.healthy and j.running_since is not None and now - j.running_since >= self.config.healthy_after_s:
                 j.healthy = True
                 self.breaker.record_success(now)
             return
         # final states
         if slurm_state == "COMPLETED":
-            self._finish(j, "ended", "completed", now, events)
+            self._finish(j, JobState.ENDED, "completed", now, events)
         elif slurm_state == "CANCELLED":
-            self._finish(j, "ended", "reclaimed" if j.reclaimed else "cancelled outside tangram (scancel)",
+            self._finish(j, JobState.ENDED, "reclaimed" if j.reclaimed else "cancelled outside tangram (scancel)",
                          now, events)
         elif slurm_state == "TIMEOUT":
-            self._finish(j, "timeout", "time limit reached", now, events)
+            self._finish(j, JobState.TIMEOUT, "time limit reached", now, events)
         elif slurm_state == "PREEMPTED":
-            self._finish(j, "preempted", reason or "preempted", now, events)
+            self._finish(j, JobState.PREEMPTED, reason or "preempted", now, events)
         else:
-            self._finish(j, "failed", f"{slurm_state.lower()}{': ' + reason if reason else ''}", now, events)
+            self._finish(j, JobState.FAILED, f"{slurm_state.lower()}{': ' + reason if reason else ''}", now, events)
 
-    def _finish(self, j: _Job, state: str, reason: str, now: float, events: list[BackendEvent]) -> None:
+    def _finish(self, j: _Job, state: JobState, reason: str, now: float, events: list[BackendEvent]) -> None:
         j.final, j.state, j.reason = True, state, reason
         events.append(BackendEvent(j.handle, state, reason))
         self._by_id.pop(j.job_id, None)
         ran = j.running_since is not None and now - j.running_since >= self.config.healthy_after_s
         # a job that failed before it ran healthy_after_s is a failed start
-        if state == "failed" and not (ran or j.healthy):
+        if state is JobState.FAILED and not (ran or j.healthy):
             self.breaker.record_failure(now, f"{j.handle} (job {j.job_id}) {reason}")
 
     # -- stopping ------------------------------------------------------------
@@ -399,7 +404,7 @@ class SlurmBackend(WorkerBackend):
 
     def time_limit(self, handle: str) -> float | None:
         j = self._jobs.get(handle)
-        return j.end_time if j and j.state == "running" else None
+        return j.end_time if j and j.state is JobState.RUNNING else None
 
     def explain(self) -> str:
         """One line: breaker state, rate-limit note, job counts."""
@@ -414,83 +419,38 @@ class SlurmBackend(WorkerBackend):
         return "; ".join(parts)
 
 
-# -- CLI wiring (the coordinator subcommand calls these) -----------------------
+# -- from the configuration ([slurm] in tangram_hpc.config) ------------------------------
 
-def add_slurm_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("slurm backend")
-    g.add_argument("--slurm-partition", help="partition for CPU workers (default: the cluster default)")
-    g.add_argument("--slurm-gpu-partition", help="partition for GPU workers (default: --slurm-partition)")
-    g.add_argument("--slurm-account", help="account to charge worker jobs to")
-    g.add_argument("--slurm-qos", help="QOS of worker jobs")
-    g.add_argument("--slurm-time", type=int, default=60, metavar="MIN", help="worker job time limit (minutes)")
-    g.add_argument("--slurm-mem-per-core", type=int, metavar="MB", help="memory per core when a shape gives none")
-    g.add_argument("--slurm-sbatch", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra sbatch option for worker jobs, e.g. constraint=ib (repeatable)")
-    g.add_argument("--slurm-setup", action="append", default=[], metavar="LINE",
-                   help="shell line run in each worker job first, e.g. 'source venv/bin/activate'")
-    g.add_argument("--slurm-submit-rate", type=float, default=30.0, metavar="PER_MIN",
-                   help="most worker jobs submitted per minute")
-    g.add_argument("--slurm-submit-burst", type=int, default=8, help="most worker jobs submitted at once")
-    g.add_argument("--slurm-breaker", type=int, default=5, metavar="K",
-                   help="stop launching after K failed starts within --slurm-breaker-window")
-    g.add_argument("--slurm-breaker-window", type=float, default=300.0, metavar="S")
-    g.add_argument("--slurm-breaker-cooldown", type=float, default=120.0, metavar="S")
-    g.add_argument("--slurm-view", choices=("auto", "cli", "pyslurm"), default="auto",
-                   help="how to query Slurm (auto: pyslurm when it matches the running Slurm)")
-    g = parser.add_argument_group("slurm worker pool (grows with the backlog, shrinks when idle)")
-    g.add_argument("--slurm-worker-cores", type=int, default=4, help="cores per CPU worker job")
-    g.add_argument("--slurm-worker-mem-mb", type=int, default=0, help="memory per CPU worker job (0: default)")
-    g.add_argument("--slurm-max-workers", type=int, default=8, help="most CPU worker jobs, queued ones included")
-    g.add_argument("--slurm-min-workers", type=int, default=0, help="CPU workers kept even when idle")
-    g.add_argument("--slurm-gpu-workers", type=int, default=0, help="most GPU worker jobs (0: none)")
-    g.add_argument("--slurm-gpus-per-worker", type=int, default=1)
-    g.add_argument("--slurm-gpu-worker-cores", type=int, default=2)
-    g.add_argument("--slurm-idle", type=float, default=30.0, metavar="S",
-                   help="reclaim a worker idle this long while nothing waits")
-    g.add_argument("--slurm-replace-before", type=float, default=120.0, metavar="S",
-                   help="drain and replace a worker this long before its job's time limit")
-    g.add_argument("--slurm-env-idle", type=float, default=None, metavar="S",
-                   help="idle time before a worker hosting sandbox environments is drained; its environments "
-                        "are snapshotted and follow their trajectories (default: twice --slurm-idle)")
-    g.add_argument("--slurm-startup", type=float, default=30.0, metavar="S",
-                   help="expected seconds from submitting a worker job to its joining: the pool asks for "
-                        "enough workers to clear the backlog in about this time")
-
-
-def config_from_args(args: argparse.Namespace, run_dir: str | os.PathLike | None = None) -> SlurmBackendConfig:
-    """The backend config from parsed coordinator options; ``run_dir`` overrides ``args.run_dir``."""
+def backend_config(s: SlurmSettings, run_dir: str | os.PathLike | None = None) -> SlurmBackendConfig:
+    """The backend config of a coordinator's [slurm] settings; ``run_dir``: the coordinator's."""
     extra = {}
-    for item in getattr(args, "slurm_sbatch", []) or []:
+    for item in s.sbatch:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise SystemExit(f"--slurm-sbatch wants KEY=VALUE, got {item!r}")
+            raise ConfigError(f"[slurm] sbatch wants KEY=VALUE, got {item!r}")
         extra[key.strip().lstrip("-")] = value
     return SlurmBackendConfig(
-        partition=args.slurm_partition, gpu_partition=args.slurm_gpu_partition,
-        account=args.slurm_account, qos=args.slurm_qos, time_min=args.slurm_time,
-        mem_per_core_mb=args.slurm_mem_per_core, extra_sbatch=extra,
-        setup=tuple(getattr(args, "slurm_setup", []) or ()),
-        run_dir=str(run_dir or getattr(args, "run_dir", None) or "") or None,
-        submit_per_minute=args.slurm_submit_rate, submit_burst=args.slurm_submit_burst,
-        breaker_failures=args.slurm_breaker, breaker_window_s=args.slurm_breaker_window,
-        breaker_cooldown_s=args.slurm_breaker_cooldown, cluster_view=args.slurm_view)
+        partition=s.partition, gpu_partition=s.gpu_partition, account=s.account, qos=s.qos, time_min=s.time_min,
+        mem_per_core_mb=s.mem_per_core_mb, extra_sbatch=extra, setup=tuple(s.setup),
+        run_dir=str(run_dir) if run_dir else None, submit_per_minute=s.submit_rate, submit_burst=s.submit_burst,
+        breaker_failures=s.breaker, breaker_window_s=s.breaker_window_s, breaker_cooldown_s=s.breaker_cooldown_s,
+        cluster_view=s.view)
 
 
-def pool_from_args(args: argparse.Namespace, predictor=None) -> PoolController:
+def pool_from_settings(s: SlurmSettings, predictor=None) -> PoolController:
     """The pool controller for the coordinator's Slurm workers (``predictor``: the scheduler's)."""
-    shapes = [WorkerShape(cores=args.slurm_worker_cores, mem_mb=args.slurm_worker_mem_mb,
-                          partition=args.slurm_partition)]
-    max_workers = {"cpu": args.slurm_max_workers, "gpu": args.slurm_gpu_workers}
-    if args.slurm_gpu_workers:
-        shapes.append(WorkerShape(cores=args.slurm_gpu_worker_cores, gpus=args.slurm_gpus_per_worker,
-                                  partition=args.slurm_gpu_partition or args.slurm_partition))
-    cfg = PoolConfig(shapes, max_workers=max_workers, min_workers={"cpu": args.slurm_min_workers},
-                     startup_s=args.slurm_startup, idle_ttl_s=args.slurm_idle,
-                     env_idle_ttl_s=args.slurm_env_idle if args.slurm_env_idle is not None else 2 * args.slurm_idle,
-                     time_limit_margin_s=args.slurm_replace_before)
+    shapes = [WorkerShape(cores=s.worker_cores, mem_mb=s.worker_mem_mb, partition=s.partition)]
+    max_workers = {"cpu": s.max_workers, "gpu": s.gpu_workers}
+    if s.gpu_workers:
+        shapes.append(WorkerShape(cores=s.gpu_worker_cores, gpus=s.gpus_per_worker,
+                                  partition=s.gpu_partition or s.partition))
+    cfg = PoolConfig(shapes, max_workers=max_workers, min_workers={"cpu": s.min_workers},
+                     startup_s=s.startup_s, idle_ttl_s=s.idle_s,
+                     env_idle_ttl_s=s.env_idle_s if s.env_idle_s is not None else 2 * s.idle_s,
+                     time_limit_margin_s=s.replace_before_s)
     return PoolController(cfg, predictor)
 
 
-def backend_from_args(args: argparse.Namespace, run_dir: str | os.PathLike | None = None) -> SlurmBackend:
+def backend_from_settings(s: SlurmSettings, run_dir: str | os.PathLike | None = None) -> SlurmBackend:
     """The coordinator's Slurm backend; pass the coordinator's resolved run directory."""
-    return SlurmBackend(config_from_args(args, run_dir))
+    return SlurmBackend(backend_config(s, run_dir))

@@ -29,6 +29,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..errors import BwrapUnavailable
+
 __all__ = ["SANDBOX_DIR", "BwrapUnavailable", "BwrapLayout", "probe_bwrap", "python_prefixes"]
 
 #: Where the environment directory appears inside the sandbox.
@@ -43,10 +45,6 @@ _ETC_FILES = (
     "inputrc", "bash.bashrc", "profile", "environment", "fonts", "python3", "gitconfig",
 )
 _NET_ETC_FILES = ("resolv.conf",)
-
-
-class BwrapUnavailable(RuntimeError):
-    """bubblewrap is missing or cannot create the namespaces it needs here."""
 
 
 def probe_bwrap(bwrap: str) -> str | None:

@@ -6,13 +6,10 @@ import subprocess
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 
+from ..errors import SlurmCommandError
 from .model import AccountingRecord, JobInfo, NodeInfo, PartitionInfo
 
 __all__ = ["ClusterView", "SlurmCommandError", "slurm_version"]
-
-
-class SlurmCommandError(RuntimeError):
-    """A Slurm query failed (controller down, command missing, bad output)."""
 
 
 class ClusterView(ABC):

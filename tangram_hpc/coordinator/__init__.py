@@ -1,0 +1,24 @@
+"""The coordinator: a socket-free core and the thin ZMQ loop around it.
+
+* :class:`ActionLedger` (``ledger.py``): every live action, attempts,
+  idempotency, timeouts, cancels, one final result each; it is the only
+  caller of the scheduling policy's event methods;
+* :class:`WorkerRegistry` (``registry.py``): registered workers and what they
+  last reported;
+* :class:`PoolDriver` (``pool_driver.py``): runs the pool policy against a
+  worker backend;
+* :class:`Outbox` (``outbox.py``): what those want sent, flushed by
+* :class:`Coordinator` (``server.py``): the two ROUTER sockets, frame
+  decoding and the periodic tick.
+
+The first four take the clock as ``now`` and never touch a socket, so tests
+drive them in-process and read the outbox.
+"""
+from .ledger import ActionLedger
+from .outbox import Counters, Outbox
+from .pool_driver import PoolDriver
+from .registry import WorkerRecord, WorkerRegistry, WorkerState
+from .server import Coordinator
+
+__all__ = ["ActionLedger", "Coordinator", "Counters", "Outbox", "PoolDriver",
+           "WorkerRecord", "WorkerRegistry", "WorkerState"]

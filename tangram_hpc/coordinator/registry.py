@@ -1,0 +1,134 @@
+"""The workers a coordinator knows: what each registered, what it last reported, what it runs.
+
+Socket-free: the ZMQ loop hands it decoded REGISTER and HEARTBEAT bodies, the
+ledger keeps each record's running actions and bound cores up to date, and
+every change of membership is one record in the run's worker log.
+"""
+from __future__ import annotations
+
+from enum import Enum
+from typing import Iterator
+
+from .. import protocol as P
+from ..actions import BUILTIN_KINDS, register_kind
+from ..resources import WorkerInfo, WorkerShape
+
+
+class WorkerState(str, Enum):
+    """A registered worker's state (a ``str`` enum: ``status`` shows the value)."""
+
+    OK = "ok"                  # takes new actions
+    DRAINING = "draining"      # takes none; reclaimed once its running actions end
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+class WorkerRecord:
+    """One registered worker, as the coordinator sees it.
+
+    ``busy_cores`` counts every core the scheduling policy holds for the
+    worker: those of its running actions and those of *zombies*, attempts
+    already finalised for their client (timed out or cancelled) that the
+    worker has not yet reported ended.  ``zombies`` maps such an action id to
+    ``(attempt, cores)``.
+    """
+
+    __slots__ = ("info", "ident", "last_seen", "running", "busy_cores", "zombies", "state", "drain_reason",
+                 "idle_since", "services", "envs", "registered_at", "launched_shape")
+
+    def __init__(self, info: WorkerInfo, ident: bytes, now: float):
+        self.info = info
+        self.ident = ident
+        self.last_seen = now
+        self.running: set[str] = set()
+        self.busy_cores = 0
+        self.zombies: dict[str, tuple[int, int]] = {}
+        self.state = WorkerState.OK
+        self.drain_reason = ""
+        self.idle_since: float | None = now
+        self.services: frozenset[str] = frozenset()
+        self.envs: frozenset[str] = frozenset()
+        self.registered_at = now
+        self.launched_shape: WorkerShape | None = None   # set by the pool driver for workers it launched
+
+    @property
+    def id(self) -> str:
+        return self.info.id
+
+    @property
+    def zombie_cores(self) -> int:
+        return sum(cores for _, cores in self.zombies.values())
+
+
+class WorkerRegistry:
+    def __init__(self, worker_log=None):
+        self.by_id: dict[str, WorkerRecord] = {}
+        self.by_handle: dict[str, str] = {}   # backend handle -> worker id
+        self.log = worker_log if worker_log is not None else []
+
+    def __len__(self) -> int:
+        return len(self.by_id)
+
+    def __iter__(self) -> Iterator[WorkerRecord]:
+        return iter(list(self.by_id.values()))
+
+    def get(self, worker_id: str) -> WorkerRecord | None:
+        return self.by_id.get(worker_id)
+
+    @staticmethod
+    def check(ident: bytes, body: dict) -> WorkerInfo:
+        """Validate a REGISTER body from the peer at ``ident``; the kinds it declares become submittable."""
+        reg = P.check_register(body)
+        wid = ident.decode("utf-8", "replace")
+        if reg["id"] != wid:
+            raise P.ProtocolError("malformed", "REGISTER id must equal the socket identity")
+        if not reg["kinds"]:
+            raise P.ProtocolError("malformed", "REGISTER declares no action kinds: such a worker could run nothing")
+        for kind in reg["kinds"]:
+            if kind not in BUILTIN_KINDS:
+                register_kind(kind)  # clients may now submit actions of the worker's own kinds
+        return WorkerInfo(id=wid, cores=reg["cores"], mem_mb=reg["mem_mb"], gpus=reg["gpus"],
+                          gpu_mem_mb=reg["gpu_mem_mb"], kinds=frozenset(reg["kinds"]),
+                          services=frozenset(reg["services"]), handle=reg["handle"], host=reg["host"] or "",
+                          partition=reg["partition"], extra={"pid": reg["pid"]})
+
+    def add(self, info: WorkerInfo, ident: bytes, now: float) -> WorkerRecord:
+        w = WorkerRecord(info, ident, now)
+        self.by_id[info.id] = w
+        if info.handle:
+            self.by_handle[info.handle] = info.id
+        self._record(now, "register", w)
+        return w
+
+    def remove(self, worker_id: str, now: float, event: str) -> WorkerRecord | None:
+        """Forget a worker (``event``: lost or reclaimed); None if it was not registered."""
+        w = self.by_id.pop(worker_id, None)
+        if w is None:
+            return None
+        if w.info.handle and self.by_handle.get(w.info.handle) == worker_id:
+            del self.by_handle[w.info.handle]
+        self._record(now, event, w)
+        return w
+
+    def report(self, w: WorkerRecord, body: dict, now: float) -> bool:
+        """Apply a HEARTBEAT's resident services and hosted environments; True when either changed."""
+        w.last_seen = now
+        changed = False
+        services = body.get("services")
+        if isinstance(services, list) and frozenset(services) != w.services:
+            w.services = frozenset(s for s in services if isinstance(s, str))
+            changed = True
+        envs = body.get("envs")
+        if isinstance(envs, list) and frozenset(envs) != w.envs:
+            w.envs = frozenset(e for e in envs if isinstance(e, str))
+            changed = True
+        return changed
+
+    def mark_draining(self, w: WorkerRecord, reason: str, now: float) -> None:
+        w.state = WorkerState.DRAINING
+        w.drain_reason = reason
+        self._record(now, "drain", w)
+
+    def _record(self, now: float, event: str, w: WorkerRecord) -> None:
+        self.log.append([now, event, w.info.id, w.info.handle, w.info.cores, w.info.gpus])

@@ -1,0 +1,341 @@
+"""The coordinator's ZMQ loop: two ROUTER sockets, frames in, the outbox out.
+
+All decisions live elsewhere: the :class:`~.ledger.ActionLedger` keeps the
+actions and workers, the :class:`~.pool_driver.PoolDriver` sizes the pool.
+This loop decodes each frame into one call on them, flushes their
+:class:`~.outbox.Outbox` once per turn and runs the periodic tick.  It drains
+each socket in batches, runs the scheduler once per batch and sends one
+frame per destination, so the per-action work on the dispatch path is a
+decode, a dict insert, a policy call and an encode.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+import zmq
+
+from .. import protocol as P
+from ..actions import ValidationError, new_action_id
+from ..backends.base import WorkerBackend
+from ..config import CoordinatorSettings
+from ..connection import ConnectionInfo
+from ..policy.base import PoolPolicy, SchedulingPolicy
+from ..runlog import RunLog
+from ..security import CurveKeys
+from .ledger import ActionLedger
+from .outbox import Outbox
+from .pool_driver import PoolDriver
+from .registry import WorkerRecord, WorkerRegistry
+
+log = logging.getLogger("tangram.coordinator")
+
+_BATCH = 2000          # messages drained from one socket per loop turn
+_RESULT_SLICE = 5000   # results per RESULT frame
+
+
+class Coordinator:
+    """``config`` is the [coordinator] section; ``curve`` the CurveZMQ keys (None: plain TCP);
+    the worker arguments go to every CPU / service worker the pool launches."""
+
+    def __init__(self, config: CoordinatorSettings, policy: SchedulingPolicy,
+                 pool: PoolPolicy | None = None, backend: WorkerBackend | None = None, *,
+                 curve: CurveKeys | None = None, cpu_worker_args: tuple[str, ...] = (),
+                 service_worker_args: tuple[str, ...] = ()):
+        self.config = config = config.resolved()
+        self.curve = curve
+        self.policy = policy
+        self.backend = backend
+        self.id = new_action_id()[:12]
+        run_dir = config.run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self._action_log = RunLog(run_dir / "actions.log")
+        self._worker_log = RunLog(run_dir / "workers.log")
+        self.outbox = Outbox()
+        self.ledger = ActionLedger(config, policy, WorkerRegistry(self._worker_log), outbox=self.outbox,
+                                   action_log=self._action_log)
+        self.workers = self.ledger.workers
+        self.counters = self.ledger.counters
+        self.pool_driver = None
+        if pool is not None and backend is not None:
+            self.pool_driver = PoolDriver(config, pool, backend, self.ledger,
+                                          connection_file=str(config.connection_file),
+                                          cpu_worker_args=cpu_worker_args,
+                                          service_worker_args=service_worker_args)
+        self._stop = False
+        self._started = time.time()
+        self._ctx: zmq.Context | None = None
+        self.info: ConnectionInfo | None = None
+        self._bad_frame_logged: set[str] = set()
+
+    # -- sockets -----------------------------------------------------------
+    def bind(self) -> ConnectionInfo:
+        cfg = self.config
+        ctx = self._ctx = zmq.Context()
+        self.clients = self._router(ctx, mandatory=False)
+        self.worker_socket = self._router(ctx, mandatory=True)
+        curve = self.curve
+        if curve is not None:
+            curve.apply_server(self.clients, self.worker_socket, ctx)
+        cport = self._bind(self.clients, cfg.client_port)
+        wport = self._bind(self.worker_socket, cfg.worker_port)
+        host = cfg.advertise_host or (cfg.host if cfg.host not in ("0.0.0.0", "*") else socket.getfqdn())
+        self.info = ConnectionInfo(
+            client_address=f"tcp://{host}:{cport}", worker_address=f"tcp://{host}:{wport}",
+            coordinator_id=self.id, run_dir=str(cfg.run_dir),
+            server_public_key=curve.server_public_text if curve else "",
+            client_key_file=str(curve.client_key_file) if curve else "")
+        self.info.write(cfg.connection_file)
+        return self.info
+
+    def _router(self, ctx: zmq.Context, mandatory: bool) -> zmq.Socket:
+        s = ctx.socket(zmq.ROUTER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.SNDHWM, self.config.hwm)
+        s.setsockopt(zmq.RCVHWM, self.config.hwm)
+        # Frames a little over the limit get an error reply from decode(); far larger ones are cut off
+        # by ZMQ before they are buffered whole, which bounds memory under a hostile peer.
+        s.setsockopt(zmq.MAXMSGSIZE, 4 * self.config.max_frame_bytes + 1024)
+        if mandatory:
+            s.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # A restarted client or worker reconnects with the same identity.
+        s.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        return s
+
+    def _bind(self, sock: zmq.Socket, port: int) -> int:
+        host = self.config.host
+        addr = f"tcp://{'*' if host in ('0.0.0.0', '*') else host}"
+        if port:
+            sock.bind(f"{addr}:{port}")
+            return port
+        return sock.bind_to_random_port(addr)
+
+    # -- main loop ---------------------------------------------------------
+    def serve(self, stop_after: float | None = None) -> None:
+        """Run until :meth:`stop` (or a signal handler setting it) or ``stop_after`` seconds."""
+        if self.info is None:
+            self.bind()
+        poller = zmq.Poller()
+        poller.register(self.clients, zmq.POLLIN)
+        poller.register(self.worker_socket, zmq.POLLIN)
+        ledger = self.ledger
+        next_tick = 0.0
+        end = time.monotonic() + stop_after if stop_after else None
+        if self.pool_driver is not None:
+            self.pool_driver.decide(time.time())
+        try:
+            while not self._stop:
+                now_m = time.monotonic()
+                wait = 0.0 if ledger.dirty else max(0.0, next_tick - now_m)
+                events = dict(poller.poll(int(wait * 1000) + (0 if wait == 0 else 1)))
+                if self.worker_socket in events:
+                    self._drain(self.worker_socket, self._on_worker_frame)
+                if self.clients in events:
+                    self._drain(self.clients, self._on_client_frame)
+                if ledger.dirty:
+                    ledger.dispatch(time.time())
+                self._flush()
+                now_m = time.monotonic()
+                if now_m >= next_tick:
+                    self._tick(time.time())
+                    self._flush()
+                    next_tick = now_m + min(self.config.heartbeat_s, self.config.pool_interval_s) / 2
+                if end is not None and now_m > end:
+                    break
+        finally:
+            self.close()
+
+    def stop(self) -> None:
+        self._stop = True
+
+    def close(self) -> None:
+        self._action_log.flush()
+        self._worker_log.flush()
+        if self._ctx is None:
+            return
+        bye = P.encode(P.STOP, {"reason": "coordinator shutting down", "reregister": False})
+        for w in self.workers:
+            self._send_ident(w.ident, bye)
+        if self.curve is not None:
+            self.curve.stop()
+        if self.backend is not None:
+            try:
+                self.backend.shutdown()
+            except Exception:
+                log.exception("backend shutdown failed")
+        self._ctx.destroy(linger=0)
+        self._ctx = None
+
+    def _drain(self, sock: zmq.Socket, handler) -> None:
+        for _ in range(_BATCH):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            if len(frames) != 2:
+                self._bad_frame(sock, frames[0], P.ProtocolError("malformed", "expected exactly one frame"))
+                continue
+            try:
+                handler(frames[0], frames[1])
+            except P.ProtocolError as e:
+                self._bad_frame(sock, frames[0], e)
+            except (ValidationError, TypeError, ValueError, KeyError) as e:
+                self._bad_frame(sock, frames[0], P.ProtocolError("invalid", f"{type(e).__name__}: {e}"))
+
+    def _bad_frame(self, sock: zmq.Socket, ident: bytes, err: P.ProtocolError) -> None:
+        self.counters.bad_frames += 1
+        if err.code not in self._bad_frame_logged:  # once per kind of fault, not per frame
+            self._bad_frame_logged.add(err.code)
+            log.warning("rejected a frame (%s): %s", err.code, err)
+        try:
+            sock.send_multipart([ident, P.error_frame(err.code, str(err))], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # peer gone or queue full: dropped, and counted above
+
+    # -- frames in ---------------------------------------------------------------
+    def _on_client_frame(self, ident: bytes, frame: bytes) -> None:
+        mtype, body = P.decode(frame, P.CLIENT_TYPES, self.config.max_frame_bytes)
+        if mtype == P.SUBMIT:
+            self.ledger.submit(ident, body, time.time())
+        elif mtype == P.HEARTBEAT:
+            self.clients.send_multipart([ident, P.encode(P.HEARTBEAT, {"coordinator": self.id})], zmq.NOBLOCK)
+        elif mtype == P.CANCEL:
+            self.ledger.cancel(body, time.time())
+        elif mtype == P.STATUS:
+            self.clients.send_multipart([ident, P.encode(P.STATUS, self.status())], zmq.NOBLOCK)
+        elif mtype == P.HELLO:
+            self.clients.send_multipart([ident, P.encode(P.WELCOME, self._welcome())], zmq.NOBLOCK)
+
+    def _welcome(self) -> dict:
+        c = self.config
+        return {"coordinator": self.id, "limits": {
+            "max_frame_bytes": c.max_frame_bytes, "max_pending_per_client": c.max_pending_per_client}}
+
+    def _on_worker_frame(self, ident: bytes, frame: bytes) -> None:
+        mtype, body = P.decode(frame, P.WORKER_TYPES, self.config.max_frame_bytes)
+        wid = ident.decode("utf-8", "replace")
+        now = time.time()
+        ledger = self.ledger
+        if mtype == P.REGISTER:
+            info = self.workers.check(ident, body)
+            w = ledger.add_worker(info, ident, now)
+            if self.pool_driver is not None:
+                self.pool_driver.joined(w)
+            self._send_ident(ident, P.encode(P.WELCOME, {"coordinator": self.id,
+                                                         "heartbeat_s": self.config.heartbeat_s}))
+            log.info("worker %s registered: %d cores, %d GPUs, handle %s", wid, info.cores, info.gpus, info.handle)
+            return
+        w = self.workers.get(wid)
+        if w is None:
+            if mtype == P.DONE:
+                ledger.done(wid, body, now)  # counted as stale: their actions were retried elsewhere
+            # A worker we declared lost (or one from before a restart): it must start over.
+            self._send_ident(ident, P.encode(P.STOP, {"reason": "unknown worker: register again",
+                                                      "reregister": True}))
+            return
+        w.last_seen = now
+        if mtype == P.DONE:
+            bad = ledger.done(wid, body, now)
+            if bad:
+                raise P.ProtocolError("invalid", f"{bad} malformed DONE item(s) from worker {wid} ignored")
+        elif mtype == P.HEARTBEAT:
+            if body.get("leaving"):
+                ledger.lose_worker(wid, now, f"worker {wid} is leaving: {body.get('leaving')}")
+            else:
+                ledger.worker_report(wid, body, now)
+
+    # -- frames out --------------------------------------------------------------
+    def _flush(self) -> None:
+        ob = self.outbox
+        if ob.to_workers:
+            msgs, ob.to_workers = ob.to_workers, []
+            for ident, mtype, body in msgs:
+                self._send_ident(ident, P.encode(mtype, body))
+        if ob.assign:
+            out, ob.assign = ob.assign, {}
+            self._send_workers(P.ASSIGN, out)
+        if ob.kill:
+            out, ob.kill = ob.kill, {}
+            self._send_workers(P.KILL, out)
+        # Clients last: a worker lost while sending above may have finalised actions.
+        if ob.results:
+            out, ob.results = ob.results, {}
+            send = self.clients.send_multipart
+            for ident, results in out.items():
+                for i in range(0, len(results), _RESULT_SLICE):
+                    try:
+                        send([ident, P.encode(P.RESULT, results[i:i + _RESULT_SLICE])], zmq.NOBLOCK)
+                    except zmq.ZMQError:
+                        pass  # client gone; it resubmits on reconnect and gets cached results
+        if ob.to_clients:
+            msgs, ob.to_clients = ob.to_clients, []
+            for ident, mtype, body in msgs:
+                try:
+                    self.clients.send_multipart([ident, P.encode(mtype, body)], zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+
+    def _send_workers(self, mtype: int, out: dict[str, list]) -> None:
+        workers = self.workers.by_id
+        for wid, items in out.items():
+            w = workers.get(wid)
+            if w is not None:  # lost since: its actions went back to the policy
+                self._send_worker(w, P.encode(mtype, items))
+
+    def _send_worker(self, w: WorkerRecord, frame: bytes) -> None:
+        if not self._send_ident(w.ident, frame) and w.info.id in self.workers.by_id:
+            now = time.time()
+            if self.pool_driver is not None:
+                self.pool_driver.poll(now)  # the backend usually knows why (exit status, job state)
+            self.ledger.lose_worker(w.info.id, now, "connection closed")
+
+    def _send_ident(self, ident: bytes, frame: bytes) -> bool:
+        try:
+            self.worker_socket.send_multipart([ident, frame], zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError:
+            return False
+
+    # -- periodic work -------------------------------------------------------
+    def _tick(self, now: float) -> None:
+        timeout = self.config.worker_timeout_s
+        hb = P.encode(P.HEARTBEAT, {"coordinator": self.id})
+        for w in self.workers:
+            if w.info.id not in self.workers.by_id:
+                continue  # lost while this loop ran
+            if now - w.last_seen > timeout:
+                self.ledger.lose_worker(w.info.id, now, f"no heartbeat for {now - w.last_seen:.1f}s")
+            else:
+                self._send_worker(w, hb)
+        self.ledger.expire(now)
+        if self.pool_driver is not None:
+            self.pool_driver.tick(now)
+        self.ledger.fail_unplaceable(now)
+        self._action_log.flush()
+        self._worker_log.flush()
+        self.ledger.dirty = True
+
+    # -- introspection -------------------------------------------------------
+    def status(self) -> dict:
+        now = time.time()
+        c = self.counters
+        out = {
+            "coordinator": self.id, "uptime_s": now - self._started, "pid": os.getpid(),
+            "pending": self.policy.pending_count, "running": self.policy.running_count,
+            "zombie_cores": self.ledger.zombie_cores,
+            "submitted": c.submitted, "completed": c.completed, "failed": c.failed, "retried": c.retried,
+            "rejected": c.rejected, "bad_frames": c.bad_frames, "stale_results": c.stale_results,
+            "workers_lost": c.workers_lost, "launch_failures": c.launch_failures,
+            "recent_launch_failures": [], "starting_workers": 0, "pool": "",
+            "by_status": dict(c.by_status),
+            "workers": [
+                {"id": w.info.id, "host": w.info.host, "pid": w.info.extra.get("pid"), "handle": w.info.handle,
+                 "cores": w.info.cores, "busy_cores": w.busy_cores, "zombie_cores": w.zombie_cores,
+                 "running": len(w.running), "gpus": w.info.gpus, "services": sorted(w.services),
+                 "envs": len(w.envs), "state": w.state, "last_seen_s": round(now - w.last_seen, 2)}
+                for w in self.workers],
+        }
+        if self.pool_driver is not None:
+            out.update(self.pool_driver.status())
+        return out
