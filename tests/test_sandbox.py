@@ -304,7 +304,7 @@ def test_stdin_env_and_exit_code(mgr):
     r = mgr.run(act("cat; echo \"$GREETING\"; exit 7", stdin="from stdin\n", env=None), [ALL_CPUS[0]])
     assert r.status == Status.FAILED
     spec = ActionSpec("sandbox", {"cmd": "cat; echo \"$GREETING\"", "stdin": b"in\n",
-                                  "env": {"GREETING": "hello"}})
+                                  "environ": {"GREETING": "hello"}})
     r = mgr.run(spec, [ALL_CPUS[0]])
     assert r.status == Status.OK and r.output["stdout"] == "in\nhello\n"
     assert r.output["returncode"] == 0
