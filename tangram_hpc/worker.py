@@ -1,12 +1,20 @@
 """A worker: registers its resources with the coordinator and runs the actions it is assigned.
 
-One thread does all ZMQ I/O.  A fixed pool of executor threads, one per
-core, runs CPU actions: each pins itself to the CPU ids granted for the
-action before running it (a subprocess forked from that thread inherits the
-mask), and hands its outcome back through a deque plus a wake-up pipe that is
-written only when the I/O thread might be asleep.  Reward-model actions go to
-the :class:`~tangram_hpc.managers.services.ServiceManager` instead, which
+One thread does all ZMQ I/O and never runs an action itself.  A fixed pool of
+executor threads, one per core, runs CPU actions: each pins itself to the CPU
+ids granted for the action before running it (a subprocess forked from that
+thread inherits the mask), and hands its outcome back through a deque plus a
+wake-up pipe that is written only when the I/O thread might be asleep.
+Functions seen to return in microseconds go to one *fast lane* thread in
+batches (one wake-up for many actions); a call there that overruns makes the
+I/O thread route around the lane until it returns.  Reward-model actions go
+to the :class:`~tangram_hpc.managers.services.ServiceManager` instead, which
 batches them on its own device threads.
+
+An action's core slots stay taken until its call returns, even after the
+coordinator killed it (a Python function cannot be stopped); such calls are
+listed in each heartbeat (``killed_running``) and their DONE is always sent,
+so the coordinator knows when the cores are free again.
 """
 from __future__ import annotations
 
@@ -73,7 +81,9 @@ class Worker:
         self.handlers.update(cfg.handlers)
         self.services = cfg.services
         self._free_slots = list(range(self.cores))
-        self._running: dict[tuple[str, int], list[int]] = {}   # (action id, attempt) -> core slots
+        # (action id, attempt, registration generation) -> core slots, until the call returns
+        self._running: dict[tuple[str, int, int], list[int]] = {}
+        self._killed: dict[tuple[str, int, int], float] = {}   # running attempts the coordinator killed
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
         self._done: deque = deque()
         self._wake_r, self._wake_w = os.pipe()
@@ -87,7 +97,10 @@ class Worker:
         self._exit_code = 0
         self._fast: dict[str, float] = {}   # function target -> recent run time (s)
         self._last_gc = time.monotonic()
-        self._cancel_fds: dict[str, int] = {}   # running sandbox action -> write end of its cancel pipe
+        # running sandbox action -> write ends of its cancel pipes (two attempts may overlap)
+        self._cancel_fds: dict[str, set[int]] = {}
+        self._unsent: deque[bytes] = deque()    # DONE frames the send queue had no room for
+        self._send_blocked = False
         self._light: queue.SimpleQueue = queue.SimpleQueue()
         self._threads = [threading.Thread(target=self._executor, args=(self._tasks,), name=f"exec-{i}", daemon=True)
                          for i in range(max(1, self.cores))]
@@ -95,6 +108,8 @@ class Worker:
         # unpinned, so they never wait behind commands holding cores.
         self._threads += [threading.Thread(target=self._executor, args=(self._light,), name=f"light-{i}", daemon=True)
                           for i in range(_LIGHT_THREADS)]
+        self._lane = FastLane(self._execute)
+        self._threads.append(self._lane.thread)
 
     def _sandbox_manager(self, run_dir: str):
         from .managers.sandbox import SandboxManager
@@ -113,11 +128,15 @@ class Worker:
             except Exception as e:
                 return Status.ERROR, None, f"could not restore environment {spec.env} from its snapshot: {e}"
         r, w = os.pipe()
-        self._cancel_fds[spec.id] = w
+        self._cancel_fds.setdefault(spec.id, set()).add(w)
         try:
             o = mgr.run(spec, cpus, cancel_fd=r)
         finally:
-            self._cancel_fds.pop(spec.id, None)
+            fds = self._cancel_fds.get(spec.id)
+            if fds is not None:
+                fds.discard(w)
+                if not fds:
+                    self._cancel_fds.pop(spec.id, None)
             os.close(r)
             os.close(w)
         return o.status, o.output, o.error
@@ -126,12 +145,11 @@ class Worker:
     def _executor(self, tasks: queue.SimpleQueue) -> None:
         pinned: tuple[int, ...] | None = None
         allowed = self.cpus
-        handlers = self.handlers
         while True:
             item = tasks.get()
             if item is None:
                 return
-            spec, attempt, slots, gen = item
+            slots = item[2]
             cpus = sorted({allowed[s % len(allowed)] for s in slots}) or allowed
             key = tuple(cpus)
             if key != pinned and slots:
@@ -140,20 +158,28 @@ class Worker:
                     pinned = key
                 except OSError:
                     pinned = None
-            started = time.time()
-            t0 = time.perf_counter()
-            handler = handlers.get(spec.kind)
-            if handler is None:
-                outcome = (Status.ERROR, None, f"this worker has no handler for kind {spec.kind!r}")
-            else:
-                try:
-                    outcome = handler(spec, cpus)
-                except Exception as e:  # a handler bug must not kill the executor thread
-                    outcome = (Status.ERROR, None, f"handler crashed: {type(e).__name__}: {e}")
-            target = _target(spec)
-            if target is not None:
-                self._learn(target, time.perf_counter() - t0)
-            self._complete(spec.id, attempt, outcome, started, time.time(), slots, gen)
+            self._execute(item, cpus)
+
+    def _execute(self, item: tuple, cpus: list[int]) -> None:
+        """Run one assigned action on the calling thread and hand its outcome to the I/O thread."""
+        spec, attempt, slots, gen = item
+        started = time.time()
+        t0 = time.perf_counter()
+        handler = self.handlers.get(spec.kind)
+        if handler is None:
+            outcome = (Status.ERROR, None, f"this worker has no handler for kind {spec.kind!r}")
+        else:
+            try:
+                outcome = handler(spec, cpus)
+            except BaseException as e:  # a handler bug (or sys.exit) must not kill the thread or lose the outcome
+                outcome = (Status.ERROR, None, f"handler crashed: {type(e).__name__}: {e}")
+            if not (isinstance(outcome, (tuple, list)) and len(outcome) == 3 and isinstance(outcome[0], str)):
+                outcome = (Status.ERROR, None, f"handler for kind {spec.kind!r} returned {type(outcome).__name__}, "
+                           f"not (status, output, error)")
+        target = _target(spec)
+        if target is not None:
+            self._learn(target, time.perf_counter() - t0)
+        self._complete(spec.id, attempt, tuple(outcome), started, time.time(), slots, gen)
 
     def _complete(self, aid: str, attempt: int, outcome, started: float, finished: float,
                   slots: list[int], gen: int) -> None:
@@ -204,11 +230,16 @@ class Worker:
                     if self._registered and silent > self.cfg.coordinator_timeout_s:
                         log.warning("coordinator silent for %.1fs: registering again", silent)
                         self._registered = False
-                events = dict(poller.poll(int(max(0.0, next_hb - now) * 1000) + 1))
+                wait_s = next_hb - now
+                if self._unsent or self._lane.waiting():
+                    wait_s = min(wait_s, _RECHECK_S)
+                events = dict(poller.poll(int(max(0.0, wait_s) * 1000) + 1))
                 if s in events:
                     if self._drain_socket():
                         last_heard = time.monotonic()
-                if self._done:
+                if self._lane.waiting() and self._lane.overrunning():
+                    self._route_around_lane([])
+                if self._done or self._unsent:
                     self._send_done()
                 if self._leaving:
                     if self._registered:
@@ -216,8 +247,11 @@ class Worker:
                     return 0
             return self._exit_code
         finally:
-            for t in self._threads:
-                (self._light if t.name.startswith("light") else self._tasks).put(None)
+            for _ in range(max(1, self.cores)):
+                self._tasks.put(None)
+            for _ in range(_LIGHT_THREADS):
+                self._light.put(None)
+            self._lane.stop()
             if self.services is not None:
                 self.services.close()
             if self.sandboxes is not None:
@@ -250,7 +284,14 @@ class Worker:
             "handle": c.handle, "host": socket.gethostname(), "partition": os.environ.get("SLURM_JOB_PARTITION")})
 
     def _heartbeat(self) -> None:
-        body: dict[str, Any] = {"running": len(self._running)}
+        gen = self._generation
+        body: dict[str, Any] = {
+            "running": len(self._running),
+            "busy_cores": sum(len(slots) for slots in self._running.values()),
+            # Killed by the coordinator but still running here (a function cannot be interrupted):
+            # their cores stay taken until the DONE for that attempt.
+            "killed_running": [[aid, attempt] for aid, attempt, g in self._killed if g == gen],
+        }
         if self.services is not None:
             body["services"] = sorted(self.services.resident())
         if self.sandboxes is not None:
@@ -305,6 +346,7 @@ class Worker:
 
     def _on_assign(self, items: list) -> None:
         gen = self._generation
+        fast: list[tuple] = []
         for item in items:
             try:
                 wire, attempt, ncores = item
@@ -320,28 +362,32 @@ class Worker:
             else:  # more granted than free (only after a re-registration): share cores
                 slots = free[:] + list(range(n - len(free)))
                 free.clear()
-            self._running[(spec.id, attempt)] = slots
+            self._running[(spec.id, attempt, gen)] = slots
+            task = (spec, attempt, slots, gen)
             if spec.kind == "reward" and self.services is not None:
                 self._submit_reward(spec, attempt, slots, gen)
-            elif self._fast.get(_target(spec), 1.0) < _INLINE_S:
-                self._run_inline(spec, attempt, slots, gen)
-            elif ncores == 0:
-                self._light.put((spec, attempt, slots, gen))
+            elif self._fast.get(_target(spec), 1.0) < _FAST_S:
+                fast.append(task)
             else:
-                self._tasks.put((spec, attempt, slots, gen))
+                (self._light if ncores == 0 else self._tasks).put(task)
+        if fast:
+            if self._lane.overrunning():
+                self._route_around_lane(fast)
+            else:
+                self._lane.put(fast)
 
-    def _run_inline(self, spec: ActionSpec, attempt: int, slots: list[int], gen: int) -> None:
-        # A function seen to finish in microseconds costs less to run here than the hand-off
-        # to an executor thread (a futex wake-up and a GIL switch each way, about 100 us).
-        t0 = time.perf_counter()
-        started = time.time()
-        outcome = self.handlers["function"](spec, [])
-        self._learn(spec.payload["fn"], time.perf_counter() - t0)
-        self._complete(spec.id, attempt, outcome, started, time.time(), slots, gen)
+    def _route_around_lane(self, tasks: list) -> None:
+        # A call on the fast lane overran: what waits behind it, and new fast actions, go to the
+        # executor threads until it returns; its target is no longer counted as fast.
+        target = self._lane.current_target()
+        if target is not None:
+            self._fast[target] = max(self._fast.get(target, 0.0), _FAST_S)
+        for task in self._lane.take_back() + tasks:
+            (self._light if not task[2] else self._tasks).put(task)
 
     def _learn(self, target: str, seconds: float) -> None:
         old = self._fast.get(target)
-        # Slow runs demote at once (never hold the I/O thread twice); fast ones promote gradually.
+        # Slow runs demote at once; fast ones promote gradually.
         self._fast[target] = seconds if old is None or seconds > old else 0.8 * old + 0.2 * seconds
 
     def _submit_reward(self, spec: ActionSpec, attempt: int, slots: list[int], gen: int) -> None:
@@ -355,18 +401,24 @@ class Worker:
 
     def _on_kill(self, items: list) -> None:
         # A running sandbox command is killed through its cancel pipe and a queued reward request
-        # withdrawn; a running Python function cannot be interrupted, and its late result is
-        # dropped by the coordinator.
+        # withdrawn; a running Python function cannot be interrupted: it keeps its cores, is
+        # listed in heartbeats as killed but running, and its DONE tells the coordinator it ended.
+        gen = self._generation
+        now = time.monotonic()
         for item in items:
-            if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)):
+            if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)
+                    and isinstance(item[1], int)):
                 continue
-            fd = self._cancel_fds.get(item[0])
-            if fd is not None:
+            key = (item[0], item[1], gen)
+            if key not in self._running:
+                continue  # already ended; its DONE is on the way
+            self._killed.setdefault(key, now)
+            for fd in list(self._cancel_fds.get(item[0], ())):
                 try:
                     os.write(fd, b"\0")
                 except OSError:
                     pass  # it just finished
-            elif self.services is not None:
+            if self.services is not None:
                 self.services.cancel(item[0])
 
     def _send_done(self) -> None:
@@ -381,8 +433,12 @@ class Worker:
         free = self._free_slots
         while done:
             aid, attempt, (status, output, error), started, finished, slots, g = done.popleft()
-            if self._running.pop((aid, attempt), None) is not None:
+            key = (aid, attempt, g)
+            if self._running.pop(key, None) is not None:
                 free.extend(slots)
+            self._killed.pop(key, None)
+            # Outcomes of an earlier registration are not sent: the coordinator already retried
+            # those actions (and a restarted one may reuse the attempt number).
             if g == gen:
                 out.append([aid, attempt, status, output, error, started, finished])
         if out:
@@ -392,10 +448,24 @@ class Worker:
                 frame = P.encode(P.DONE, [self._packable(o) for o in out])
             if len(frame) > self.cfg.max_output_bytes:
                 frame = P.encode(P.DONE, [self._packable(o) for o in out])
+            self._unsent.append(frame)
+        self._flush_unsent()
+
+    def _flush_unsent(self) -> None:
+        unsent = self._unsent
+        while unsent:
             try:
-                self.sock.send(frame, zmq.NOBLOCK)
+                self.sock.send(unsent[0], zmq.NOBLOCK)
             except zmq.Again:
-                log.error("coordinator queue full: %d results dropped (they will be retried)", len(out))
+                if not self._send_blocked:
+                    self._send_blocked = True
+                    log.warning("the coordinator is not taking results (send queue full): %d DONE frames kept "
+                                "and sent again when it does", len(unsent))
+                return
+            unsent.popleft()
+        if self._send_blocked:
+            self._send_blocked = False
+            log.info("the coordinator takes results again; every kept DONE frame is sent")
 
     def _packable(self, item: list) -> list:
         try:
@@ -416,6 +486,63 @@ class Worker:
             pass
 
 
+class FastLane:
+    """One thread that runs functions known to return in microseconds, in assignment order.
+
+    The I/O thread hands it whole batches (one wake-up for many actions), so tiny
+    functions do not each pay a thread hand-off, and never runs them itself: a
+    call that overruns holds up only this lane, and the I/O thread, seeing
+    :meth:`overrunning`, takes back what waits behind it (:meth:`take_back`).
+    """
+
+    def __init__(self, execute: Callable[[tuple, list[int]], None]):
+        self._tasks: deque = deque()
+        self._wake: queue.SimpleQueue = queue.SimpleQueue()
+        self._execute = execute
+        self._current: tuple | None = None
+        self._since = 0.0
+        self.thread = threading.Thread(target=self._loop, name="fast-lane", daemon=True)
+
+    def put(self, tasks: list) -> None:
+        self._tasks.extend(tasks)
+        self._wake.put(True)
+
+    def waiting(self) -> bool:
+        return bool(self._tasks)
+
+    def overrunning(self) -> bool:
+        return self._current is not None and time.perf_counter() - self._since > _OVERRUN_S
+
+    def current_target(self) -> str | None:
+        task = self._current
+        return _target(task[0]) if task is not None else None
+
+    def take_back(self) -> list:
+        out = []
+        while True:
+            try:
+                out.append(self._tasks.popleft())  # atomic: each task is taken by one side
+            except IndexError:
+                return out
+
+    def stop(self) -> None:
+        self._wake.put(None)
+
+    def _loop(self) -> None:
+        while self._wake.get() is not None:
+            while True:
+                try:
+                    task = self._tasks.popleft()
+                except IndexError:
+                    break
+                self._since = time.perf_counter()
+                self._current = task
+                try:
+                    self._execute(task, [])
+                finally:
+                    self._current = None
+
+
 def _target(spec: ActionSpec) -> str | None:
     # The payload comes from a client: a target that is not a string (a list is unhashable) is the
     # handler's error to report, never a reason for this loop to fail.
@@ -423,8 +550,12 @@ def _target(spec: ActionSpec) -> str | None:
     return fn if isinstance(fn, str) else None
 
 
-#: Functions whose recent run time is below this run inline on the I/O thread.
-_INLINE_S = 200e-6
+#: Functions whose recent run time is below this run on the fast lane.
+_FAST_S = 200e-6
+#: A fast-lane call running longer than this has overrun: the I/O thread routes around the lane.
+_OVERRUN_S = 0.02
+#: How often the I/O loop looks again while DONE frames wait for room or the fast lane is busy.
+_RECHECK_S = 0.01
 #: Threads for zero-core actions.
 _LIGHT_THREADS = 4
 
