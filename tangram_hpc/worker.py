@@ -1,15 +1,17 @@
 """A worker: registers its resources with the coordinator and runs the actions it is assigned.
 
-One thread does all ZMQ I/O and never runs an action itself.  A fixed pool of
-executor threads, one per core, runs CPU actions: each pins itself to the CPU
-ids granted for the action before running it (a subprocess forked from that
-thread inherits the mask), and hands its outcome back through a deque plus a
-wake-up pipe that is written only when the I/O thread might be asleep.
-Functions seen to return in microseconds go to one *fast lane* thread in
-batches (one wake-up for many actions); a call there that overruns makes the
-I/O thread route around the lane until it returns.  Reward-model actions go
-to the :class:`~tangram_hpc.managers.services.ServiceManager` instead, which
-batches them on its own device threads.
+One thread at a time holds the *I/O role*: it does all ZMQ I/O.  A fixed
+pool of executor threads, one per core, runs CPU actions: each pins itself to
+the CPU ids granted for the action before running it (a subprocess forked from
+that thread inherits the mask), and hands its outcome back through a deque
+plus a wake-up pipe that is written only when the I/O thread might be asleep.
+A function seen to return in microseconds runs on the I/O thread itself (a
+hand-off would cost more than the call); a *standby* thread takes the I/O role
+over when such a call overruns (:data:`_OVERRUN_S`), so heartbeats and other
+actions never wait on user code, and the thread stuck in the call stands by
+once it returns.  Reward-model actions go to the
+:class:`~tangram_hpc.managers.services.ServiceManager` instead, which batches
+them on its own device threads.
 
 An action's core slots stay taken until its call returns, even after the
 coordinator killed it (a Python function cannot be stopped); such calls are
@@ -108,8 +110,15 @@ class Worker:
         # unpinned, so they never wait behind commands holding cores.
         self._threads += [threading.Thread(target=self._executor, args=(self._light,), name=f"light-{i}", daemon=True)
                           for i in range(_LIGHT_THREADS)]
-        self._lane = FastLane(self._execute)
-        self._threads.append(self._lane.thread)
+        # The I/O role (see the module docstring): who holds it, whether it is in a user call, since when.
+        self._io_lock = threading.Lock()
+        self._io_owner: int | None = None
+        self._call_since: float | None = None
+        self._call_target: str | None = None
+        self._standbys = 0
+        self._main_thread: int | None = None
+        self._handoff: deque = deque()   # (assignments, generation) a thread left when it lost the role
+        self._finished = threading.Event()
 
     def _sandbox_manager(self, run_dir: str):
         from .managers.sandbox import SandboxManager
@@ -184,6 +193,9 @@ class Worker:
     def _complete(self, aid: str, attempt: int, outcome, started: float, finished: float,
                   slots: list[int], gen: int) -> None:
         self._done.append((aid, attempt, outcome, started, finished, slots, gen))
+        self._wake()
+
+    def _wake(self) -> None:
         if not self._wake_sent:
             self._wake_sent = True
             try:
@@ -206,39 +218,102 @@ class Worker:
         s.connect(conn.worker_address)
         for t in self._threads:
             t.start()
-        poller = zmq.Poller()
-        poller.register(s, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
+        self._poller = zmq.Poller()
+        self._poller.register(s, zmq.POLLIN)
+        self._poller.register(self._wake_r, zmq.POLLIN)
+        self._last_heard = time.monotonic()
+        self._last_register = 0.0
+        self._next_hb = 0.0
+        self._main_thread = self._io_owner = threading.get_ident()
+        self._start_standby()
+        try:
+            return self._serve()
+        finally:
+            self._finished.set()
+            for _ in range(max(1, self.cores)):
+                self._tasks.put(None)
+            for _ in range(_LIGHT_THREADS):
+                self._light.put(None)
+            if self.services is not None:
+                self.services.close()
+            if self.sandboxes is not None:
+                self._close_sandboxes()
+            ctx.destroy(linger=200)
+
+    def _serve(self) -> int | None:
+        """Hold the I/O role, or stand by to take it over, until the loop ends; returns its exit code.
+
+        A spare standby thread returns None when another one already stands by.
+        """
+        me = threading.get_ident()
+        while True:
+            if self._io_owner == me:
+                code = self._io_loop()
+                if code is not None:
+                    self._exit_code = code
+                    self._finished.set()
+                    return code
+                with self._io_lock:   # lost the role during a call that overran: stand by
+                    if self._standbys and me != self._main_thread:
+                        return None
+                    self._standbys += 1
+            elif self._finished.wait(_STANDBY_CHECK_S):
+                return self._exit_code
+            else:
+                self._take_over_if_overrun(me)
+
+    def _take_over_if_overrun(self, me: int) -> None:
+        with self._io_lock:
+            since = self._call_since
+            if since is None or time.perf_counter() - since < _OVERRUN_S:
+                return
+            self._io_owner = me
+            self._call_since = None
+            self._standbys -= 1
+            spare_needed = self._standbys == 0
+            target = self._call_target
+        if target is not None:   # no longer fast: its next calls go to executor threads
+            self._fast[target] = max(self._fast.get(target, 0.0), _FAST_S)
+        if spare_needed:
+            self._start_standby()
+
+    def _start_standby(self) -> None:
+        with self._io_lock:
+            self._standbys += 1
+        threading.Thread(target=self._serve, name="io-standby", daemon=True).start()
+
+    def _io_loop(self) -> int | None:
+        """The I/O loop; returns the worker's exit code, or None when the I/O role was taken over."""
+        s = self.sock
         hb = self.cfg.heartbeat_s
-        last_heard = time.monotonic()
-        last_register = 0.0
-        next_hb = 0.0
         try:
             while not self._stop:
+                while self._handoff:
+                    items, gen = self._handoff.popleft()
+                    if gen == self._generation:
+                        self._on_assign(items)
                 now = time.monotonic()
-                if not self._registered and now - last_register > hb:
+                if not self._registered and now - self._last_register > hb:
                     self._register()
-                    last_register = now
-                if now >= next_hb:
+                    self._last_register = now
+                if now >= self._next_hb:
                     if self._registered:
                         self._heartbeat()
-                    next_hb = now + hb
-                    silent = now - last_heard
+                    self._next_hb = now + hb
+                    silent = now - self._last_heard
                     if silent > self.cfg.orphan_exit_s:
                         log.error("no coordinator for %.0fs: exiting", silent)
                         return 3
                     if self._registered and silent > self.cfg.coordinator_timeout_s:
                         log.warning("coordinator silent for %.1fs: registering again", silent)
                         self._registered = False
-                wait_s = next_hb - now
-                if self._unsent or self._lane.waiting():
-                    wait_s = min(wait_s, _RECHECK_S)
-                events = dict(poller.poll(int(max(0.0, wait_s) * 1000) + 1))
+                wait_s = self._next_hb - now
+                if self._unsent:
+                    wait_s = min(wait_s, _RESEND_S)
+                events = dict(self._poller.poll(int(max(0.0, wait_s) * 1000) + 1))
                 if s in events:
                     if self._drain_socket():
-                        last_heard = time.monotonic()
-                if self._lane.waiting() and self._lane.overrunning():
-                    self._route_around_lane([])
+                        self._last_heard = time.monotonic()
                 if self._done or self._unsent:
                     self._send_done()
                 if self._leaving:
@@ -246,17 +321,8 @@ class Worker:
                         self._send(P.HEARTBEAT, {"leaving": self._leaving})
                     return 0
             return self._exit_code
-        finally:
-            for _ in range(max(1, self.cores)):
-                self._tasks.put(None)
-            for _ in range(_LIGHT_THREADS):
-                self._light.put(None)
-            self._lane.stop()
-            if self.services is not None:
-                self.services.close()
-            if self.sandboxes is not None:
-                self._close_sandboxes()
-            ctx.destroy(linger=200)
+        except _IORoleLost:
+            return None
 
     def _close_sandboxes(self) -> None:
         # Drained (or leaving): leave every environment where another worker can restore it.
@@ -346,8 +412,7 @@ class Worker:
 
     def _on_assign(self, items: list) -> None:
         gen = self._generation
-        fast: list[tuple] = []
-        for item in items:
+        for i, item in enumerate(items):
             try:
                 wire, attempt, ncores = item
                 spec = ActionSpec.from_wire(wire)
@@ -367,23 +432,29 @@ class Worker:
             if spec.kind == "reward" and self.services is not None:
                 self._submit_reward(spec, attempt, slots, gen)
             elif self._fast.get(_target(spec), 1.0) < _FAST_S:
-                fast.append(task)
+                try:
+                    self._run_inline(task)
+                except _IORoleLost:   # the standby holds the I/O role now: it takes the rest
+                    self._handoff.append((items[i + 1:], gen))
+                    self._wake()
+                    raise
             else:
                 (self._light if ncores == 0 else self._tasks).put(task)
-        if fast:
-            if self._lane.overrunning():
-                self._route_around_lane(fast)
-            else:
-                self._lane.put(fast)
 
-    def _route_around_lane(self, tasks: list) -> None:
-        # A call on the fast lane overran: what waits behind it, and new fast actions, go to the
-        # executor threads until it returns; its target is no longer counted as fast.
-        target = self._lane.current_target()
-        if target is not None:
-            self._fast[target] = max(self._fast.get(target, 0.0), _FAST_S)
-        for task in self._lane.take_back() + tasks:
-            (self._light if not task[2] else self._tasks).put(task)
+    def _run_inline(self, task: tuple) -> None:
+        # A function seen to finish in microseconds costs less to run here than the hand-off to
+        # an executor thread (a wake-up and a GIL switch each way).  If it overruns, the standby
+        # thread takes the I/O role over meanwhile, and this thread must then let go of it.
+        self._call_target = _target(task[0])
+        self._call_since = time.perf_counter()
+        try:
+            self._execute(task, [])
+        finally:
+            with self._io_lock:
+                self._call_since = None
+                kept = self._io_owner == threading.get_ident()
+        if not kept:
+            raise _IORoleLost
 
     def _learn(self, target: str, seconds: float) -> None:
         old = self._fast.get(target)
@@ -486,63 +557,6 @@ class Worker:
             pass
 
 
-class FastLane:
-    """One thread that runs functions known to return in microseconds, in assignment order.
-
-    The I/O thread hands it whole batches (one wake-up for many actions), so tiny
-    functions do not each pay a thread hand-off, and never runs them itself: a
-    call that overruns holds up only this lane, and the I/O thread, seeing
-    :meth:`overrunning`, takes back what waits behind it (:meth:`take_back`).
-    """
-
-    def __init__(self, execute: Callable[[tuple, list[int]], None]):
-        self._tasks: deque = deque()
-        self._wake: queue.SimpleQueue = queue.SimpleQueue()
-        self._execute = execute
-        self._current: tuple | None = None
-        self._since = 0.0
-        self.thread = threading.Thread(target=self._loop, name="fast-lane", daemon=True)
-
-    def put(self, tasks: list) -> None:
-        self._tasks.extend(tasks)
-        self._wake.put(True)
-
-    def waiting(self) -> bool:
-        return bool(self._tasks)
-
-    def overrunning(self) -> bool:
-        return self._current is not None and time.perf_counter() - self._since > _OVERRUN_S
-
-    def current_target(self) -> str | None:
-        task = self._current
-        return _target(task[0]) if task is not None else None
-
-    def take_back(self) -> list:
-        out = []
-        while True:
-            try:
-                out.append(self._tasks.popleft())  # atomic: each task is taken by one side
-            except IndexError:
-                return out
-
-    def stop(self) -> None:
-        self._wake.put(None)
-
-    def _loop(self) -> None:
-        while self._wake.get() is not None:
-            while True:
-                try:
-                    task = self._tasks.popleft()
-                except IndexError:
-                    break
-                self._since = time.perf_counter()
-                self._current = task
-                try:
-                    self._execute(task, [])
-                finally:
-                    self._current = None
-
-
 def _target(spec: ActionSpec) -> str | None:
     # The payload comes from a client: a target that is not a string (a list is unhashable) is the
     # handler's error to report, never a reason for this loop to fail.
@@ -550,12 +564,18 @@ def _target(spec: ActionSpec) -> str | None:
     return fn if isinstance(fn, str) else None
 
 
-#: Functions whose recent run time is below this run on the fast lane.
+#: Functions whose recent run time is below this run on the I/O thread.
 _FAST_S = 200e-6
-#: A fast-lane call running longer than this has overrun: the I/O thread routes around the lane.
+#: A call on the I/O thread running longer than this has overrun: the standby takes the I/O role.
 _OVERRUN_S = 0.02
-#: How often the I/O loop looks again while DONE frames wait for room or the fast lane is busy.
-_RECHECK_S = 0.01
+#: How often the standby thread looks for an overrun (more often costs the round trip measurably).
+_STANDBY_CHECK_S = 0.05
+#: How often the I/O loop tries again while DONE frames wait for room in the send queue.
+_RESEND_S = 0.01
+
+
+class _IORoleLost(Exception):
+    """Raised on a thread whose user call overran while the standby took the I/O role over."""
 #: Threads for zero-core actions.
 _LIGHT_THREADS = 4
 
