@@ -111,6 +111,28 @@ def test_fast_function_that_runs_long_does_not_stop_heartbeats(coord_and_worker)
     assert worker._fast["time:sleep"] >= 200e-6          # no longer counted as fast
 
 
+
+def test_two_different_fast_functions_overrunning_at_once_still_leave_a_thread_for_io(coord_and_worker):
+    coord, worker = coord_and_worker
+    for target, args in (("time:sleep", [0]), ("select:select", [[], [], [], 0])):
+        for _ in range(30):
+            spec = function(target, *args, cores=0)
+            coord.assign((spec, 1, 0))
+            coord.until(lambda: coord.result(spec) is not None)
+    t0 = time.monotonic()
+    first, second = function("time:sleep", 2, cores=0), function("select:select", [], [], [], 2, cores=0)
+    coord.assign((first, 1, 0))
+    coord.pump(0.3)                       # the standby has taken the I/O role by now ...
+    coord.assign((second, 1, 0))          # ... and runs this one itself: still counted as fast
+    coord.pump(0.3)
+    noop = function("tangram_hpc.handlers:noop", 1, cores=0)
+    coord.assign((noop, 1, 0))
+    coord.until(lambda: coord.result(noop) is not None, timeout=1.0)
+    coord.until(lambda: coord.result(first) is not None and coord.result(second) is not None, timeout=10)
+    assert max_heartbeat_gap(coord, t0) < 0.5 + 4 * HB
+    coord.pump(0.2)
+    assert 1 <= worker._standbys <= 2     # someone stands by again, and no more threads than needed
+
 def test_killed_function_keeps_its_core_and_is_reported_until_it_returns(coord_and_worker):
     coord, worker = coord_and_worker
     slow = function("time:sleep", 2)
