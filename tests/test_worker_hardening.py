@@ -84,6 +84,17 @@ def coord_and_worker(tmp_path):
     coord.close()
 
 
+def learn_fast(coord: FakeCoordinator, worker: Worker, target: str, *args, cores: int = 1) -> None:
+    """Run ``target(*args)`` one at a time (at least 50 times) until the worker counts it as fast."""
+    for i in range(400):
+        spec = function(target, *args, cores=cores)
+        coord.assign((spec, 1, cores))
+        coord.until(lambda: coord.result(spec) is not None)
+        if i >= 49 and worker._fast.get(target, 1.0) < 200e-6:
+            return
+    pytest.fail(f"{target} never ran in under 200 us on this machine")
+
+
 def max_heartbeat_gap(coord: FakeCoordinator, since: float) -> float:
     times = [since] + [t for t, _ in coord.heartbeats if t >= since] + [time.monotonic()]
     return max(b - a for a, b in zip(times, times[1:]))
@@ -91,11 +102,7 @@ def max_heartbeat_gap(coord: FakeCoordinator, since: float) -> float:
 
 def test_fast_function_that_runs_long_does_not_stop_heartbeats(coord_and_worker):
     coord, worker = coord_and_worker
-    warm = [function("time:sleep", 0) for _ in range(50)]
-    for spec in warm:                      # one at a time, like a sequential client
-        coord.assign((spec, 1, 1))
-        coord.until(lambda: coord.result(spec) is not None)
-    assert worker._fast["time:sleep"] < 200e-6   # learned as a microsecond function
+    learn_fast(coord, worker, "time:sleep", 0)   # one at a time, like a sequential client
     t0 = time.monotonic()
     slow = function("time:sleep", 3)
     coord.assign((slow, 1, 1))
@@ -114,11 +121,8 @@ def test_fast_function_that_runs_long_does_not_stop_heartbeats(coord_and_worker)
 
 def test_two_different_fast_functions_overrunning_at_once_still_leave_a_thread_for_io(coord_and_worker):
     coord, worker = coord_and_worker
-    for target, args in (("time:sleep", [0]), ("select:select", [[], [], [], 0])):
-        for _ in range(30):
-            spec = function(target, *args, cores=0)
-            coord.assign((spec, 1, 0))
-            coord.until(lambda: coord.result(spec) is not None)
+    learn_fast(coord, worker, "time:sleep", 0, cores=0)
+    learn_fast(coord, worker, "select:select", [], [], [], 0, cores=0)
     t0 = time.monotonic()
     first, second = function("time:sleep", 2, cores=0), function("select:select", [], [], [], 2, cores=0)
     coord.assign((first, 1, 0))
