@@ -12,6 +12,7 @@ import pytest
 from tangram_hpc.actions import ActionSpec, Status
 from tangram_hpc.managers import Limits, PythonEnvTemplate, SandboxManager, TreeTemplate
 from tangram_hpc.managers.bwrap import probe_bwrap
+from support import act
 
 pytestmark = [
     pytest.mark.sandbox,
@@ -20,11 +21,6 @@ pytestmark = [
 ]
 
 CPU = [sorted(os.sched_getaffinity(0))[0]]
-
-
-def act(cmd, env=None, **payload):
-    payload["cmd"] = cmd
-    return ActionSpec("sandbox", payload, env=env)
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ import os
 import shutil
 import subprocess
 import sys
-import textwrap
 import threading
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import tangram_hpc.managers.sandbox as sandbox_mod
 from tangram_hpc.actions import ActionSpec, Demand, Status
 from tangram_hpc.managers import Limits, SandboxManager
 from tangram_hpc.managers.bwrap import probe_bwrap
+from support import act, py
 from tangram_hpc.managers.limits import WRAPPER_ENVIRON, wrapper_argv
 
 pytestmark = [
@@ -69,15 +69,6 @@ __attribute__((constructor)) static void probe(void) {
     fclose(log);
 }
 """
-
-
-def act(cmd, env=None, **payload):
-    payload["cmd"] = cmd
-    return ActionSpec("sandbox", payload, env=env)
-
-
-def py(code: str) -> list[str]:
-    return [sys.executable, "-c", textwrap.dedent(code)]
 
 
 @pytest.fixture
@@ -315,6 +306,19 @@ def test_nested_user_namespaces_are_refused(mgr, tmp_path):
     assert open_.output["enforced"]["seccomp"] is False
     assert open_.output["stdout"] == ("created\n" if host_allows else "refused\n")
 
+
+def test_filter_programs_assemble_for_the_supported_architectures_only():
+    import struct
+    from tangram_hpc.managers import seccomp
+    for machine in ("x86_64", "aarch64"):
+        prog = seccomp.program(machine)
+        assert prog and len(prog) % 8 == 0
+        insns = [struct.unpack("=HBBI", prog[i:i + 8]) for i in range(0, len(prog), 8)]
+        assert insns[0] == (0x20, 0, 0, 4)                       # load the architecture first
+        jumps = [(i, jt, jf) for i, (code, jt, jf, _) in enumerate(insns) if code & 0x07 == 0x05]
+        assert jumps and all(i + 1 + max(jt, jf) < len(insns) for i, jt, jf in jumps)   # in bounds
+        assert insns[-1] == (0x06, 0, 0, 0x7FFF0000)             # ends allowing
+    assert seccomp.program("riscv64") is None
 
 def test_threads_processes_and_compilers_work_under_the_filter(mgr):
     r = mgr.run(act(py("""

@@ -56,17 +56,23 @@ _RULES: tuple[tuple[str, int, int | None], ...] = (
 )
 
 # Syscall numbers per ABI, from the kernel's unistd_64.h, unistd_32.h and asm-generic/unistd.h.
-_NUMBERS = {
-    "x86_64": dict(unshare=272, clone=56, clone3=435, keyctl=250, add_key=248, request_key=249, bpf=321,
-                   perf_event_open=298, userfaultfd=323, io_uring_setup=425, io_uring_enter=426,
-                   io_uring_register=427, fallocate=285),
-    "i386": dict(unshare=310, clone=120, clone3=435, keyctl=288, add_key=286, request_key=287, bpf=357,
-                 perf_event_open=336, userfaultfd=374, io_uring_setup=425, io_uring_enter=426,
-                 io_uring_register=427, fallocate=324),
-    "aarch64": dict(unshare=97, clone=220, clone3=435, keyctl=219, add_key=217, request_key=218, bpf=280,
-                    perf_event_open=241, userfaultfd=282, io_uring_setup=425, io_uring_enter=426,
-                    io_uring_register=427, fallocate=47),
+_ABIS = ("x86_64", "i386", "aarch64")
+_TABLE = {
+    "unshare": (272, 310, 97),
+    "clone": (56, 120, 220),
+    "clone3": (435, 435, 435),
+    "keyctl": (250, 288, 219),
+    "add_key": (248, 286, 217),
+    "request_key": (249, 287, 218),
+    "bpf": (321, 357, 280),
+    "perf_event_open": (298, 336, 241),
+    "userfaultfd": (323, 374, 282),
+    "io_uring_setup": (425, 425, 425),
+    "io_uring_enter": (426, 426, 426),
+    "io_uring_register": (427, 427, 427),
+    "fallocate": (285, 324, 47),
 }
+_NUMBERS = {abi: {name: nrs[i] for name, nrs in _TABLE.items()} for i, abi in enumerate(_ABIS)}
 # Native ABI -> the compat ABI the kernel also accepts there, and whether we filter it (else refuse it).
 _COMPAT = {"x86_64": ("i386", True), "aarch64": ("arm", False)}
 
