@@ -249,6 +249,14 @@ def test_a_burst_faster_than_the_check_fails_at_the_end(tmp_path):
         assert many.output["returncode"] == 0   # the command itself succeeded
 
 
+def test_run_code_over_the_disk_quota_fails_and_says_why(tmp_path):
+    code = "for i in range(3):\n    open(f'f{i}', 'wb').write(b'x' * 9_000_000)\n"
+    with SandboxManager(tmp_path / "envs", default_limits=Limits(timeout_s=60, disk_mb=20)) as m:
+        r = m.run(ActionSpec("sandbox", {"language": "python", "code": code}, env="rc"), CPU)
+    assert r.status == Status.FAILED and "disk quota exceeded" in r.error, r
+    assert r.output["status"] == "SandboxError" and r.output["message"] == r.error
+    assert r.output["run_result"]["return_code"] == 0   # the code itself ran to its end
+
 def test_fallocate_is_refused_and_posix_fallocate_still_works(mgr):
     r = mgr.run(act(py("""
         import os, subprocess

@@ -462,11 +462,15 @@ class SandboxManager:
                 res, compile_result = step(compile_argv, None, req.compile_timeout)
                 if res.cancelled:
                     return SandboxOutcome(Status.CANCELLED, None, "cancelled while compiling")
+                if res.stopped:
+                    return _stopped(res.stopped, compile_result, None)
                 ok = not res.timed_out and res.returncode == 0
             if ok:
                 res, run_result = step(run_argv, req.stdin, req.run_timeout)
                 if res.cancelled:
                     return SandboxOutcome(Status.CANCELLED, None, "cancelled while running")
+                if res.stopped:
+                    return _stopped(res.stopped, compile_result, run_result)
             for name in req.fetch_files:
                 data = read_inside(env.path, name, _FETCH_LIMIT)
                 if data is not None:
@@ -477,6 +481,11 @@ class SandboxManager:
         finally:
             self.envs.release(env)
         return SandboxOutcome(Status.OK, sf.response(compile_result, run_result, fetched))
+
+
+def _stopped(reason: str, compile_result: dict | None, run_result: dict | None) -> SandboxOutcome:
+    # A limit the response has no field for (the disk quota): its message says which.
+    return SandboxOutcome(Status.FAILED, sf.response(compile_result, run_result, {}, reason), reason)
 
 
 def _without_as(limits: Limits) -> Limits:
