@@ -249,6 +249,24 @@ def test_a_burst_faster_than_the_check_fails_at_the_end(tmp_path):
         assert many.output["returncode"] == 0   # the command itself succeeded
 
 
+def test_large_environments_are_walked_only_when_the_filesystem_grew(tmp_path, monkeypatch):
+    from tangram_hpc.managers import diskquota
+    monkeypatch.setattr(diskquota, "_CHEAP_WALK_S", 0.0)   # treat every tree as large
+    walks = []
+    real = diskquota.measure
+    monkeypatch.setattr(diskquota, "measure", lambda root: walks.append(root) or real(root))
+    with SandboxManager(tmp_path / "roomy", default_limits=Limits(timeout_s=60)) as m:
+        m.run(act("seq 1000 | xargs touch", env="big"), CPU)
+        walks.clear()
+        for _ in range(3):
+            assert m.run(act("true", env="big"), CPU).status == Status.OK
+        assert walks == []   # 10 GiB of headroom: the filesystem did not grow by that much
+    with SandboxManager(tmp_path / "tight", default_limits=Limits(timeout_s=60, disk_mb=20)) as m:
+        m.run(act("true", env="b"), CPU)
+        walks.clear()
+        r = m.run(act("for i in 1 2 3; do head -c 9000000 /dev/zero > f$i; done", env="b"), CPU)
+        assert r.status == Status.FAILED and "disk quota exceeded" in r.error and walks
+
 def test_run_code_over_the_disk_quota_fails_and_says_why(tmp_path):
     code = "for i in range(3):\n    open(f'f{i}', 'wb').write(b'x' * 9_000_000)\n"
     with SandboxManager(tmp_path / "envs", default_limits=Limits(timeout_s=60, disk_mb=20)) as m:

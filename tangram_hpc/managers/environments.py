@@ -171,6 +171,7 @@ class Environment:
     busy: int = 0
     ready: threading.Event = field(default_factory=threading.Event, repr=False)
     failure: BaseException | None = field(default=None, repr=False)
+    disk: Any = field(default=None, repr=False)   # its last disk-quota walk (diskquota.Measured)
 
 
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]")

@@ -358,7 +358,7 @@ class SandboxManager:
         mem_in_cgroup = scope is not None and scope.memory_dir is not None and bool(limits.memory_mb)
         rl = limits if not mem_in_cgroup else _without_as(limits)
         cmd = wrapper_argv(rl, uid, uid, environ, sys.executable) + argv
-        quota = QuotaWatch(env.path, limits.disk_mb, limits.disk_files)
+        quota = QuotaWatch(env.path, limits.disk_mb, limits.disk_files, env.disk)
         fds: list[int] = []
         try:
             if self.layout is not None:
@@ -397,8 +397,10 @@ class SandboxManager:
                 self.cgroups.release(scope)
             for fd in fds:
                 os.close(fd)
-        if quota.active and res.stopped is None:
-            res.stopped = quota.check()  # what it left behind, however fast it wrote it
+        if quota.active:
+            if res.stopped is None:
+                res.stopped = quota.check()  # what it left behind, however fast it wrote it
+            env.disk = quota.measured
         # wait4's peak RSS cannot be told from the worker's own size at fork time
         # (the child starts as a copy of it); the cgroup's peak covers the whole tree.
         if peak is not None:
