@@ -199,6 +199,7 @@ def test_results_the_send_queue_cannot_take_are_kept_and_sent_later(coord_and_wo
     assert "kept and sent again" in text and "will be retried" not in text and "dropped" not in text
 
 
+@pytest.mark.slow
 def test_long_fast_function_keeps_the_worker_alive_end_to_end(cluster, client):
     """time:sleep(0) x50, then time:sleep(6) on workers declared lost after 3 s of silence."""
     before = {w["id"] for w in client.status()["workers"]}
