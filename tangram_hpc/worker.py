@@ -248,7 +248,13 @@ class Worker:
         me = threading.get_ident()
         while True:
             if self._io_owner == me:
-                code = self._io_loop()
+                try:
+                    code = self._io_loop()
+                except BaseException:   # a bug: end the worker (as before) rather than leave it deaf
+                    log.exception("the worker's I/O loop failed")
+                    self._exit_code = 1
+                    self._finished.set()
+                    raise
                 if code is not None:
                     self._exit_code = code
                     self._finished.set()
