@@ -175,6 +175,10 @@ class Worker:
         started = time.time()
         t0 = time.perf_counter()
         handler = self.handlers.get(spec.kind)
+        if (spec.id, attempt, gen) in self._killed:   # killed while it waited for a thread
+            self._complete(spec.id, attempt, (Status.CANCELLED, None, "killed before it started"),
+                           started, started, slots, gen)
+            return
         if handler is None:
             outcome = (Status.ERROR, None, f"this worker has no handler for kind {spec.kind!r}")
         else:

@@ -156,6 +156,17 @@ def test_killed_function_keeps_its_core_and_is_reported_until_it_returns(coord_a
     assert worker._free_slots == [0]
 
 
+def test_a_killed_action_still_waiting_for_a_thread_does_not_run(coord_and_worker):
+    coord, worker = coord_and_worker
+    first, queued = function("time:sleep", 1), function("time:sleep", 5)
+    t0 = time.monotonic()
+    coord.assign((first, 1, 1), (queued, 1, 1))   # one executor thread: the second one waits
+    coord.pump(0.2)
+    coord.send(P.KILL, [[queued.id, 1]])
+    coord.until(lambda: coord.result(queued) is not None, timeout=4)
+    assert coord.result(queued)[2:5] == ["cancelled", None, "killed before it started"]
+    assert coord.result(first)[2] == "ok" and time.monotonic() - t0 < 4
+
 def test_sys_exit_and_bad_handler_outcomes_are_results_not_dead_threads(coord_and_worker):
     coord, worker = coord_and_worker
     register_kind("bad_outcome")
