@@ -352,13 +352,13 @@ class SandboxManager:
         environ = self._environ(inside, ncpus, env)
         environ.update(extra_env)
         uid = env.uid
+        quota = QuotaWatch(env.path, limits.disk_mb, limits.disk_files, env.disk)
         scope: CgroupScope | None = None
         if self.cgroups is not None:
             scope = self.cgroups.scope(limits.memory_mb, limits.nproc)
         mem_in_cgroup = scope is not None and scope.memory_dir is not None and bool(limits.memory_mb)
         rl = limits if not mem_in_cgroup else _without_as(limits)
         cmd = wrapper_argv(rl, uid, uid, environ, sys.executable) + argv
-        quota = QuotaWatch(env.path, limits.disk_mb, limits.disk_files, env.disk)
         fds: list[int] = []
         try:
             if self.layout is not None:
