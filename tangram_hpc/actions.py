@@ -102,7 +102,7 @@ class ActionSpec:
     ----------
     kind: ``"sandbox"``, ``"reward"``, ``"function"`` or a registered kind.
     payload: what the worker-side manager needs (msgpack-serialisable):
-        sandbox ``{"cmd": "pytest -x", "stdin": ..., "env": {...}}``;
+        sandbox ``{"cmd": "pytest -x", "stdin": ..., "environ": {"VAR": "value"}}``;
         function ``{"fn": "pkg.mod:func", "args": [...], "kwargs": {...}}``;
         reward ``{"inputs": [...]}`` (the service is ``demand.service``).
     env: id of the stateful environment (sandbox) the action must run in; all

@@ -53,7 +53,7 @@ class FunctionHandler:
             return Status.ERROR, None, "function args must be a list and kwargs a map"
         try:
             return Status.OK, fn(*args, **kwargs), None
-        except Exception as e:
+        except BaseException as e:  # sys.exit() in user code is a failed call, not a dead thread
             tb = traceback.format_exc(limit=-3)
             return Status.FAILED, None, f"{type(e).__name__}: {e}\n{tb[-2000:]}"
 

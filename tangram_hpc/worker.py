@@ -1,12 +1,22 @@
 """A worker: registers its resources with the coordinator and runs the actions it is assigned.
 
-One thread does all ZMQ I/O.  A fixed pool of executor threads, one per
-core, runs CPU actions: each pins itself to the CPU ids granted for the
-action before running it (a subprocess forked from that thread inherits the
-mask), and hands its outcome back through a deque plus a wake-up pipe that is
-written only when the I/O thread might be asleep.  Reward-model actions go to
-the :class:`~tangram_hpc.managers.services.ServiceManager` instead, which
-batches them on its own device threads.
+One thread at a time holds the *I/O role*: it does all ZMQ I/O.  A fixed
+pool of executor threads, one per core, runs CPU actions: each pins itself to
+the CPU ids granted for the action before running it (a subprocess forked from
+that thread inherits the mask), and hands its outcome back through a deque
+plus a wake-up pipe that is written only when the I/O thread might be asleep.
+A function seen to return in microseconds runs on the I/O thread itself (a
+hand-off would cost more than the call); a *standby* thread takes the I/O role
+over when such a call overruns (:data:`_OVERRUN_S`), so heartbeats and other
+actions never wait on user code, and the thread stuck in the call stands by
+once it returns.  Reward-model actions go to the
+:class:`~tangram_hpc.managers.services.ServiceManager` instead, which batches
+them on its own device threads.
+
+An action's core slots stay taken until its call returns, even after the
+coordinator killed it (a Python function cannot be stopped); such calls are
+listed in each heartbeat (``killed_running``) and their DONE is always sent,
+so the coordinator knows when the cores are free again.
 """
 from __future__ import annotations
 
@@ -76,7 +86,9 @@ class Worker:
         self.handlers.update(cfg.handlers)
         self.services = cfg.services
         self._free_slots = list(range(self.cores))
-        self._running: dict[tuple[str, int], list[int]] = {}   # (action id, attempt) -> core slots
+        # (action id, attempt, registration generation) -> core slots, until the call returns
+        self._running: dict[tuple[str, int, int], list[int]] = {}
+        self._killed: dict[tuple[str, int, int], float] = {}   # running attempts the coordinator killed
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
         self._done: deque = deque()
         self._wake_r, self._wake_w = os.pipe()
@@ -90,7 +102,10 @@ class Worker:
         self._exit_code = 0
         self._fast: dict[str, float] = {}   # function target -> recent run time (s)
         self._last_gc = time.monotonic()
-        self._cancel_fds: dict[str, int] = {}   # running sandbox action -> write end of its cancel pipe
+        # running sandbox action -> write ends of its cancel pipes (two attempts may overlap)
+        self._cancel_fds: dict[str, set[int]] = {}
+        self._unsent: deque[bytes] = deque()    # DONE frames the send queue had no room for
+        self._send_blocked = False
         self._light: queue.SimpleQueue = queue.SimpleQueue()
         self._threads = [threading.Thread(target=self._executor, args=(self._tasks,), name=f"exec-{i}", daemon=True)
                          for i in range(max(1, self.cores))]
@@ -98,6 +113,15 @@ class Worker:
         # unpinned, so they never wait behind commands holding cores.
         self._threads += [threading.Thread(target=self._executor, args=(self._light,), name=f"light-{i}", daemon=True)
                           for i in range(_LIGHT_THREADS)]
+        # The I/O role (see the module docstring): who holds it, whether it is in a user call, since when.
+        self._io_lock = threading.Lock()
+        self._io_owner: int | None = None
+        self._call_since: float | None = None
+        self._call_target: str | None = None
+        self._standbys = 0
+        self._main_thread: int | None = None
+        self._handoff: deque = deque()   # (assignments, generation) a thread left when it lost the role
+        self._finished = threading.Event()
 
     def _sandbox_manager(self, run_dir: str):
         from .managers.sandbox import SandboxManager
@@ -116,11 +140,15 @@ class Worker:
             except Exception as e:
                 return Status.ERROR, None, f"could not restore environment {spec.env} from its snapshot: {e}"
         r, w = os.pipe()
-        self._cancel_fds[spec.id] = w
+        self._cancel_fds.setdefault(spec.id, set()).add(w)
         try:
             o = mgr.run(spec, cpus, cancel_fd=r)
         finally:
-            self._cancel_fds.pop(spec.id, None)
+            fds = self._cancel_fds.get(spec.id)
+            if fds is not None:
+                fds.discard(w)
+                if not fds:
+                    self._cancel_fds.pop(spec.id, None)
             os.close(r)
             os.close(w)
         return o.status, o.output, o.error
@@ -129,12 +157,11 @@ class Worker:
     def _executor(self, tasks: queue.SimpleQueue) -> None:
         pinned: tuple[int, ...] | None = None
         allowed = self.cpus
-        handlers = self.handlers
         while True:
             item = tasks.get()
             if item is None:
                 return
-            spec, attempt, slots, gen = item
+            slots = item[2]
             cpus = sorted({allowed[s % len(allowed)] for s in slots}) or allowed
             key = tuple(cpus)
             if key != pinned and slots:
@@ -143,24 +170,39 @@ class Worker:
                     pinned = key
                 except OSError:
                     pinned = None
-            started = time.time()
-            t0 = time.perf_counter()
-            handler = handlers.get(spec.kind)
-            if handler is None:
-                outcome = (Status.ERROR, None, f"this worker has no handler for kind {spec.kind!r}")
-            else:
-                try:
-                    outcome = handler(spec, cpus)
-                except Exception as e:  # a handler bug must not kill the executor thread
-                    outcome = (Status.ERROR, None, f"handler crashed: {type(e).__name__}: {e}")
-            target = _target(spec)
-            if target is not None:
-                self._learn(target, time.perf_counter() - t0)
-            self._complete(spec.id, attempt, outcome, started, time.time(), slots, gen)
+            self._execute(item, cpus)
+
+    def _execute(self, item: tuple, cpus: list[int]) -> None:
+        """Run one assigned action on the calling thread and hand its outcome to the I/O thread."""
+        spec, attempt, slots, gen = item
+        started = time.time()
+        t0 = time.perf_counter()
+        handler = self.handlers.get(spec.kind)
+        if (spec.id, attempt, gen) in self._killed:   # killed while it waited for a thread
+            self._complete(spec.id, attempt, (Status.CANCELLED, None, "killed before it started"),
+                           started, started, slots, gen)
+            return
+        if handler is None:
+            outcome = (Status.ERROR, None, f"this worker has no handler for kind {spec.kind!r}")
+        else:
+            try:
+                outcome = handler(spec, cpus)
+            except BaseException as e:  # a handler bug (or sys.exit) must not kill the thread or lose the outcome
+                outcome = (Status.ERROR, None, f"handler crashed: {type(e).__name__}: {e}")
+            if not (isinstance(outcome, (tuple, list)) and len(outcome) == 3 and isinstance(outcome[0], str)):
+                outcome = (Status.ERROR, None, f"handler for kind {spec.kind!r} returned {type(outcome).__name__}, "
+                           f"not (status, output, error)")
+        target = _target(spec)
+        if target is not None:
+            self._learn(target, time.perf_counter() - t0)
+        self._complete(spec.id, attempt, tuple(outcome), started, time.time(), slots, gen)
 
     def _complete(self, aid: str, attempt: int, outcome, started: float, finished: float,
                   slots: list[int], gen: int) -> None:
         self._done.append((aid, attempt, outcome, started, finished, slots, gen))
+        self._wake()
+
+    def _wake(self) -> None:
         if not self._wake_sent:
             self._wake_sent = True
             try:
@@ -183,49 +225,117 @@ class Worker:
         s.connect(conn.worker_address)
         for t in self._threads:
             t.start()
-        poller = zmq.Poller()
-        poller.register(s, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
+        self._poller = zmq.Poller()
+        self._poller.register(s, zmq.POLLIN)
+        self._poller.register(self._wake_r, zmq.POLLIN)
+        self._last_heard = time.monotonic()
+        self._last_register = 0.0
+        self._next_hb = 0.0
+        self._main_thread = self._io_owner = threading.get_ident()
+        self._start_standby()
+        try:
+            return self._serve()
+        finally:
+            self._finished.set()
+            for _ in range(max(1, self.cores)):
+                self._tasks.put(None)
+            for _ in range(_LIGHT_THREADS):
+                self._light.put(None)
+            if self.services is not None:
+                self.services.close()
+            if self.sandboxes is not None:
+                self._close_sandboxes()
+            ctx.destroy(linger=200)
+
+    def _serve(self) -> int | None:
+        """Hold the I/O role, or stand by to take it over, until the loop ends; returns its exit code.
+
+        A spare standby thread returns None when another one already stands by.
+        """
+        me = threading.get_ident()
+        while True:
+            if self._io_owner == me:
+                try:
+                    code = self._io_loop()
+                except BaseException:   # a bug: end the worker (as before) rather than leave it deaf
+                    log.exception("the worker's I/O loop failed")
+                    self._exit_code = 1
+                    self._finished.set()
+                    raise
+                if code is not None:
+                    self._exit_code = code
+                    self._finished.set()
+                    return code
+                with self._io_lock:   # lost the role during a call that overran: stand by
+                    if self._standbys and me != self._main_thread:
+                        return None
+                    self._standbys += 1
+            elif self._finished.wait(_STANDBY_CHECK_S):
+                return self._exit_code
+            else:
+                self._take_over_if_overrun(me)
+
+    def _take_over_if_overrun(self, me: int) -> None:
+        with self._io_lock:
+            since = self._call_since
+            if since is None or time.perf_counter() - since < _OVERRUN_S:
+                return
+            self._io_owner = me
+            self._call_since = None
+            self._standbys -= 1
+            spare_needed = self._standbys == 0
+            target = self._call_target
+        if target is not None:   # no longer fast: its next calls go to executor threads
+            self._fast[target] = max(self._fast.get(target, 0.0), _FAST_S)
+        if spare_needed:
+            self._start_standby()
+
+    def _start_standby(self) -> None:
+        with self._io_lock:
+            self._standbys += 1
+        threading.Thread(target=self._serve, name="io-standby", daemon=True).start()
+
+    def _io_loop(self) -> int | None:
+        """The I/O loop; returns the worker's exit code, or None when the I/O role was taken over."""
+        s = self.sock
         hb = self.cfg.heartbeat_s
-        last_heard = time.monotonic()
-        last_register = 0.0
-        next_hb = 0.0
         try:
             while not self._stop:
+                while self._handoff:
+                    items, gen = self._handoff.popleft()
+                    if gen == self._generation:
+                        self._on_assign(items)
                 now = time.monotonic()
-                if not self._registered and now - last_register > hb:
+                if not self._registered and now - self._last_register > hb:
                     self._register()
-                    last_register = now
-                if now >= next_hb:
+                    self._last_register = now
+                if now >= self._next_hb:
                     if self._registered:
                         self._heartbeat()
-                    next_hb = now + hb
-                    silent = now - last_heard
+                    self._next_hb = now + hb
+                    silent = now - self._last_heard
                     if silent > self.cfg.orphan_exit_s:
                         log.error("no coordinator for %.0fs: exiting", silent)
                         return 3
                     if self._registered and silent > self.cfg.coordinator_timeout_s:
                         log.warning("coordinator silent for %.1fs: registering again", silent)
                         self._registered = False
-                events = dict(poller.poll(int(max(0.0, next_hb - now) * 1000) + 1))
+                wait_s = self._next_hb - now
+                if self._unsent:
+                    wait_s = min(wait_s, _RESEND_S)
+                events = dict(self._poller.poll(int(max(0.0, wait_s) * 1000) + 1))
                 if s in events:
                     if self._drain_socket():
-                        last_heard = time.monotonic()
-                if self._done:
+                        self._last_heard = time.monotonic()
+                if self._done or self._unsent:
                     self._send_done()
                 if self._leaving:
                     if self._registered:
                         self._send(P.HEARTBEAT, {"leaving": self._leaving})
                     return 0
             return self._exit_code
-        finally:
-            for t in self._threads:
-                (self._light if t.name.startswith("light") else self._tasks).put(None)
-            if self.services is not None:
-                self.services.close()
-            if self.sandboxes is not None:
-                self._close_sandboxes()
-            ctx.destroy(linger=200)
+        except _IORoleLost:
+            return None
 
     def _close_sandboxes(self) -> None:
         # Drained (or leaving): leave every environment where another worker can restore it.
@@ -253,7 +363,14 @@ class Worker:
             "handle": c.handle, "host": socket.gethostname(), "partition": os.environ.get("SLURM_JOB_PARTITION")})
 
     def _heartbeat(self) -> None:
-        body: dict[str, Any] = {"running": len(self._running)}
+        gen = self._generation
+        body: dict[str, Any] = {
+            "running": len(self._running),
+            "busy_cores": sum(len(slots) for slots in self._running.values()),
+            # Killed by the coordinator but still running here (a function cannot be interrupted):
+            # their cores stay taken until the DONE for that attempt.
+            "killed_running": [[aid, attempt] for aid, attempt, g in self._killed if g == gen],
+        }
         if self.services is not None:
             body["services"] = sorted(self.services.resident())
         if self.sandboxes is not None:
@@ -308,7 +425,7 @@ class Worker:
 
     def _on_assign(self, items: list) -> None:
         gen = self._generation
-        for item in items:
+        for i, item in enumerate(items):
             try:
                 wire, attempt, ncores = item
                 spec = ActionSpec.from_wire(wire)
@@ -323,28 +440,38 @@ class Worker:
             else:  # more granted than free (only after a re-registration): share cores
                 slots = free[:] + list(range(n - len(free)))
                 free.clear()
-            self._running[(spec.id, attempt)] = slots
+            self._running[(spec.id, attempt, gen)] = slots
+            task = (spec, attempt, slots, gen)
             if spec.kind == "reward" and self.services is not None:
                 self._submit_reward(spec, attempt, slots, gen)
-            elif self._fast.get(_target(spec), 1.0) < _INLINE_S:
-                self._run_inline(spec, attempt, slots, gen)
-            elif ncores == 0:
-                self._light.put((spec, attempt, slots, gen))
+            elif self._fast.get(_target(spec), 1.0) < _FAST_S:
+                try:
+                    self._run_inline(task)
+                except _IORoleLost:   # the standby holds the I/O role now: it takes the rest
+                    self._handoff.append((items[i + 1:], gen))
+                    self._wake()
+                    raise
             else:
-                self._tasks.put((spec, attempt, slots, gen))
+                (self._light if ncores == 0 else self._tasks).put(task)
 
-    def _run_inline(self, spec: ActionSpec, attempt: int, slots: list[int], gen: int) -> None:
-        # A function seen to finish in microseconds costs less to run here than the hand-off
-        # to an executor thread (a futex wake-up and a GIL switch each way, about 100 us).
-        t0 = time.perf_counter()
-        started = time.time()
-        outcome = self.handlers["function"](spec, [])
-        self._learn(spec.payload["fn"], time.perf_counter() - t0)
-        self._complete(spec.id, attempt, outcome, started, time.time(), slots, gen)
+    def _run_inline(self, task: tuple) -> None:
+        # A function seen to finish in microseconds costs less to run here than the hand-off to
+        # an executor thread (a wake-up and a GIL switch each way).  If it overruns, the standby
+        # thread takes the I/O role over meanwhile, and this thread must then let go of it.
+        self._call_target = _target(task[0])
+        self._call_since = time.perf_counter()
+        try:
+            self._execute(task, [])
+        finally:
+            with self._io_lock:
+                self._call_since = None
+                kept = self._io_owner == threading.get_ident()
+        if not kept:
+            raise _IORoleLost
 
     def _learn(self, target: str, seconds: float) -> None:
         old = self._fast.get(target)
-        # Slow runs demote at once (never hold the I/O thread twice); fast ones promote gradually.
+        # Slow runs demote at once; fast ones promote gradually.
         self._fast[target] = seconds if old is None or seconds > old else 0.8 * old + 0.2 * seconds
 
     def _submit_reward(self, spec: ActionSpec, attempt: int, slots: list[int], gen: int) -> None:
@@ -358,18 +485,24 @@ class Worker:
 
     def _on_kill(self, items: list) -> None:
         # A running sandbox command is killed through its cancel pipe and a queued reward request
-        # withdrawn; a running Python function cannot be interrupted, and its late result is
-        # dropped by the coordinator.
+        # withdrawn; a running Python function cannot be interrupted: it keeps its cores, is
+        # listed in heartbeats as killed but running, and its DONE tells the coordinator it ended.
+        gen = self._generation
+        now = time.monotonic()
         for item in items:
-            if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)):
+            if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)
+                    and isinstance(item[1], int)):
                 continue
-            fd = self._cancel_fds.get(item[0])
-            if fd is not None:
+            key = (item[0], item[1], gen)
+            if key not in self._running:
+                continue  # already ended; its DONE is on the way
+            self._killed.setdefault(key, now)
+            for fd in list(self._cancel_fds.get(item[0], ())):
                 try:
                     os.write(fd, b"\0")
                 except OSError:
                     pass  # it just finished
-            elif self.services is not None:
+            if self.services is not None:
                 self.services.cancel(item[0])
 
     def _send_done(self) -> None:
@@ -384,8 +517,12 @@ class Worker:
         free = self._free_slots
         while done:
             aid, attempt, (status, output, error), started, finished, slots, g = done.popleft()
-            if self._running.pop((aid, attempt), None) is not None:
+            key = (aid, attempt, g)
+            if self._running.pop(key, None) is not None:
                 free.extend(slots)
+            self._killed.pop(key, None)
+            # Outcomes of an earlier registration are not sent: the coordinator already retried
+            # those actions (and a restarted one may reuse the attempt number).
             if g == gen:
                 out.append([aid, attempt, status, output, error, started, finished])
         if out:
@@ -395,10 +532,24 @@ class Worker:
                 frame = P.encode(P.DONE, [self._packable(o) for o in out])
             if len(frame) > self.cfg.max_output_bytes:
                 frame = P.encode(P.DONE, [self._packable(o) for o in out])
+            self._unsent.append(frame)
+        self._flush_unsent()
+
+    def _flush_unsent(self) -> None:
+        unsent = self._unsent
+        while unsent:
             try:
-                self.sock.send(frame, zmq.NOBLOCK)
+                self.sock.send(unsent[0], zmq.NOBLOCK)
             except zmq.Again:
-                log.error("coordinator queue full: %d results dropped (they will be retried)", len(out))
+                if not self._send_blocked:
+                    self._send_blocked = True
+                    log.warning("the coordinator is not taking results (send queue full): %d DONE frames kept "
+                                "and sent again when it does", len(unsent))
+                return
+            unsent.popleft()
+        if self._send_blocked:
+            self._send_blocked = False
+            log.info("the coordinator takes results again; every kept DONE frame is sent")
 
     def _packable(self, item: list) -> list:
         try:
@@ -426,8 +577,18 @@ def _target(spec: ActionSpec) -> str | None:
     return fn if isinstance(fn, str) else None
 
 
-#: Functions whose recent run time is below this run inline on the I/O thread.
-_INLINE_S = 200e-6
+#: Functions whose recent run time is below this run on the I/O thread.
+_FAST_S = 200e-6
+#: A call on the I/O thread running longer than this has overrun: the standby takes the I/O role.
+_OVERRUN_S = 0.02
+#: How often the standby thread looks for an overrun (more often costs the round trip measurably).
+_STANDBY_CHECK_S = 0.05
+#: How often the I/O loop tries again while DONE frames wait for room in the send queue.
+_RESEND_S = 0.01
+
+
+class _IORoleLost(Exception):
+    """Raised on a thread whose user call overran while the standby took the I/O role over."""
 #: Threads for zero-core actions.
 _LIGHT_THREADS = 4
 

@@ -38,7 +38,7 @@ _SPECS = [
     function(NOOP, 1).to_wire(),
     function(NOOP, {"a": [1, 2.5, None, True]}).to_wire(),
     sandbox("true").to_wire(),
-    ActionSpec(kind="sandbox", payload={"cmd": ["true"], "env": {"X": "1"}}, env="e1", demand=Demand(1, 2, 64),
+    ActionSpec(kind="sandbox", payload={"cmd": ["true"], "environ": {"X": "1"}}, env="e1", demand=Demand(1, 2, 64),
                duration_hint=0.5, timeout=10.0, priority=-3, trajectory="t", step=4, label="l",
                idempotency_key="k").to_wire(),
 ]

@@ -5,7 +5,6 @@ import os
 import shutil
 import socket
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ import pytest
 from tangram_hpc.actions import ActionSpec, Status
 from tangram_hpc.managers import Limits, SandboxManager
 from tangram_hpc.managers.bwrap import probe_bwrap
+from support import act, py
 
 pytestmark = [
     pytest.mark.sandbox,
@@ -21,15 +21,6 @@ pytestmark = [
 ]
 
 ALL_CPUS = sorted(os.sched_getaffinity(0))
-
-
-def act(cmd, env=None, **payload):
-    payload["cmd"] = cmd
-    return ActionSpec("sandbox", payload, env=env)
-
-
-def py(code: str) -> list[str]:
-    return [sys.executable, "-c", textwrap.dedent(code)]
 
 
 @pytest.fixture
@@ -304,7 +295,7 @@ def test_stdin_env_and_exit_code(mgr):
     r = mgr.run(act("cat; echo \"$GREETING\"; exit 7", stdin="from stdin\n", env=None), [ALL_CPUS[0]])
     assert r.status == Status.FAILED
     spec = ActionSpec("sandbox", {"cmd": "cat; echo \"$GREETING\"", "stdin": b"in\n",
-                                  "env": {"GREETING": "hello"}})
+                                  "environ": {"GREETING": "hello"}})
     r = mgr.run(spec, [ALL_CPUS[0]])
     assert r.status == Status.OK and r.output["stdout"] == "in\nhello\n"
     assert r.output["returncode"] == 0

@@ -12,6 +12,7 @@ import pytest
 from tangram_hpc.actions import ActionSpec, Status
 from tangram_hpc.managers import Limits, PythonEnvTemplate, SandboxManager, TreeTemplate
 from tangram_hpc.managers.bwrap import probe_bwrap
+from support import act
 
 pytestmark = [
     pytest.mark.sandbox,
@@ -20,11 +21,6 @@ pytestmark = [
 ]
 
 CPU = [sorted(os.sched_getaffinity(0))[0]]
-
-
-def act(cmd, env=None, **payload):
-    payload["cmd"] = cmd
-    return ActionSpec("sandbox", payload, env=env)
 
 
 @pytest.fixture
@@ -90,6 +86,22 @@ def test_warm_pool_serves_new_environments(tmp_path, project):
         assert m.envs.warm_count("proj") == 2  # ... and refilled in the background
     assert not (tmp_path / "envs" / ".warm").exists()
 
+
+
+def test_a_template_failing_in_the_warm_pool_is_logged_and_reported_to_its_actions(tmp_path, project, caplog):
+    missing = TreeTemplate(tmp_path / "no-such-dir")
+    with caplog.at_level("ERROR", logger="tangram_hpc.managers.environments"):
+        with SandboxManager(tmp_path / "envs", templates={"proj": TreeTemplate(project), "gone": missing},
+                            default_template="proj", warm_pool=1) as m:
+            deadline = time.monotonic() + 30
+            while "gone" not in caplog.text and time.monotonic() < deadline:
+                time.sleep(0.02)
+            r = m.run(ActionSpec("sandbox", {"cmd": "true", "template": "gone"}, env="g"), CPU)
+            assert r.status == Status.ERROR and "no-such-dir" in r.error and "'gone'" in r.error
+            while m.envs.warm_count("proj") < 1 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert m.envs.warm_count("proj") == 1   # the other template is still kept warm
+    assert "warm pool: template 'gone' failed to build" in caplog.text and "no-such-dir" in caplog.text
 
 def test_ttl_garbage_collection(tmp_path):
     with SandboxManager(tmp_path / "envs", env_ttl=100) as m:

@@ -268,3 +268,30 @@ def test_preload_cancel_and_close():
     assert results.by_id["queued"][0] == Status.CANCELLED
     mgr.submit("late", "warm", [pair(3)], results)
     assert results.by_id["late"][0] == Status.ERROR and "closed" in results.by_id["late"][2]
+
+
+def test_a_raising_result_callback_is_logged_and_answered_with_an_error(caplog):
+    results = Results()
+    calls: list[str] = []
+
+    def picky(action_id, status, output, error, stats):
+        calls.append(status)
+        if status == Status.OK:
+            raise ValueError("cannot store this output")
+        results(action_id, status, output, error, stats)
+
+    specs = [ServiceSpec("ok", HASHING, memory_mb=1, kwargs={"memory_mb": 1}, max_wait_ms=0)]
+    with caplog.at_level("ERROR", logger="tangram_hpc.managers.services"):
+        with ServiceManager(specs, cpu()) as mgr:
+            mgr.submit("a", "ok", [pair(0)], picky)          # raises on its OK outcome
+            mgr.submit("empty", "ok", [], picky)             # answered in the caller's thread
+            results.wait(2)
+            mgr.submit("b", "ok", [pair(1)], results)        # the scoring thread kept serving
+            results.wait(3)
+    assert sorted(calls) == sorted([Status.OK, Status.ERROR] * 2)   # each OK raised, then an ERROR came
+    for aid in ("a", "empty"):
+        status, output, error, _ = results.by_id[aid]
+        assert status == Status.ERROR and output is None
+        assert "result callback raised ValueError: cannot store this output" in error
+    assert results.by_id["b"][0] == Status.OK
+    assert caplog.text.count("the result callback of action") == 2

@@ -19,7 +19,10 @@ Two modes, chosen by who runs the worker:
   wrapper drops the command to the environment's own unprivileged uid before it
   starts; bwrap sets ``no_new_privs`` so no setuid binary can climb back.
   Running as a non-root uid is what makes ``RLIMIT_NPROC`` bind: the kernel
-  exempts uid 0 from it, which would let a fork bomb through.
+  exempts uid 0 from it, which would let a fork bomb through.  The wrapper
+  step before that drop keeps only the capabilities it needs to drop
+  (CAP_SETUID, CAP_SETGID, CAP_SETPCAP) and the fixed environment of
+  :data:`~tangram_hpc.managers.limits.WRAPPER_ENVIRON`.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import BwrapUnavailable
+from .limits import WRAPPER_ENVIRON
 
 __all__ = ["SANDBOX_DIR", "BwrapUnavailable", "BwrapLayout", "probe_bwrap", "python_prefixes"]
 
@@ -45,6 +49,10 @@ _ETC_FILES = (
     "inputrc", "bash.bashrc", "profile", "environment", "fonts", "python3", "gitconfig",
 )
 _NET_ETC_FILES = ("resolv.conf",)
+# As root, what the wrapper keeps until it drops to the environment's uid: enough to change
+# uid, gid and groups and to clear the bounding set; no CAP_SYS_ADMIN, DAC override or mknod.
+_ROOT_CAPS = ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID",
+              "--cap-add", "CAP_SETPCAP"]
 
 
 def probe_bwrap(bwrap: str) -> str | None:
@@ -147,11 +155,19 @@ class BwrapLayout:
         self._static_net = [a for name in _NET_ETC_FILES if os.path.exists(f"/etc/{name}")
                             for a in ("--ro-bind", f"/etc/{name}", f"/etc/{name}")]
 
-    def argv(self, env_dir: Path, environ: dict[str, str], *, network: bool, tmp_mb: int,
-             passwd_fd: int, group_fd: int) -> list[str]:
-        """bwrap argv up to (and including) the ``--`` before the command."""
+    def argv(self, env_dir: Path, *, network: bool, tmp_mb: int, passwd_fd: int, group_fd: int,
+             seccomp_fd: int | None = None) -> list[str]:
+        """bwrap argv up to (and including) the ``--`` before the command's wrapper.
+
+        The wrapper gets :data:`WRAPPER_ENVIRON` only; the command's own variables
+        are set after the privilege drop (:func:`~tangram_hpc.managers.limits.wrapper_argv`).
+        """
         argv = [self.bwrap, "--die-with-parent", "--new-session", "--as-pid-1", "--hostname", "sandbox"]
         argv += _unshare_args(self.root_mode, network)
+        if self.root_mode:
+            argv += _ROOT_CAPS
+        if seccomp_fd is not None:
+            argv += ["--seccomp", str(seccomp_fd)]
         size = str(tmp_mb * 1024 * 1024)
         # The private /tmp comes first: a Python prefix under /tmp (a venv in a checkout there)
         # is then bound on top of it instead of being hidden by it.
@@ -163,7 +179,7 @@ class BwrapLayout:
                  "--perms", "0644", "--ro-bind-data", str(passwd_fd), "/etc/passwd",
                  "--perms", "0644", "--ro-bind-data", str(group_fd), "/etc/group",
                  "--bind", str(env_dir), SANDBOX_DIR, "--chdir", SANDBOX_DIR, "--clearenv"]
-        for k, v in environ.items():
+        for k, v in WRAPPER_ENVIRON.items():
             argv += ["--setenv", k, v]
         argv.append("--")
         return argv

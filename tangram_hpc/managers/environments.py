@@ -10,10 +10,18 @@ of a project tree or the creation of a Python env.
 When the worker runs as root every environment gets its own unprivileged
 uid (the sandboxed command runs as that uid, see
 :mod:`tangram_hpc.managers.bwrap`) and its files are owned by it.
+
+Sandboxed code controls what is inside an environment, and the worker may be
+root: every host-side operation on a path inside one (payload files, fetched
+files, snapshots) walks it one component at a time with ``O_NOFOLLOW`` (no
+symlink leads out), opens with ``O_NONBLOCK`` (a FIFO cannot block the
+worker) and reads or writes regular files only.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
+import logging
 import os
 import random
 import re
@@ -30,8 +38,18 @@ from typing import Any, Mapping, Protocol
 
 __all__ = [
     "Template", "EmptyTemplate", "TreeTemplate", "PythonEnvTemplate", "template_from_config",
-    "Environment", "EnvStore", "EnvError", "UID_RANGE",
+    "Environment", "EnvStore", "EnvError", "UID_RANGE", "NOFOLLOW_DIR", "write_inside", "read_inside",
+    "is_plain_dir",
 ]
+
+log = logging.getLogger(__name__)
+
+#: Flags that open a directory inside an environment: never through a symlink, never blocking.
+NOFOLLOW_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_NOFOLLOW_FILE = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+#: Snapshots of deeper trees are refused (the walk holds one descriptor per level).
+_MAX_DEPTH = 256
+_CHANGED_MEANWHILE = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.ELOOP, errno.ENXIO})
 
 #: Uids handed to environments when the worker is root: far above normal
 #: user and subordinate-uid ranges.
@@ -153,6 +171,7 @@ class Environment:
     busy: int = 0
     ready: threading.Event = field(default_factory=threading.Event, repr=False)
     failure: BaseException | None = field(default=None, repr=False)
+    disk: Any = field(default=None, repr=False)   # its last disk-quota walk (diskquota.Measured)
 
 
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]")
@@ -248,7 +267,10 @@ class EnvStore:
             dest = self._warm_dir / f"{template}-{os.urandom(6).hex()}"
             try:
                 uid = self._build(template, dest)
-            except Exception:  # a broken template must not kill the pool for the others
+            except Exception as exc:  # a broken template must not kill the pool for the others
+                log.error("warm pool: template %r failed to build (%s: %s); it is no longer kept warm and "
+                          "each environment made from it is built on demand, reporting its error",
+                          template, type(exc).__name__, exc)
                 with self._lock:
                     self._warm.pop(template, None)
                 continue
@@ -388,7 +410,7 @@ class EnvStore:
         part = snapshot_dir / (name + ".partial")
         try:
             with tarfile.open(part, "w:gz", compresslevel=1) as tar:
-                tar.add(env.path, arcname=".", recursive=True)
+                _tar_tree(tar, env.path)
             os.replace(part, final)
         except BaseException:
             part.unlink(missing_ok=True)
@@ -460,43 +482,79 @@ def _safe_member(m: tarfile.TarInfo) -> tarfile.TarInfo:
     return m
 
 
-def write_inside(root: Path, rel: str, data: bytes, uid: int | None) -> None:
-    """Create ``root/rel`` with ``data``; refuse paths that leave ``root`` or pass a symlink.
-
-    Each directory is opened relative to the previous one with O_NOFOLLOW, so
-    a symlink planted by sandboxed code cannot redirect a write (the worker
-    may be root) to a host file.
-    """
+def _parts(rel: Any) -> list[str]:
     if not isinstance(rel, str) or not rel or rel.startswith("/") or "\0" in rel:
         raise EnvError(f"file path {rel!r} must be a relative path")
     parts = [p for p in rel.split("/") if p not in ("", ".")]
     if not parts or ".." in parts:
         raise EnvError(f"file path {rel!r} must stay inside the environment")
-    dirfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    return parts
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symlink"),
+                       (stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _open_parent(root: Path, rel: str, parts: list[str], uid: int | None, create: bool) -> int:
+    """A descriptor of the directory holding ``parts[-1]``, reached without following symlinks."""
+    dirfd = os.open(root, NOFOLLOW_DIR)
     try:
         for part in parts[:-1]:
+            if create:
+                try:
+                    os.mkdir(part, 0o755, dir_fd=dirfd)
+                    if uid is not None:
+                        os.chown(part, uid, uid, dir_fd=dirfd, follow_symlinks=False)
+                except FileExistsError:
+                    pass
             try:
-                os.mkdir(part, 0o755, dir_fd=dirfd)
-                if uid is not None:
-                    os.chown(part, uid, uid, dir_fd=dirfd, follow_symlinks=False)
-            except FileExistsError:
-                pass
-            try:
-                nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dirfd)
+                nxt = os.open(part, NOFOLLOW_DIR, dir_fd=dirfd)
             except OSError as exc:
                 raise EnvError(f"file path {rel!r}: {part!r} is not a plain directory") from exc
             os.close(dirfd)
             dirfd = nxt
+    except BaseException:
+        os.close(dirfd)
+        raise
+    return dirfd
+
+
+def write_inside(root: Path, rel: str, data: bytes, uid: int | None) -> None:
+    """Create or replace the regular file ``root/rel`` with ``data``.
+
+    Refuses paths that leave ``root`` or pass a symlink, and an existing entry
+    that is not a regular file (a FIFO would block the worker forever; a
+    symlink could redirect a root-owned write to a host file).
+    """
+    parts = _parts(rel)
+    dirfd = _open_parent(root, rel, parts, uid, create=True)
+    try:
         try:
-            fd = os.open(parts[-1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644,
-                         dir_fd=dirfd)
+            fd = os.open(parts[-1], os.O_WRONLY | os.O_CREAT | _NOFOLLOW_FILE, 0o644, dir_fd=dirfd)
         except OSError as exc:
+            try:
+                what = _kind(os.stat(parts[-1], dir_fd=dirfd, follow_symlinks=False).st_mode)
+            except OSError:
+                what = None
+            if what is not None:
+                raise EnvError(f"file path {rel!r} exists and is {what}, not a regular file; "
+                               f"it is not written") from exc
             raise EnvError(f"file path {rel!r} cannot be written: {exc}") from exc
         try:
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
+                raise EnvError(f"file path {rel!r} exists and is {_kind(mode)}, not a regular file; "
+                               f"it is not written")
+            os.ftruncate(fd, 0)
             if uid is not None:
                 os.fchown(fd, uid, uid)
-            with os.fdopen(fd, "wb", closefd=False) as fh:
-                fh.write(data)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
         finally:
             os.close(fd)
     finally:
@@ -505,19 +563,13 @@ def write_inside(root: Path, rel: str, data: bytes, uid: int | None) -> None:
 
 def read_inside(root: Path, rel: str, limit: int) -> bytes | None:
     """Up to ``limit`` bytes of ``root/rel`` if it is a regular file reached without symlinks."""
-    parts = [p for p in rel.split("/") if p not in ("", ".")]
-    if not parts or ".." in parts or rel.startswith("/"):
+    try:
+        parts = _parts(rel)
+        dirfd = _open_parent(root, rel, parts, None, create=False)
+    except (EnvError, OSError):
         return None
     try:
-        dirfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        return None
-    try:
-        for part in parts[:-1]:
-            nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dirfd)
-            os.close(dirfd)
-            dirfd = nxt
-        fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dirfd)
+        fd = os.open(parts[-1], os.O_RDONLY | _NOFOLLOW_FILE, dir_fd=dirfd)
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 return None
@@ -529,6 +581,85 @@ def read_inside(root: Path, rel: str, limit: int) -> bytes | None:
         return None
     finally:
         os.close(dirfd)
+
+
+def is_plain_dir(root: Path, rel: str) -> bool:
+    """Whether ``root/rel`` is a directory reached without symlinks."""
+    try:
+        parts = _parts(rel)
+        dirfd = _open_parent(root, rel, parts + ["."], None, create=False)
+    except (EnvError, OSError):
+        return False
+    os.close(dirfd)
+    return True
+
+
+def _tar_tree(tar: tarfile.TarFile, root: Path) -> None:
+    """Add the environment at ``root`` as ``.``: directories, symlinks and regular files only.
+
+    FIFOs, sockets and devices are left out (:meth:`EnvStore.restore` refuses them).
+    """
+    fd = os.open(root, NOFOLLOW_DIR)
+    try:
+        tar.addfile(_tarinfo(".", os.fstat(fd), tarfile.DIRTYPE))
+        _tar_dir(tar, fd, ".", {}, 1)
+    finally:
+        os.close(fd)
+
+
+def _tarinfo(name: str, st: os.stat_result, kind: bytes) -> tarfile.TarInfo:
+    ti = tarfile.TarInfo(name)
+    ti.type = kind
+    ti.mode = stat.S_IMODE(st.st_mode)
+    ti.mtime = int(st.st_mtime)
+    ti.uid, ti.gid = st.st_uid, st.st_gid
+    return ti
+
+
+def _tar_dir(tar: tarfile.TarFile, dirfd: int, arc: str, links: dict, depth: int) -> None:
+    if depth > _MAX_DEPTH:
+        raise EnvError(f"environment nests directories deeper than {_MAX_DEPTH} levels: not saved")
+    with os.scandir(dirfd) as it:
+        names = sorted(e.name for e in it)
+    for name in names:
+        path = f"{arc}/{name}"
+        try:
+            st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+            if stat.S_ISLNK(st.st_mode):
+                ti = _tarinfo(path, st, tarfile.SYMTYPE)
+                ti.linkname = os.readlink(name, dir_fd=dirfd)
+                tar.addfile(ti)
+            elif stat.S_ISDIR(st.st_mode):
+                sub = os.open(name, NOFOLLOW_DIR, dir_fd=dirfd)
+                try:
+                    tar.addfile(_tarinfo(path, os.fstat(sub), tarfile.DIRTYPE))
+                    _tar_dir(tar, sub, path, links, depth + 1)
+                finally:
+                    os.close(sub)
+            elif stat.S_ISREG(st.st_mode):
+                _tar_file(tar, dirfd, name, path, links)
+        except OSError as exc:
+            if exc.errno not in _CHANGED_MEANWHILE:
+                raise
+            continue  # removed or replaced while being saved
+
+
+def _tar_file(tar: tarfile.TarFile, dirfd: int, name: str, path: str, links: dict) -> None:
+    fd = os.open(name, os.O_RDONLY | _NOFOLLOW_FILE, dir_fd=dirfd)
+    with os.fdopen(fd, "rb") as fh:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return
+        if st.st_nlink > 1:
+            first = links.setdefault((st.st_dev, st.st_ino), path)
+            if first != path:
+                ti = _tarinfo(path, st, tarfile.LNKTYPE)
+                ti.linkname = first[2:]  # tar stores hard-link targets without the leading "./"
+                tar.addfile(ti)
+                return
+        ti = _tarinfo(path, st, tarfile.REGTYPE)
+        ti.size = st.st_size
+        tar.addfile(ti, fh)
 
 
 def chown_tree(path: Path, uid: int) -> None:

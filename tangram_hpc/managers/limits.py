@@ -1,20 +1,29 @@
 """Per-action resource limits of a sandboxed command.
 
 Limits are applied *inside* the child, never in the worker: the command is
-started through a tiny exec wrapper (util-linux ``prlimit`` and ``setpriv``,
-or a few lines of Python where those are missing) that lowers its own
-rlimits, drops to the environment's uid when the worker is root, and execs
-the command.  Cgroup limits, when the worker may create cgroups, are added on
-top by :mod:`tangram_hpc.managers.cgroups`.
+started through a tiny exec chain (util-linux ``setpriv`` and ``prlimit``,
+or a few lines of Python where those are missing) that drops to the
+environment's uid when the worker is root, lowers its own rlimits and, last,
+``env -i`` sets the command's environment and execs it.  The wrapper steps
+run with a fixed environment: nothing from a payload reaches a process that
+still has root's uid or capabilities.  Cgroup limits, when the worker may
+create cgroups, are added on top by :mod:`tangram_hpc.managers.cgroups`; the
+disk quota is watched by :mod:`tangram_hpc.managers.diskquota`.
 """
 from __future__ import annotations
 
+import resource
 import shutil
 import sys
 from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping
 
-__all__ = ["Limits", "LimitsError", "wrapper_argv"]
+__all__ = ["Limits", "LimitsError", "wrapper_argv", "WRAPPER_ENVIRON"]
+
+#: The whole environment of the wrapper steps (and, as root, of bubblewrap's child before the
+#: privilege drop); the command's own variables are set by ``env -i`` after it.
+WRAPPER_ENVIRON = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
+_ENV = shutil.which("env", path=WRAPPER_ENVIRON["PATH"]) or "/usr/bin/env"
 
 _MB = 1024 * 1024
 
@@ -31,6 +40,7 @@ class Limits:
     cpu_s: CPU seconds per process (RLIMIT_CPU; SIGXCPU then SIGKILL).
     memory_mb: memory of the action: a cgroup memory limit over the whole
         tree where the worker may create cgroups, else RLIMIT_AS per process.
+        Applies when the action declares no ``mem_mb`` (which then sets it).
     nproc: processes/threads the action may have at once (a pids cgroup
         and RLIMIT_NPROC, which applies because the command never runs as
         root: see :mod:`tangram_hpc.managers.bwrap`).
@@ -38,20 +48,27 @@ class Limits:
         and the kept text ends with a truncation marker.
     output_kill_bytes: total bytes of output after which the action is
         killed as an output flood (None: drain and drop forever).
-    file_mb: largest file the action may write (RLIMIT_FSIZE).
+    file_mb: largest file the action may write (RLIMIT_FSIZE; never more
+        than ``disk_mb``).
     nofile: open file descriptors (RLIMIT_NOFILE).
     tmp_mb: size of the private tmpfs on /tmp and /dev/shm.
+    disk_mb: disk space of the environment directory (all its files, not
+        only this action's); the action is killed when it grows the
+        environment past it.
+    disk_files: files and directories the environment may hold (inodes).
     """
 
     timeout_s: float | None = 600.0
     cpu_s: int | None = None
-    memory_mb: int | None = None
+    memory_mb: int | None = 4096
     nproc: int | None = 512
     output_bytes: int = 1 * _MB
     output_kill_bytes: int | None = 64 * _MB
     file_mb: int | None = 4096
     nofile: int | None = 4096
     tmp_mb: int = 512
+    disk_mb: int | None = 10240
+    disk_files: int | None = 1_000_000
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -84,36 +101,54 @@ def _python_wrapper_code() -> str:
     return (
         "import os,resource as r,sys\n"
         "a=sys.argv[1:];i=a.index('--');v=a[:i];c=a[i+1:]\n"
-        "for n,x in zip((r.RLIMIT_NOFILE,r.RLIMIT_NPROC,r.RLIMIT_AS,r.RLIMIT_CPU,r.RLIMIT_FSIZE),v[:5]):\n"
-        " x!='-' and r.setrlimit(n,(int(x),int(x)))\n"
         "if v[5]!='-':\n"
         " g=int(v[6]);os.setgroups([]);os.setresgid(g,g,g);u=int(v[5]);os.setresuid(u,u,u)\n"
-        "os.execvp(c[0],c)\n"
+        "for n,x in zip((r.RLIMIT_NOFILE,r.RLIMIT_NPROC,r.RLIMIT_AS,r.RLIMIT_CPU,r.RLIMIT_FSIZE),v[:5]):\n"
+        " x!='-' and r.setrlimit(n,(int(x),int(x)))\n"
+        "os.execv(c[0],c)\n"
     )
 
 
-def wrapper_argv(limits: Limits, uid: int | None, gid: int | None,
-                 python: str = sys.executable) -> list[str]:
-    """argv prefix that applies ``limits`` (and drops to ``uid``) then execs the command.
+_RLIMITS = {"nofile": resource.RLIMIT_NOFILE, "nproc": resource.RLIMIT_NPROC, "as": resource.RLIMIT_AS,
+            "cpu": resource.RLIMIT_CPU, "fsize": resource.RLIMIT_FSIZE}
 
-    Prefers ``prlimit``/``setpriv`` (tiny C programs, ~1 ms) and falls back to
-    ``python -I -S -c`` (~15 ms) where util-linux lacks them.
+
+def _within_hard_limit(name: str, value: int | None) -> int | None:
+    # The wrapper lowers limits after dropping privileges, so it cannot raise one above the
+    # worker's own hard limit: ask for at most that.
+    if not value:
+        return None
+    hard = resource.getrlimit(_RLIMITS[name])[1]
+    return value if hard == resource.RLIM_INFINITY else min(value, hard)
+
+
+def wrapper_argv(limits: Limits, uid: int | None, gid: int | None, environ: Mapping[str, str],
+                 python: str = sys.executable) -> list[str]:
+    """argv prefix that drops to ``uid``, applies ``limits``, sets ``environ`` and execs the command.
+
+    Prefers ``setpriv``/``prlimit`` (tiny C programs, ~1 ms) and falls back to
+    ``python -I -S -c`` (~15 ms) where util-linux lacks them.  ``environ`` is the
+    command's complete environment; it is applied by ``env -i`` as the last step,
+    after the drop, so the steps before it never see a caller's variables.
     """
+    file_mb = min((x for x in (limits.file_mb, limits.disk_mb) if x), default=None)
     rl = {
-        "nofile": limits.nofile,
-        "nproc": limits.nproc,
-        "as": limits.memory_mb * _MB if limits.memory_mb else None,
-        "cpu": limits.cpu_s,
-        "fsize": limits.file_mb * _MB if limits.file_mb else None,
+        "nofile": _within_hard_limit("nofile", limits.nofile),
+        "nproc": _within_hard_limit("nproc", limits.nproc),
+        "as": _within_hard_limit("as", limits.memory_mb * _MB if limits.memory_mb else None),
+        "cpu": _within_hard_limit("cpu", limits.cpu_s),
+        "fsize": _within_hard_limit("fsize", file_mb * _MB if file_mb else None),
     }
+    tail = [_ENV, "-i", *(f"{k}={v}" for k, v in environ.items())]
     prlimit = shutil.which("prlimit")
     setpriv = shutil.which("setpriv") if uid is not None else None
     if prlimit and (uid is None or setpriv):
-        argv = [prlimit] + [f"--{k}={int(v)}" for k, v in rl.items() if v] + ["--"]
+        argv: list[str] = []
         if uid is not None:
             argv += [setpriv, f"--reuid={uid}", f"--regid={gid}", "--clear-groups",
                      "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--"]
-        return argv
+        argv += [prlimit] + [f"--{k}={int(v)}" for k, v in rl.items() if v] + ["--"]
+        return argv + tail
     vals = [str(int(v)) if v else "-" for v in rl.values()]
     vals += [str(uid) if uid is not None else "-", str(gid) if gid is not None else "-"]
-    return [python, "-I", "-S", "-c", _python_wrapper_code(), *vals, "--"]
+    return [python, "-I", "-S", "-c", _python_wrapper_code(), *vals, "--"] + tail

@@ -7,7 +7,8 @@ most ``keep_bytes`` per stream stay in memory, the rest is counted and
 dropped, and past ``kill_bytes`` of total output the child is killed as a
 flood.  The child leads its own session, so killing its process group (plus
 the PID namespace that bubblewrap tears down when its leader dies) ends the
-whole tree.
+whole tree.  An optional *watch* (the disk quota) is consulted every
+``watch.interval()`` seconds and may stop the child with a reason.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import signal
 import subprocess
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Protocol, Sequence
 
 __all__ = ["ProcResult", "run_bounded", "TRUNCATION_MARKER"]
 
@@ -28,6 +29,12 @@ _READ = 1 << 16
 _EXIT_GRACE_S = 1.0
 
 
+class Watch(Protocol):
+    def interval(self) -> float: ...
+
+    def check(self) -> str | None: ...
+
+
 @dataclass(slots=True)
 class ProcResult:
     returncode: int | None
@@ -36,11 +43,12 @@ class ProcResult:
     stdout_dropped: int
     stderr_dropped: int
     wall_s: float
-    cpu_s: float
+    cpu_time: float       # user + system seconds of the child and every descendant it reaped
     max_rss_kb: int
     timed_out: bool = False
     flooded: bool = False
     cancelled: bool = False
+    stopped: str | None = None   # why the watch stopped it
 
     @property
     def truncated(self) -> bool:
@@ -73,13 +81,14 @@ def run_bounded(argv: Sequence[str], *, cpus: Iterable[int] | None, stdin: bytes
                 timeout: float | None, keep_bytes: int, kill_bytes: int | None,
                 cwd: str | None = None, env: dict[str, str] | None = None,
                 pass_fds: Sequence[int] = (), on_kill: Callable[[], None] | None = None,
-                cancel_fd: int | None = None) -> ProcResult:
+                cancel_fd: int | None = None, watch: Watch | None = None) -> ProcResult:
     """Run ``argv`` to completion or until a limit; never raises for the child's behaviour.
 
     ``on_kill`` is called after the process group is killed (e.g. to kill a
     cgroup too).  When ``cancel_fd`` becomes readable the child is killed and
-    the result says ``cancelled``.  Raises OSError only when the child cannot
-    be started.
+    the result says ``cancelled``; when ``watch.check()`` returns a reason it
+    is killed and the result's ``stopped`` holds it.  Raises OSError only when
+    the child cannot be started.
     """
     saved = None
     if cpus is not None:
@@ -97,6 +106,7 @@ def run_bounded(argv: Sequence[str], *, cpus: Iterable[int] | None, stdin: bytes
 
     out, err = _Sink(keep_bytes), _Sink(keep_bytes)
     timed_out = flooded = killed = cancelled = False
+    stopped: str | None = None
 
     def kill() -> None:
         nonlocal killed
@@ -127,10 +137,21 @@ def run_bounded(argv: Sequence[str], *, cpus: Iterable[int] | None, stdin: bytes
 
     deadline = t0 + timeout if timeout else None
     exited_at: float | None = None
+    next_watch = t0 + watch.interval() if watch is not None else None
     try:
         while sinks:
             now = time.monotonic()
-            limits = [t for t in (deadline, exited_at and exited_at + _EXIT_GRACE_S) if t]
+            if next_watch is not None and now >= next_watch and exited_at is None:
+                stopped = watch.check()
+                if stopped is not None:
+                    kill()
+                    exited_at = time.monotonic()
+                    next_watch = None
+                else:
+                    now = time.monotonic()
+                    next_watch = now + watch.interval()
+            limits = [t for t in (deadline, exited_at and exited_at + _EXIT_GRACE_S,
+                                  next_watch if exited_at is None else None) if t]
             wait = max(0.0, min(limits) - now) if limits else None
             events = sel.select(wait)
             if not events:
@@ -198,7 +219,7 @@ def run_bounded(argv: Sequence[str], *, cpus: Iterable[int] | None, stdin: bytes
         proc.stdout.close()
         proc.stderr.close()
     return ProcResult(proc.returncode, bytes(out.buf), bytes(err.buf), out.dropped, err.dropped,
-                      wall, ru.ru_utime + ru.ru_stime, ru.ru_maxrss, timed_out, flooded, cancelled)
+                      wall, ru.ru_utime + ru.ru_stime, ru.ru_maxrss, timed_out, flooded, cancelled, stopped)
 
 
 def _pidfd(pid: int) -> int | None:

@@ -4,17 +4,22 @@ Payload of a ``sandbox`` action (all keys optional except ``cmd``)::
 
     {"cmd": "pytest -x" | ["python", "-c", "..."],   # str: run by /bin/sh -c
      "stdin": str | bytes | None,
-     "env": {"VAR": "value"},                         # added to the small clean environment
+     "environ": {"VAR": "value"},                     # added to the small clean environment
      "files": {"rel/path": str | bytes},              # written into the environment first
      "template": "name",                              # used only when the environment is created
      "network": False,                                # True needs allow_network on the manager
      "limits": {"timeout_s": 30, "memory_mb": 2048, "nproc": 256, "cpu_s": 60,
                 "output_bytes": 1048576, "output_kill_bytes": 67108864,
-                "file_mb": 4096, "nofile": 4096, "tmp_mb": 512}}
+                "file_mb": 4096, "nofile": 4096, "tmp_mb": 512,
+                "disk_mb": 10240, "disk_files": 1000000}}
 
-Output: ``{"returncode", "stdout", "stderr", "truncated", "wall_s", "cpu_s",
-"max_rss_kb", "enforced"}`` (stdout/stderr decoded as UTF-8 with errors
-replaced; ``enforced`` says which mechanism applied each limit).  A payload
+(The environment *id* is the action's ``env``; ``environ`` holds variables.
+Dynamic-loader variables such as ``LD_PRELOAD`` are refused.)
+
+Output: ``{"returncode", "stdout", "stderr", "truncated", "wall_s", "cpu_time",
+"max_rss_kb", "disk_used_mb", "enforced"}`` (stdout/stderr decoded as UTF-8
+with errors replaced; ``cpu_time`` is user+system CPU seconds of the whole
+process tree; ``enforced`` says which mechanism applied each limit).  A payload
 with ``language`` and ``code`` is a SandboxFusion ``run_code`` request instead
 (:mod:`tangram_hpc.managers.sandboxfusion`).
 
@@ -22,6 +27,11 @@ Status: ``ok`` when the command exits 0; ``failed`` when it exits non-zero,
 is killed by a limit or floods its output (the output is still attached);
 ``timeout`` when its wall-clock limit killed it; ``error`` when it could not
 be run at all (bad payload, no bubblewrap, environment creation failed).
+
+Who runs what (root worker): bubblewrap (root) -> ``setpriv`` (root, only
+CAP_SETUID/SETGID/SETPCAP, fixed environment) drops to the environment's uid
+-> ``prlimit`` -> ``env -i`` with the command's variables -> the command.
+Nothing a payload says reaches a step that still has root's uid.
 """
 from __future__ import annotations
 
@@ -35,14 +45,16 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 from ..actions import ActionSpec, Status
 from . import sandboxfusion as sf
 from .bwrap import SANDBOX_DIR, BwrapLayout, BwrapUnavailable, probe_bwrap
+from . import seccomp
 from .cgroups import Cgroups, CgroupScope
-from .environments import EnvError, EnvStore, Environment, read_inside
-from .limits import Limits, LimitsError, wrapper_argv
+from .diskquota import QuotaWatch
+from .environments import EnvError, EnvStore, Environment, is_plain_dir, read_inside
+from .limits import WRAPPER_ENVIRON, Limits, LimitsError, wrapper_argv
 from .process import ProcResult, run_bounded
 
 __all__ = ["SandboxManager", "SandboxOutcome", "PayloadError", "BwrapUnavailable"]
@@ -50,6 +62,12 @@ __all__ = ["SandboxManager", "SandboxOutcome", "PayloadError", "BwrapUnavailable
 log = logging.getLogger(__name__)
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+#: Variables that make the dynamic loader or libc load code or read files they name (glibc's
+#: "unsecure" list); refused in payloads.  A command may still export them for its own children.
+_LOADER_VARS = frozenset({"GCONV_PATH", "GETCONF_DIR", "GLIBC_TUNABLES", "HOSTALIASES", "LOCALDOMAIN",
+                          "LOCPATH", "MALLOC_TRACE", "NIS_PATH", "NLSPATH", "RESOLV_HOST_CONF",
+                          "RES_OPTIONS"})
+_PAYLOAD_KEYS = ("cmd", "stdin", "environ", "files", "template", "network", "limits")
 _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS",
                 "PYTEST_XDIST_AUTO_NUM_WORKERS", "TANGRAM_NCPUS")
 _FETCH_LIMIT = 16 * 1024 * 1024
@@ -67,11 +85,18 @@ class SandboxOutcome:
     error: str | None = None
 
 
+class _Ran(NamedTuple):
+    res: ProcResult
+    enforced: dict
+    note: str | None
+    disk_used_mb: float | None
+
+
 @dataclass(slots=True)
 class _Request:
     argv: list[str]
     stdin: bytes | None
-    env: dict[str, str]
+    environ: dict[str, str]
     files: dict[str, bytes | str]
     template: str | None
     network: bool
@@ -81,14 +106,19 @@ class _Request:
 def parse_payload(p: Any) -> _Request:
     if not isinstance(p, Mapping):
         raise PayloadError("sandbox payload must be a map with a 'cmd'")
-    unknown = set(p) - {"cmd", "stdin", "env", "files", "template", "network", "limits"}
+    if "env" in p:
+        raise PayloadError("sandbox payload key 'env' is not accepted: environment variables go in "
+                           "'environ' (the environment id is the action's env)")
+    unknown = set(p) - set(_PAYLOAD_KEYS)
     if unknown:
-        raise PayloadError(f"unknown sandbox payload keys {sorted(map(str, unknown))}")
+        raise PayloadError(f"unknown sandbox payload keys {sorted(map(str, unknown))}; known: {list(_PAYLOAD_KEYS)}")
     cmd = p.get("cmd")
     if isinstance(cmd, str) and cmd:
         argv = ["/bin/sh", "-c", cmd]
     elif isinstance(cmd, (list, tuple)) and cmd and all(isinstance(a, str) for a in cmd):
         argv = list(cmd)
+        if "=" in argv[0]:  # env(1) would read it as a variable assignment
+            raise PayloadError(f"payload cmd[0] {argv[0]!r} must be a program, not contain '='")
     else:
         raise PayloadError("payload cmd must be a non-empty string or list of strings")
     stdin = p.get("stdin")
@@ -96,11 +126,16 @@ def parse_payload(p: Any) -> _Request:
         stdin = stdin.encode()
     elif stdin is not None and not isinstance(stdin, (bytes, bytearray)):
         raise PayloadError("payload stdin must be str, bytes or None")
-    env = p.get("env") or {}
-    if not isinstance(env, Mapping) or not all(
+    environ = p.get("environ") or {}
+    if not isinstance(environ, Mapping) or not all(
             isinstance(k, str) and _ENV_NAME.match(k) and isinstance(v, str) and "\0" not in v
-            for k, v in env.items()):
-        raise PayloadError("payload env must map variable names to strings")
+            for k, v in environ.items()):
+        raise PayloadError("payload environ must map variable names to strings")
+    refused = sorted(k for k in environ if _is_loader_var(k))
+    if refused:
+        raise PayloadError(f"payload environ may not set {', '.join(refused)}: dynamic-loader variables "
+                           f"(LD_*, {', '.join(sorted(_LOADER_VARS))}) are refused; a command may "
+                           f"export them itself")
     files = p.get("files") or {}
     if not isinstance(files, Mapping) or not all(
             isinstance(k, str) and isinstance(v, (str, bytes, bytearray)) for k, v in files.items()):
@@ -111,8 +146,12 @@ def parse_payload(p: Any) -> _Request:
     network = p.get("network", False)
     if not isinstance(network, bool):
         raise PayloadError("payload network must be a bool")
-    return _Request(argv, bytes(stdin) if stdin else None, dict(env), dict(files), template,
+    return _Request(argv, bytes(stdin) if stdin else None, dict(environ), dict(files), template,
                     network, p.get("limits"))
+
+
+def _is_loader_var(name: str) -> bool:
+    return name.startswith("LD_") or name in _LOADER_VARS
 
 
 class SandboxManager:
@@ -134,6 +173,8 @@ class SandboxManager:
     allow_network: whether payloads may ask for ``network: True``.
     use_cgroups: create per-action cgroups where the worker may.
     extra_ro_binds: more host directories made visible read-only at the same path.
+    seccomp: load the seccomp filter of :mod:`tangram_hpc.managers.seccomp` (no nested
+        user namespaces, keyrings, bpf, io_uring, fallocate) into every sandbox.
     """
 
     def __init__(self, root: Path | str, snapshot_dir: Path | str | None = None, *,
@@ -141,7 +182,7 @@ class SandboxManager:
                  default_template: str = "empty", env_ttl: float | None = 3600.0,
                  warm_pool: int = 0, default_limits: Limits | None = None,
                  bwrap: str = "bwrap", allow_network: bool = False, use_cgroups: bool = True,
-                 extra_ro_binds: tuple[str, ...] = ()):
+                 extra_ro_binds: tuple[str, ...] = (), seccomp: bool = True):
         self.root = Path(root)
         self.snapshot_dir = Path(snapshot_dir) if snapshot_dir is not None else None
         self.default_limits = default_limits or Limits()
@@ -157,6 +198,7 @@ class SandboxManager:
         else:
             self.layout = BwrapLayout(path, root_mode=self.root_mode, extra_ro=tuple(extra_ro_binds))
         self.cgroups = Cgroups.detect() if use_cgroups else None
+        self.seccomp_program = _seccomp_program() if seccomp and self.layout is not None else None
         # As root, commands run as a per-environment uid so RLIMIT_NPROC binds.  Without bwrap
         # that uid must be able to reach the environment directory on the host.
         self.root.mkdir(parents=True, exist_ok=True)
@@ -204,16 +246,16 @@ class SandboxManager:
             return SandboxOutcome(Status.ERROR, None, str(exc))
         try:
             self.envs.write_files(env, req.files)
-            res, enforced, note = self._exec(env, req.argv, req.stdin, req.env, limits, cpus, req.network,
-                                             cancel_fd)
+            ran = self._exec(env, req.argv, req.stdin, req.environ, limits, cpus, req.network, cancel_fd)
         except (EnvError, OSError) as exc:
             return SandboxOutcome(Status.ERROR, None, f"sandbox could not run the command: {exc}")
         finally:
             self.envs.release(env)
+        res = ran.res
         out = {
             "returncode": res.returncode, "stdout": res.text("stdout"), "stderr": res.text("stderr"),
-            "truncated": res.truncated, "wall_s": round(res.wall_s, 6), "cpu_s": round(res.cpu_s, 6),
-            "max_rss_kb": res.max_rss_kb, "enforced": enforced,
+            "truncated": res.truncated, "wall_s": round(res.wall_s, 6), "cpu_time": round(res.cpu_time, 6),
+            "max_rss_kb": res.max_rss_kb, "disk_used_mb": ran.disk_used_mb, "enforced": ran.enforced,
         }
         if res.cancelled:
             return SandboxOutcome(Status.CANCELLED, out, "cancelled while running; process tree killed")
@@ -223,8 +265,10 @@ class SandboxManager:
         if res.flooded:
             return SandboxOutcome(Status.FAILED, out, f"output flood: more than "
                                   f"{limits.output_kill_bytes} bytes of output; process tree killed")
+        if res.stopped:
+            return SandboxOutcome(Status.FAILED, out, res.stopped)
         if res.returncode != 0:
-            return SandboxOutcome(Status.FAILED, out, note or _exit_text(res.returncode))
+            return SandboxOutcome(Status.FAILED, out, ran.note or _exit_text(res.returncode))
         return SandboxOutcome(Status.OK, out, None)
 
     def snapshot(self, env_id: str) -> str:
@@ -294,7 +338,7 @@ class SandboxManager:
 
     def _limits(self, spec: ActionSpec, overrides: Mapping[str, Any] | None) -> Limits:
         lim = self.default_limits
-        if spec.demand.mem_mb and lim.memory_mb is None:
+        if spec.demand.mem_mb:  # what the scheduler reserved for it; else the default cap
             lim = lim.merged({"memory_mb": spec.demand.mem_mb})
         if spec.timeout is not None:
             lim = lim.merged({"timeout_s": spec.timeout})
@@ -302,19 +346,19 @@ class SandboxManager:
 
     def _exec(self, env: Environment, argv: list[str], stdin: bytes | None,
               extra_env: Mapping[str, str], limits: Limits, cpus, network: bool,
-              cancel_fd: int | None = None) -> tuple[ProcResult, dict, str | None]:
+              cancel_fd: int | None = None) -> _Ran:
         ncpus = len(cpus) if cpus else 1
         inside = SANDBOX_DIR if self.layout is not None else str(env.path)
         environ = self._environ(inside, ncpus, env)
         environ.update(extra_env)
         uid = env.uid
+        quota = QuotaWatch(env.path, limits.disk_mb, limits.disk_files, env.disk)
         scope: CgroupScope | None = None
         if self.cgroups is not None:
             scope = self.cgroups.scope(limits.memory_mb, limits.nproc)
         mem_in_cgroup = scope is not None and scope.memory_dir is not None and bool(limits.memory_mb)
         rl = limits if not mem_in_cgroup else _without_as(limits)
-        python = sys.executable
-        cmd = wrapper_argv(rl, uid, uid, python) + argv
+        cmd = wrapper_argv(rl, uid, uid, environ, sys.executable) + argv
         fds: list[int] = []
         try:
             if self.layout is not None:
@@ -323,18 +367,21 @@ class SandboxManager:
                 fds = [_memfd("passwd", f"sandbox:x:{puid}:{pgid}:sandbox:{SANDBOX_DIR}:/bin/sh\n"
                               "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"),
                        _memfd("group", f"sandbox:x:{pgid}:\nnogroup:x:65534:\n")]
-                full = self.layout.argv(env.path, environ, network=network, tmp_mb=limits.tmp_mb,
-                                        passwd_fd=fds[0], group_fd=fds[1]) + cmd
+                if self.seccomp_program is not None:
+                    fds.append(_memfd("seccomp", self.seccomp_program))
+                full = self.layout.argv(env.path, network=network, tmp_mb=limits.tmp_mb, passwd_fd=fds[0],
+                                        group_fd=fds[1], seccomp_fd=fds[2] if len(fds) > 2 else None) + cmd
                 popen_env, cwd = None, None
             else:
-                full, popen_env, cwd = cmd, environ, str(env.path)
+                full, popen_env, cwd = cmd, dict(WRAPPER_ENVIRON), str(env.path)
             if scope is not None:
                 full = ["/bin/sh", "-c", 'for f in ' + " ".join(f"'{p}'" for p in scope.procs_files)
                         + '; do echo $$ > "$f" || exit 126; done; exec "$@"', "sh"] + full
             res = run_bounded(full, cpus=cpus, stdin=stdin, timeout=limits.timeout_s,
                               keep_bytes=limits.output_bytes, kill_bytes=limits.output_kill_bytes,
                               cwd=cwd, env=popen_env, pass_fds=fds,
-                              on_kill=scope.kill if scope is not None else None, cancel_fd=cancel_fd)
+                              on_kill=scope.kill if scope is not None else None, cancel_fd=cancel_fd,
+                              watch=quota if quota.active else None)
             note = None
             peak = None
             if scope is not None:
@@ -350,6 +397,10 @@ class SandboxManager:
                 self.cgroups.release(scope)
             for fd in fds:
                 os.close(fd)
+        if quota.active:
+            if res.stopped is None:
+                res.stopped = quota.check()  # what it left behind, however fast it wrote it
+            env.disk = quota.measured
         # wait4's peak RSS cannot be told from the worker's own size at fork time
         # (the child starts as a copy of it); the cgroup's peak covers the whole tree.
         if peak is not None:
@@ -365,15 +416,18 @@ class SandboxManager:
                 x for x in ("cgroup" if scope is not None and scope.pids_dir is not None else "",
                             "rlimit" if uid is not None or not self.root_mode else "") if x) or None,
             "cpus": sorted(cpus) if cpus else None,
+            "seccomp": self.seccomp_program is not None,
+            "disk": "watched" if quota.active else None,
         }
-        return res, enforced, note
+        disk_mb = round(quota.last.mb, 3) if quota.active else None
+        return _Ran(res, enforced, note, disk_mb)
 
     def _environ(self, inside: str, ncpus: int, env: Environment) -> dict[str, str]:
         pybin = os.path.dirname(sys.executable)
         path = f"{pybin}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
         environ = {"HOME": inside, "USER": "sandbox", "LOGNAME": "sandbox", "SHELL": "/bin/sh",
                    "LANG": "C.UTF-8", "TMPDIR": "/tmp", "TANGRAM_SANDBOX": "1"}
-        if (env.path / ".venv" / "bin").is_dir():
+        if is_plain_dir(env.path, ".venv/bin"):
             environ["VIRTUAL_ENV"] = f"{inside}/.venv"
             path = f"{inside}/.venv/bin:{path}"
         environ["PATH"] = path
@@ -399,8 +453,8 @@ class SandboxManager:
             compile_argv, run_argv = req.argvs()
 
             def step(argv, stdin, timeout_s):
-                res, _, _ = self._exec(env, argv, stdin, {}, base.merged({"timeout_s": timeout_s}), cpus, False,
-                                       cancel_fd)
+                res = self._exec(env, argv, stdin, {}, base.merged({"timeout_s": timeout_s}), cpus, False,
+                                 cancel_fd).res
                 return res, sf.command_result(timed_out=res.timed_out, returncode=res.returncode,
                                               stdout=res.text("stdout"), stderr=res.text("stderr"),
                                               wall_s=res.wall_s)
@@ -410,11 +464,15 @@ class SandboxManager:
                 res, compile_result = step(compile_argv, None, req.compile_timeout)
                 if res.cancelled:
                     return SandboxOutcome(Status.CANCELLED, None, "cancelled while compiling")
+                if res.stopped:
+                    return _stopped(res.stopped, compile_result, None)
                 ok = not res.timed_out and res.returncode == 0
             if ok:
                 res, run_result = step(run_argv, req.stdin, req.run_timeout)
                 if res.cancelled:
                     return SandboxOutcome(Status.CANCELLED, None, "cancelled while running")
+                if res.stopped:
+                    return _stopped(res.stopped, compile_result, run_result)
             for name in req.fetch_files:
                 data = read_inside(env.path, name, _FETCH_LIMIT)
                 if data is not None:
@@ -427,6 +485,11 @@ class SandboxManager:
         return SandboxOutcome(Status.OK, sf.response(compile_result, run_result, fetched))
 
 
+def _stopped(reason: str, compile_result: dict | None, run_result: dict | None) -> SandboxOutcome:
+    # A limit the response has no field for (the disk quota): its message says which.
+    return SandboxOutcome(Status.FAILED, sf.response(compile_result, run_result, {}, reason), reason)
+
+
 def _without_as(limits: Limits) -> Limits:
     # The cgroup bounds memory use of the whole tree; RLIMIT_AS would also count
     # reserved-but-unused address space and break runtimes that reserve a lot.
@@ -434,11 +497,18 @@ def _without_as(limits: Limits) -> Limits:
     return replace(limits, memory_mb=None)
 
 
-def _memfd(name: str, text: str) -> int:
+def _memfd(name: str, data: str | bytes) -> int:
     fd = os.memfd_create(name, 0)
-    os.write(fd, text.encode())
+    os.write(fd, data.encode() if isinstance(data, str) else data)
     os.lseek(fd, 0, os.SEEK_SET)
     return fd
+
+
+def _seccomp_program() -> bytes | None:
+    prog = seccomp.program()
+    if prog is None:
+        log.warning("no seccomp filter for this CPU architecture: sandboxes may create nested user namespaces")
+    return prog
 
 
 def _traversable(path: Path) -> bool:
@@ -477,7 +547,7 @@ def _hint(res: ProcResult, limits: Limits, mem_in_cgroup: bool) -> str:
     # The kernel enforces RLIMIT_CPU on its own tick-based clock, and the rusage we get back
     # reads 10-20% lower, so a kill at well over half the limit counts as the limit.
     if limits.cpu_s and res.returncode in (-signal.SIGXCPU, 128 + signal.SIGXCPU, -9, 137) \
-            and res.cpu_s >= limits.cpu_s * 0.5:
+            and res.cpu_time >= limits.cpu_s * 0.5:
         return f"{text}; CPU time limit of {limits.cpu_s}s hit"
     return text
 

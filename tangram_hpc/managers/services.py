@@ -178,19 +178,20 @@ class ServiceManager:
             error = f"unknown service {service_name!r}; this worker serves {sorted(self._services) or 'none'}"
         elif not isinstance(inputs, (list, tuple)):
             error = f"service {service_name}: inputs must be a list, got {type(inputs).__name__}"
+        req = _Request(action_id, list(inputs) if error is None else [], done_callback, time.monotonic())
         if error is None and not inputs:
-            done_callback(action_id, Status.OK, [], None, {"service": service_name, "batch_items": 0})
+            _deliver(req, Status.OK, [], None, {"service": service_name, "batch_items": 0})
             return
         if error is None:
             with self._cv:
                 if self._closing:
                     error = "service manager is closed"
                 else:
-                    svc.queue.append(_Request(action_id, list(inputs), done_callback, time.monotonic()))
+                    svc.queue.append(req)
                     svc.queued_items += len(inputs)
                     self._cv.notify_all()
                     return
-        done_callback(action_id, Status.ERROR, None, error, {"service": service_name})
+        _deliver(req, Status.ERROR, None, error, {"service": service_name})
 
     def cancel(self, action_id: str) -> bool:
         """Drop a queued action (no callback follows); False when it is being scored or unknown."""
@@ -575,11 +576,20 @@ def _describe(e: BaseException) -> str:
 
 
 def _deliver(req: _Request, status: str, output: Any, error: str | None, stats: dict) -> None:
+    # A broken callback must not kill the scoring thread serving everyone else, nor lose the
+    # outcome in silence: it is logged, and the caller gets an error outcome in its place.
     try:
         req.callback(req.action_id, status, output, error, stats)
+        return
+    except Exception as e:
+        _log.exception("service manager: the result callback of action %s raised on its %s outcome",
+                       req.action_id, status)
+        why = f"the result callback raised {_describe(e)} on the {status} outcome"
+    try:
+        req.callback(req.action_id, Status.ERROR, None, why, stats)
     except Exception:
-        # A broken callback must not kill the scoring thread serving everyone else.
-        pass
+        _log.exception("service manager: the result callback of action %s raised again; its outcome is lost",
+                       req.action_id)
 
 
 def _allocated_mb(device: Device) -> float | None:

@@ -1,0 +1,190 @@
+"""Disk use of an environment directory, measured from the host while sandboxed code changes it.
+
+There is no portable kernel quota for one directory (project quotas need a
+prepared filesystem, loop mounts need root), so the quota is enforced by
+measuring: while a command runs, a :class:`QuotaWatch` walks the environment
+every so often (more rarely for big trees, so a walk costs at most a tenth of
+the time) and the command is killed once it has grown the environment past
+its quota; the walk at the end decides whether the action failed.  Together
+with ``RLIMIT_FSIZE`` capped at the quota and ``fallocate`` refused by the
+seccomp filter, an action can overshoot by at most what it writes in one
+interval.  An environment already over its quota (after such an overshoot,
+or from a large template) may still run actions that shrink it.
+
+Walking costs about 7 us per file, so a large environment is not walked when
+it cannot be over its quota: if the filesystem holding it has not grown (one
+``statvfs``) by more than the environment's headroom since its last walk,
+nothing in it can have.  (Space freed elsewhere on the filesystem at the same
+moment can hide growth until the environment grows again.)  The last walk is
+kept with the environment (:class:`Measured`), so the next action starts
+from it.
+
+The walk runs as root on a tree that hostile code may be changing: every
+directory is opened relative to its parent with ``O_NOFOLLOW | O_DIRECTORY |
+O_NONBLOCK`` and nothing else is opened, so a symlink cannot lead it out of
+the environment and a FIFO cannot block it.
+"""
+from __future__ import annotations
+
+import os
+import stat
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .environments import NOFOLLOW_DIR
+
+__all__ = ["DiskUsage", "Measured", "measure", "QuotaWatch", "MAX_DEPTH"]
+
+#: Deeper trees are not measured further (each level holds one descriptor while walked);
+#: such a tree counts as over quota.
+MAX_DEPTH = 256
+#: Trees that walk faster than this are walked at every check (exact figures, negligible cost).
+_CHEAP_WALK_S = 0.002
+_MB = 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class DiskUsage:
+    bytes: int          # allocated blocks (a sparse file counts what it holds), hard links once
+    files: int          # directory entries below the root, of any type
+    too_deep: bool = False
+
+    @property
+    def mb(self) -> float:
+        return self.bytes / _MB
+
+
+def measure(root: Path | str) -> DiskUsage:
+    """Disk use of the tree under ``root`` (not following symlinks, opening no file)."""
+    try:
+        top = os.open(root, NOFOLLOW_DIR)
+    except OSError:
+        return DiskUsage(0, 0)
+    walk = _Walk()
+    try:
+        walk.bytes = os.fstat(top).st_blocks * 512
+        walk.dir(top, 1)
+    finally:
+        os.close(top)
+    return DiskUsage(walk.bytes, walk.files, walk.too_deep)
+
+
+class _Walk:
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.files = 0
+        self.too_deep = False
+        self._seen: set[tuple[int, int]] = set()
+
+    def dir(self, fd: int, depth: int) -> None:
+        # Depth-first, holding one descriptor per level (never one per pending sibling).
+        subdirs: list[str] = []
+        with os.scandir(fd) as it:
+            for entry in it:
+                self.files += 1
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except OSError:
+                    continue  # removed meanwhile
+                if st.st_nlink > 1 and not stat.S_ISDIR(st.st_mode):
+                    key = (st.st_dev, st.st_ino)
+                    if key in self._seen:
+                        continue
+                    self._seen.add(key)
+                self.bytes += st.st_blocks * 512
+                if stat.S_ISDIR(st.st_mode):
+                    subdirs.append(entry.name)
+        if subdirs and depth >= MAX_DEPTH:
+            self.too_deep = True
+            return
+        for name in subdirs:
+            try:
+                child = os.open(name, NOFOLLOW_DIR, dir_fd=fd)
+            except OSError:
+                continue  # replaced by a non-directory, or removed, meanwhile
+            try:
+                self.dir(child, depth + 1)
+            finally:
+                os.close(child)
+
+
+@dataclass(frozen=True, slots=True)
+class Measured:
+    """One walk of an environment: what it held, the filesystem's use just before, its cost."""
+
+    usage: DiskUsage
+    fs: DiskUsage | None
+    walk_s: float
+
+
+def _fs_used(root: Path) -> DiskUsage | None:
+    try:
+        st = os.statvfs(root)
+    except OSError:
+        return None
+    return DiskUsage((st.f_blocks - st.f_bfree) * st.f_frsize, st.f_files - st.f_ffree)
+
+
+def walk(root: Path) -> Measured:
+    fs = _fs_used(root)
+    t0 = time.perf_counter()
+    usage = measure(root)
+    return Measured(usage, fs, time.perf_counter() - t0)
+
+
+class QuotaWatch:
+    """Checks one action's environment against ``disk_mb`` / ``disk_files``.
+
+    ``check()`` returns None while within the quota, else why the action
+    must stop.  Growth is what is refused: an environment that starts over
+    its quota may shrink (or stay) without being stopped.  ``known`` is the
+    environment's last :class:`Measured` walk, if any; :attr:`measured` is the
+    latest one, to keep for the next action.
+    """
+
+    def __init__(self, root: Path, disk_mb: int | None, disk_files: int | None, known: Measured | None = None):
+        self.root = root
+        self.max_bytes = disk_mb * _MB if disk_mb else None
+        self.max_files = disk_files
+        self.measured = known if known is not None else walk(root) if self.active else Measured(DiskUsage(0, 0), None, 0.0)
+        start = self.measured.usage
+        self.allowed_bytes = max(self.max_bytes, start.bytes) if self.max_bytes is not None else None
+        self.allowed_files = max(self.max_files, start.files) if self.max_files is not None else None
+
+    @property
+    def active(self) -> bool:
+        return self.max_bytes is not None or self.max_files is not None
+
+    @property
+    def last(self) -> DiskUsage:
+        """The environment's use at its latest walk."""
+        return self.measured.usage
+
+    def interval(self) -> float:
+        """Seconds until the next check: a walk may take a tenth of the time at most."""
+        return max(0.1, 10 * self.measured.walk_s)
+
+    def check(self) -> str | None:
+        if self.measured.walk_s > _CHEAP_WALK_S and self._cannot_be_over():
+            return None
+        self.measured = m = walk(self.root)
+        u = m.usage
+        if u.too_deep:
+            return f"disk quota: the environment nests directories deeper than {MAX_DEPTH} levels"
+        if self.allowed_bytes is not None and u.bytes > self.allowed_bytes:
+            return (f"disk quota exceeded: the environment holds {u.mb:.1f} MiB, over its quota of "
+                    f"{self.max_bytes // _MB} MiB (limits.disk_mb)")
+        if self.allowed_files is not None and u.files > self.allowed_files:
+            return (f"disk quota exceeded: the environment holds {u.files} files, over its quota of "
+                    f"{self.max_files} (limits.disk_files)")
+        return None
+
+    def _cannot_be_over(self) -> bool:
+        # The environment grew by no more than its filesystem did since the last walk.
+        before, now = self.measured.fs, _fs_used(self.root)
+        if before is None or now is None:
+            return False
+        u = self.measured.usage
+        return ((self.allowed_bytes is None or u.bytes + max(0, now.bytes - before.bytes) <= self.allowed_bytes)
+                and (self.allowed_files is None or u.files + max(0, now.files - before.files) <= self.allowed_files))

@@ -1,0 +1,227 @@
+"""The worker under long, killed and misbehaving calls: its I/O thread keeps heartbeating, killed
+calls keep their cores until they return and are reported, and no outcome is dropped in silence.
+
+Most tests drive a real :class:`Worker` (in a thread of the test process) from a real ROUTER
+socket playing the coordinator, so every frame the worker sends can be inspected."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import pytest
+import zmq
+
+from tangram_hpc import protocol as P
+from tangram_hpc.actions import ActionSpec, function, register_kind
+from tangram_hpc.connection import ConnectionInfo
+from tangram_hpc.worker import Worker, WorkerConfig
+
+HB = 0.1
+
+
+class FakeCoordinator:
+    """A ROUTER socket speaking the worker protocol, recording what the worker sends."""
+
+    def __init__(self) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.address = f"tcp://127.0.0.1:{port}"
+        self.ident: bytes | None = None
+        self.heartbeats: list[tuple[float, dict]] = []
+        self.done: list[list] = []
+
+    def pump(self, seconds: float) -> None:
+        """Receive (and answer REGISTER) for ``seconds``."""
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            if not self.sock.poll(int(left * 1000) + 1):
+                continue
+            ident, frame = self.sock.recv_multipart()
+            mtype, body = P.decode(frame, P.WORKER_TYPES)
+            if mtype == P.REGISTER:
+                self.ident = ident
+                self.send(P.WELCOME, {"coordinator": "fake", "heartbeat_s": HB})
+            elif mtype == P.HEARTBEAT:
+                self.heartbeats.append((time.monotonic(), body))
+                self.send(P.HEARTBEAT, {"coordinator": "fake"})
+            elif mtype == P.DONE:
+                self.done.extend(body)
+
+    def until(self, cond, timeout: float = 15.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not cond():
+            assert time.monotonic() < deadline, "timed out waiting for the worker"
+            self.pump(0.02)
+
+    def send(self, mtype: int, body) -> None:
+        self.sock.send_multipart([self.ident, P.encode(mtype, body)])
+
+    def assign(self, *items: tuple[ActionSpec, int, int]) -> None:
+        self.send(P.ASSIGN, [[spec.to_wire(), attempt, cores] for spec, attempt, cores in items])
+
+    def result(self, spec: ActionSpec) -> list | None:
+        return next((d for d in self.done if d[0] == spec.id), None)
+
+    def close(self) -> None:
+        self.ctx.destroy(0)
+
+
+@pytest.fixture
+def coord_and_worker(tmp_path):
+    coord = FakeCoordinator()
+    cfg = WorkerConfig(connection=ConnectionInfo(client_address="", worker_address=coord.address),
+                       cores=1, kinds=("function",), heartbeat_s=HB, run_dir=str(tmp_path), worker_id="w-hard")
+    worker = Worker(cfg)
+    t = threading.Thread(target=worker.run, daemon=True)
+    t.start()
+    coord.until(lambda: coord.ident is not None)
+    yield coord, worker
+    worker._stop = True
+    t.join(10)
+    coord.close()
+
+
+def learn_fast(coord: FakeCoordinator, worker: Worker, target: str, *args, cores: int = 1) -> None:
+    """Run ``target(*args)`` one at a time (at least 50 times) until the worker counts it as fast."""
+    for i in range(400):
+        spec = function(target, *args, cores=cores)
+        coord.assign((spec, 1, cores))
+        coord.until(lambda: coord.result(spec) is not None)
+        if i >= 49 and worker._fast.get(target, 1.0) < 200e-6:
+            return
+    pytest.fail(f"{target} never ran in under 200 us on this machine")
+
+
+def max_heartbeat_gap(coord: FakeCoordinator, since: float) -> float:
+    times = [since] + [t for t, _ in coord.heartbeats if t >= since] + [time.monotonic()]
+    return max(b - a for a, b in zip(times, times[1:]))
+
+
+def test_fast_function_that_runs_long_does_not_stop_heartbeats(coord_and_worker):
+    coord, worker = coord_and_worker
+    learn_fast(coord, worker, "time:sleep", 0)   # one at a time, like a sequential client
+    t0 = time.monotonic()
+    slow = function("time:sleep", 3)
+    coord.assign((slow, 1, 1))
+    coord.pump(0.3)
+    # While it sleeps: the same fast target and a light no-op still complete at once.
+    again, noop = function("time:sleep", 0), function("tangram_hpc.handlers:noop", 7, cores=0)
+    coord.assign((again, 1, 0), (noop, 1, 0))
+    coord.until(lambda: coord.result(again) is not None and coord.result(noop) is not None, timeout=1.5)
+    assert coord.result(noop)[2:4] == ["ok", 7]
+    coord.until(lambda: coord.result(slow) is not None, timeout=10)
+    assert coord.result(slow)[2] == "ok"
+    assert max_heartbeat_gap(coord, t0) < 0.5 + 4 * HB   # heartbeats never paused
+    assert worker._fast["time:sleep"] >= 200e-6          # no longer counted as fast
+
+
+
+def test_two_different_fast_functions_overrunning_at_once_still_leave_a_thread_for_io(coord_and_worker):
+    coord, worker = coord_and_worker
+    learn_fast(coord, worker, "time:sleep", 0, cores=0)
+    learn_fast(coord, worker, "select:select", [], [], [], 0, cores=0)
+    t0 = time.monotonic()
+    first, second = function("time:sleep", 2, cores=0), function("select:select", [], [], [], 2, cores=0)
+    coord.assign((first, 1, 0))
+    coord.pump(0.3)                       # the standby has taken the I/O role by now ...
+    coord.assign((second, 1, 0))          # ... and runs this one itself: still counted as fast
+    coord.pump(0.3)
+    noop = function("tangram_hpc.handlers:noop", 1, cores=0)
+    coord.assign((noop, 1, 0))
+    coord.until(lambda: coord.result(noop) is not None, timeout=1.0)
+    coord.until(lambda: coord.result(first) is not None and coord.result(second) is not None, timeout=10)
+    assert max_heartbeat_gap(coord, t0) < 0.5 + 4 * HB
+    coord.pump(0.2)
+    assert 1 <= worker._standbys <= 2     # someone stands by again, and no more threads than needed
+
+def test_killed_function_keeps_its_core_and_is_reported_until_it_returns(coord_and_worker):
+    coord, worker = coord_and_worker
+    slow = function("time:sleep", 2)
+    coord.assign((slow, 3, 1))
+    coord.until(lambda: any(hb.get("busy_cores") == 1 for _, hb in coord.heartbeats))
+    coord.send(P.KILL, [[slow.id, 3], [slow.id, 2], ["unknown", 1]])
+    coord.until(lambda: any(hb.get("killed_running") for _, hb in coord.heartbeats))
+    reported = [hb for _, hb in coord.heartbeats if hb.get("killed_running")]
+    assert all(hb["killed_running"] == [[slow.id, 3]] and hb["busy_cores"] == 1 for hb in reported)
+    assert worker._free_slots == []          # the slot stays taken while the call runs
+    coord.until(lambda: coord.result(slow) is not None, timeout=10)
+    assert coord.result(slow)[:3] == [slow.id, 3, "ok"]   # the DONE that ends the attempt is sent
+    n = len(coord.heartbeats)
+    coord.until(lambda: len(coord.heartbeats) > n + 1)
+    last = coord.heartbeats[-1][1]
+    assert last["killed_running"] == [] and last["busy_cores"] == 0 and last["running"] == 0
+    assert worker._free_slots == [0]
+
+
+def test_a_killed_action_still_waiting_for_a_thread_does_not_run(coord_and_worker):
+    coord, worker = coord_and_worker
+    first, queued = function("time:sleep", 1), function("time:sleep", 5)
+    t0 = time.monotonic()
+    coord.assign((first, 1, 1), (queued, 1, 1))   # one executor thread: the second one waits
+    coord.pump(0.2)
+    coord.send(P.KILL, [[queued.id, 1]])
+    coord.until(lambda: coord.result(queued) is not None, timeout=4)
+    assert coord.result(queued)[2:5] == ["cancelled", None, "killed before it started"]
+    assert coord.result(first)[2] == "ok" and time.monotonic() - t0 < 4
+
+def test_sys_exit_and_bad_handler_outcomes_are_results_not_dead_threads(coord_and_worker):
+    coord, worker = coord_and_worker
+    register_kind("bad_outcome")
+    worker.handlers["bad_outcome"] = lambda spec, cpus: "not a tuple"
+    exits = [function("sys:exit", 3) for _ in range(3)]   # more than the one executor thread
+    bad = ActionSpec("bad_outcome", {})
+    coord.assign(*[(s, 1, 1) for s in exits], (bad, 1, 1))
+    coord.until(lambda: all(coord.result(s) for s in exits + [bad]))
+    for s in exits:
+        assert coord.result(s)[2] == "failed" and "SystemExit" in coord.result(s)[4]
+    assert coord.result(bad)[2] == "error" and "not (status, output, error)" in coord.result(bad)[4]
+    after = function("tangram_hpc.handlers:noop", 1)
+    coord.assign((after, 1, 1))
+    coord.until(lambda: coord.result(after) is not None)
+
+
+def test_results_the_send_queue_cannot_take_are_kept_and_sent_later(coord_and_worker, caplog):
+    coord, worker = coord_and_worker
+    real = worker.sock
+    refusals = []
+
+    class FullQueue:   # the worker's socket while the coordinator takes nothing (HWM reached)
+        def send(self, frame, flags=0):
+            if len(refusals) < 3:
+                refusals.append(frame)
+                raise zmq.Again()
+            worker.sock = real
+            return real.send(frame, flags)
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    worker.sock = FullQueue()
+    specs = [function("tangram_hpc.handlers:noop", i) for i in range(5)]
+    with caplog.at_level(logging.INFO, logger="tangram.worker"):
+        coord.assign(*[(s, 1, 1) for s in specs])
+        coord.until(lambda: all(coord.result(s) for s in specs))
+    assert [coord.result(s)[3] for s in specs] == list(range(5))
+    assert len(refusals) == 3
+    text = caplog.text
+    assert "kept and sent again" in text and "will be retried" not in text and "dropped" not in text
+
+
+@pytest.mark.slow
+def test_long_fast_function_keeps_the_worker_alive_end_to_end(cluster, client):
+    """time:sleep(0) x50, then time:sleep(6) on workers declared lost after 3 s of silence."""
+    before = {w["id"] for w in client.status()["workers"]}
+    for _ in range(50):
+        assert client.submit(function("time:sleep", 0)).result(30).ok
+    fut = client.submit(function("time:sleep", 6))
+    time.sleep(1)
+    t = time.monotonic()
+    quick = client.submit(function("tangram_hpc.handlers:noop", 5, cores=0)).result(10)
+    assert quick.output == 5 and time.monotonic() - t < 2
+    res = fut.result(60)
+    assert res.ok and res.attempts == 1, res
+    status = client.status()
+    assert {w["id"] for w in status["workers"]} == before   # nobody was declared lost
