@@ -21,6 +21,7 @@ COMMANDS = {
     "bench": ("tangram_hpc.bench", "simulate a workload under tangram and the baselines; print ACT, step time, resources"),
     "fidelity": ("tangram_hpc.sim.replay", "run a small workload live on local workers and in the simulator; compare ACT"),
     "demo": ("tangram_hpc.demo", "run a synthetic agentic-RL step on a local coordinator and print ACT statistics"),
+    "serve": ("tangram_hpc.serve.command", "SandboxFusion-compatible HTTP service (/run_code) in front of a coordinator"),
 }
 
 _ENTRY = {  # modules hosting several subcommands name their functions per command

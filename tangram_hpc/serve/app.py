@@ -1,0 +1,158 @@
+"""The aiohttp application of ``tangram-hpc serve``.
+
+One process, one event loop, one :class:`~tangram_hpc.client.AsyncClient`:
+each ``/run_code`` request becomes one sandbox action and waits for its
+result, so hundreds of requests are in flight at once without a thread per
+request.  The scheduler, the sandbox limits and the Slurm pool apply to them
+as to any action.
+
+Routes:
+
+``POST /run_code``
+    SandboxFusion's run_code (see :mod:`tangram_hpc.serve.translate`).
+``POST /run_jupyter``
+    HTTP 501: not offered (the sandboxes have no Jupyter kernel).
+``GET /v1/ping``
+    ``"pong"``, as SandboxFusion answers its health check.
+``GET /health``
+    the coordinator's worker and queue counts; HTTP 503 when it does not answer.
+``GET /stats``
+    this service's request metrics (:class:`~tangram_hpc.serve.metrics.RequestMetrics`).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from ..client import AsyncClient
+from ..managers.sandboxfusion import RunCodeError
+from .metrics import RequestMetrics
+from .translate import Reply, busy_reply, invalid_reply, run_code_reply, run_code_spec
+
+__all__ = ["ServeConfig", "make_app", "serve_forever"]
+
+log = logging.getLogger("tangram.serve")
+
+_RUN_CODE = "/run_code"
+
+
+@dataclass
+class ServeConfig:
+    """Options of the HTTP service (the command line's flags)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8080
+    #: requests answered with HTTP 429 beyond this many in flight
+    max_inflight: int = 1024
+    #: the Retry-After of HTTP 429 and 503 replies
+    retry_after_s: int = 1
+    #: largest request body (SandboxFusion's files travel base64 inside it)
+    max_body_mb: int = 16
+    #: on SIGTERM, how long requests in flight may take to finish before the service exits
+    drain_s: float = 60.0
+
+
+class _Service:
+    def __init__(self, client: AsyncClient, config: ServeConfig, metrics: RequestMetrics):
+        self.client = client
+        self.config = config
+        self.metrics = metrics
+
+    async def run_code(self, request: web.Request) -> web.Response:
+        t0 = time.perf_counter()
+        m = self.metrics
+        if m.in_flight >= self.config.max_inflight:
+            reply = busy_reply(429, f"{m.in_flight} requests in flight, the limit of this service "
+                                    f"(--max-inflight {self.config.max_inflight}); retry later",
+                               self.config.retry_after_s)
+            m.finished(_RUN_CODE, reply.status, time.perf_counter() - t0, counted=False)
+            return _response(reply)
+        m.started()
+        reply = outcome = None
+        try:
+            try:
+                body = await request.json()
+            except (ValueError, UnicodeDecodeError) as e:
+                reply = Reply(422, {"detail": [{"type": "json_invalid", "loc": ["body"],
+                                                "msg": f"JSON decode error: {e}", "input": None}]})
+                return _response(reply)
+            try:
+                spec = run_code_spec(body)
+            except RunCodeError as e:
+                reply = invalid_reply(e)
+                return _response(reply)
+            res = await self.client.submit(spec)
+            reply = run_code_reply(res)
+            if reply.status == 503:
+                reply = busy_reply(503, reply.body["detail"], self.config.retry_after_s)
+            outcome = reply.body.get("status") if reply.status == 200 else None
+            return _response(reply)
+        finally:
+            m.finished(_RUN_CODE, reply.status if reply is not None else 500, time.perf_counter() - t0,
+                       outcome)
+
+    async def run_jupyter(self, request: web.Request) -> web.Response:
+        return _response(Reply(501, {"detail": "run_jupyter is not offered by tangram-hpc serve: the "
+                                               "sandboxes have no Jupyter kernel; use /run_code"}))
+
+    async def ping(self, request: web.Request) -> web.Response:
+        return web.json_response("pong")
+
+    async def health(self, request: web.Request) -> web.Response:
+        try:
+            st = await self.client.status(timeout=2.0)
+        except (TimeoutError, OSError) as e:
+            return _response(Reply(503, {"ok": False, "detail": f"coordinator not answering: {e}"}))
+        return web.json_response({"ok": True, "coordinator": st.get("coordinator"),
+                                  "workers": len(st.get("workers", [])), "pending": st.get("pending"),
+                                  "running": st.get("running"), "in_flight": self.metrics.in_flight})
+
+    async def stats(self, request: web.Request) -> web.Response:
+        return web.json_response(self.metrics.snapshot())
+
+
+def _response(reply: Reply) -> web.Response:
+    return web.Response(status=reply.status, headers=reply.headers, content_type="application/json",
+                        text=json.dumps(reply.body))
+
+
+def make_app(client: AsyncClient, config: ServeConfig | None = None,
+             metrics: RequestMetrics | None = None) -> web.Application:
+    """The application; ``client`` must stay open while it serves."""
+    config = config or ServeConfig()
+    svc = _Service(client, config, metrics or RequestMetrics())
+    app = web.Application(client_max_size=config.max_body_mb << 20)
+    app["metrics"] = svc.metrics
+    app.add_routes([
+        web.post(_RUN_CODE, svc.run_code),
+        web.post("/run_jupyter", svc.run_jupyter),
+        web.get("/v1/ping", svc.ping),
+        web.get("/health", svc.health),
+        web.get("/stats", svc.stats),
+    ])
+    return app
+
+
+async def serve_forever(app: web.Application, config: ServeConfig, stop: asyncio.Event,
+                        on_ready: Any = None) -> None:
+    """Serve until ``stop`` is set, then let requests in flight finish (up to ``drain_s``)."""
+    # No access log: a line per request would be a log line per action.
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port, shutdown_timeout=config.drain_s)
+    await site.start()
+    try:
+        if on_ready is not None:
+            on_ready(runner.addresses)
+        await stop.wait()
+        metrics: RequestMetrics = app["metrics"]
+        if metrics.in_flight:
+            log.info("stopping: waiting up to %gs for %d requests in flight", config.drain_s, metrics.in_flight)
+    finally:
+        await runner.cleanup()
