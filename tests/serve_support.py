@@ -1,6 +1,7 @@
 """Starting ``tangram-hpc serve`` as a child process for tests (and reading its URL)."""
 from __future__ import annotations
 
+import ctypes
 import os
 import selectors
 import signal
@@ -16,7 +17,7 @@ def running_serve(connection_file, *extra: str, timeout: float = 30.0):
     cmd = [sys.executable, "-m", "tangram_hpc.cli", "serve", "--connection-file", str(connection_file),
            "--port", "0", *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=os.path.join(os.path.dirname(__file__), ".."))
+                            cwd=os.path.join(os.path.dirname(__file__), ".."), preexec_fn=_die_with_parent)
     try:
         yield proc, _read_url(proc, timeout)
     finally:
@@ -27,6 +28,11 @@ def running_serve(connection_file, *extra: str, timeout: float = 30.0):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def _die_with_parent() -> None:
+    # A test run that is killed must not leave a serve process behind.
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _read_url(proc: subprocess.Popen, timeout: float) -> str:

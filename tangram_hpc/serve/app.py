@@ -10,6 +10,11 @@ Routes:
 
 ``POST /run_code``
     SandboxFusion's run_code (see :mod:`tangram_hpc.serve.translate`).
+``POST /reward/{service}``
+    OpenRLHF's remote reward model (``--remote_rm_url``): ``{"query", "prompts",
+    "labels"}`` lists in, ``{"rewards", "scores", "extra_logs"}`` out, scored by
+    the tangram reward service named in the path; concurrent requests are
+    batched into one ``reward`` action (:class:`~tangram_hpc.integrations.batching.RewardBatcher`).
 ``POST /run_jupyter``
     HTTP 501: not offered (the sandboxes have no Jupyter kernel).
 ``GET /v1/ping``
@@ -33,13 +38,16 @@ from aiohttp import web
 from ..client import AsyncClient
 from ..managers.sandboxfusion import RunCodeError
 from .metrics import RequestMetrics
-from .translate import Reply, busy_reply, invalid_reply, run_code_reply, run_code_spec
+from ..integrations.batching import RewardBatcher, RewardError
+from .translate import (FieldError, Reply, busy_reply, invalid_reply, openrlhf_items, refused_for_load,
+                        run_code_reply, run_code_spec)
 
 __all__ = ["ServeConfig", "make_app", "serve_forever"]
 
 log = logging.getLogger("tangram.serve")
 
 _RUN_CODE = "/run_code"
+_REWARD = "/reward"
 
 
 @dataclass
@@ -56,6 +64,11 @@ class ServeConfig:
     max_body_mb: int = 16
     #: on SIGTERM, how long requests in flight may take to finish before the service exits
     drain_s: float = 60.0
+    #: /reward: most inputs in one reward action, and how long the first one waits for more
+    reward_max_batch: int = 64
+    reward_window_ms: float = 5.0
+    #: /reward: how long a request waits for its scores, queueing included (then HTTP 502)
+    reward_wait_s: float = 170.0
 
 
 class _Service:
@@ -63,16 +76,25 @@ class _Service:
         self.client = client
         self.config = config
         self.metrics = metrics
+        self.batchers: dict[str, RewardBatcher] = {}
+
+    def _refuse(self, route: str, t0: float) -> web.Response | None:
+        """HTTP 429 when this service already has ``max_inflight`` requests in flight."""
+        m = self.metrics
+        if m.in_flight < self.config.max_inflight:
+            return None
+        reply = busy_reply(429, f"{m.in_flight} requests in flight, the limit of this service "
+                                f"(--max-inflight {self.config.max_inflight}); retry later",
+                           self.config.retry_after_s)
+        m.finished(route, reply.status, time.perf_counter() - t0, counted=False)
+        return _response(reply)
 
     async def run_code(self, request: web.Request) -> web.Response:
         t0 = time.perf_counter()
         m = self.metrics
-        if m.in_flight >= self.config.max_inflight:
-            reply = busy_reply(429, f"{m.in_flight} requests in flight, the limit of this service "
-                                    f"(--max-inflight {self.config.max_inflight}); retry later",
-                               self.config.retry_after_s)
-            m.finished(_RUN_CODE, reply.status, time.perf_counter() - t0, counted=False)
-            return _response(reply)
+        refused = self._refuse(_RUN_CODE, t0)
+        if refused is not None:
+            return refused
         m.started()
         reply = outcome = None
         try:
@@ -88,14 +110,49 @@ class _Service:
                 reply = invalid_reply(e)
                 return _response(reply)
             res = await self.client.submit(spec)
-            reply = run_code_reply(res)
-            if reply.status == 503:
-                reply = busy_reply(503, reply.body["detail"], self.config.retry_after_s)
+            reply = run_code_reply(res, self.config.retry_after_s)
             outcome = reply.body.get("status") if reply.status == 200 else None
             return _response(reply)
         finally:
             m.finished(_RUN_CODE, reply.status if reply is not None else 500, time.perf_counter() - t0,
                        outcome)
+
+    async def reward(self, request: web.Request) -> web.Response:
+        t0 = time.perf_counter()
+        refused = self._refuse(_REWARD, t0)
+        if refused is not None:
+            return refused
+        self.metrics.started()
+        reply = None
+        try:
+            try:
+                items = openrlhf_items(await request.json())
+            except FieldError as e:
+                reply = invalid_reply(e)
+                return _response(reply)
+            except (ValueError, UnicodeDecodeError) as e:
+                reply = Reply(422, {"detail": [{"type": "json_invalid", "loc": ["body"],
+                                                "msg": f"JSON decode error: {e}", "input": None}]})
+                return _response(reply)
+            service = request.match_info["service"]
+            batcher = self.batchers.get(service)
+            if batcher is None:
+                batcher = self.batchers[service] = RewardBatcher(
+                    self.client, service, max_batch=self.config.reward_max_batch,
+                    window_s=self.config.reward_window_ms / 1000.0, wait_s=self.config.reward_wait_s)
+            try:
+                scores = await asyncio.gather(*(batcher.score(item) for item in items))
+            except RewardError as e:
+                if refused_for_load(e.result):
+                    reply = busy_reply(503, str(e), self.config.retry_after_s)
+                else:
+                    reply = Reply(502, {"detail": f"reward service {service!r}: {e}"})
+                return _response(reply)
+            scores = [s["score"] if isinstance(s, dict) and "score" in s else s for s in scores]
+            reply = Reply(200, {"rewards": scores, "scores": scores, "extra_logs": {}})
+            return _response(reply)
+        finally:
+            self.metrics.finished(_REWARD, reply.status if reply is not None else 500, time.perf_counter() - t0)
 
     async def run_jupyter(self, request: web.Request) -> web.Response:
         return _response(Reply(501, {"detail": "run_jupyter is not offered by tangram-hpc serve: the "
@@ -131,6 +188,7 @@ def make_app(client: AsyncClient, config: ServeConfig | None = None,
     app["metrics"] = svc.metrics
     app.add_routes([
         web.post(_RUN_CODE, svc.run_code),
+        web.post(_REWARD + "/{service}", svc.reward),
         web.post("/run_jupyter", svc.run_jupyter),
         web.get("/v1/ping", svc.ping),
         web.get("/health", svc.health),

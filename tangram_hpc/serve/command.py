@@ -24,6 +24,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--retry-after", type=int, default=1, metavar="SECONDS",
                    help="Retry-After of HTTP 429/503 replies (default 1)")
     p.add_argument("--max-body-mb", type=int, default=16, help="largest request body in MiB (default 16)")
+    p.add_argument("--reward-max-batch", type=int, default=64,
+                   help="/reward: most inputs batched into one reward action (default 64)")
+    p.add_argument("--reward-window-ms", type=float, default=5.0,
+                   help="/reward: how long a request waits for others to batch with (default 5 ms)")
+    p.add_argument("--reward-wait", type=float, default=170.0, metavar="SECONDS",
+                   help="/reward: how long a request waits for its scores, queueing included, before HTTP 502 "
+                        "(default 170, under OpenRLHF's 180 s client timeout)")
     p.add_argument("--drain", type=float, default=60.0, metavar="SECONDS",
                    help="on SIGTERM/SIGINT, how long requests in flight may take to finish (default 60)")
 
@@ -47,7 +54,9 @@ def main(args: argparse.Namespace) -> int:
         print("tangram-hpc serve: --max-inflight must be at least 1", file=sys.stderr)
         return 2
     config = ServeConfig(host=args.host, port=args.port, max_inflight=args.max_inflight,
-                         retry_after_s=args.retry_after, max_body_mb=args.max_body_mb, drain_s=args.drain)
+                         retry_after_s=args.retry_after, max_body_mb=args.max_body_mb, drain_s=args.drain,
+                         reward_max_batch=args.reward_max_batch, reward_window_ms=args.reward_window_ms,
+                         reward_wait_s=args.reward_wait)
     asyncio.run(_run(config, str(path)))
     return 0
 

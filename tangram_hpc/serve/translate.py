@@ -21,9 +21,11 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ..actions import ActionResult, ActionSpec, Demand, Status, ValidationError
+from ..integrations.batching import reward_item
 from ..managers.sandboxfusion import RUN_CODE_FIELDS, RunCodeError, parse_run_code
 
-__all__ = ["Reply", "run_code_spec", "run_code_reply", "invalid_reply", "busy_reply", "EXTENSION_KEY"]
+__all__ = ["Reply", "run_code_spec", "run_code_reply", "invalid_reply", "busy_reply", "openrlhf_items", "FieldError",
+           "refused_for_load", "EXTENSION_KEY"]
 
 #: The body key of tangram's own placement fields.
 EXTENSION_KEY = "tangram"
@@ -37,6 +39,14 @@ _LOAD_REFUSAL = "rejected: too many unfinished actions"
 _SIZE_REFUSAL = "rejected: the action is"
 
 
+class FieldError(ValueError):
+    """A bad field of a /reward body (run_code bodies raise :class:`RunCodeError`, alike)."""
+
+    def __init__(self, field_name: str, problem: str, value: Any = None, kind: str = "value_error"):
+        self.field, self.problem, self.value, self.kind = field_name, problem, value, kind
+        super().__init__(f"{field_name}: {problem}")
+
+
 @dataclass(frozen=True, slots=True)
 class Reply:
     """What to answer: HTTP status, a JSON-ready body, extra headers."""
@@ -46,7 +56,7 @@ class Reply:
     headers: Mapping[str, str] = field(default_factory=dict)
 
 
-def invalid_reply(err: RunCodeError) -> Reply:
+def invalid_reply(err: RunCodeError | FieldError) -> Reply:
     """HTTP 422 in FastAPI's shape, naming the field."""
     loc: list[Any] = ["body", *err.field.split(".", 1)] if err.field else ["body"]
     detail = {"type": err.kind, "loc": loc, "msg": err.problem, "input": _small(err.value)}
@@ -110,7 +120,12 @@ def _extension(ext: Any) -> dict[str, Any]:
     return out
 
 
-def run_code_reply(res: ActionResult) -> Reply:
+def refused_for_load(res: ActionResult | None) -> bool:
+    """Whether the coordinator refused the action because too many are unfinished (retry later)."""
+    return res is not None and res.status == Status.ERROR and (res.error or "").startswith(_LOAD_REFUSAL)
+
+
+def run_code_reply(res: ActionResult, retry_after_s: int = 1) -> Reply:
     """The HTTP reply for a finished run_code action.
 
     Success and Failed are HTTP 200 with the response the worker built;
@@ -121,8 +136,8 @@ def run_code_reply(res: ActionResult) -> Reply:
     if res.status == Status.OK and isinstance(out, dict) and "status" in out:
         return Reply(200, out | {"executor_pod_name": res.worker})
     error = res.error or ""
-    if res.status == Status.ERROR and error.startswith(_LOAD_REFUSAL):
-        return busy_reply(503, error, 1)
+    if refused_for_load(res):
+        return busy_reply(503, error, retry_after_s)
     if res.status == Status.ERROR and error.startswith(_SIZE_REFUSAL):
         return Reply(413, {"detail": error})
     if isinstance(out, dict) and out.get("status") == "SandboxError":
@@ -130,6 +145,33 @@ def run_code_reply(res: ActionResult) -> Reply:
     message = f"action {res.status}: {error}" if error else f"action {res.status}"
     return Reply(200, {"status": "SandboxError", "message": message, "compile_result": None,
                        "run_result": None, "executor_pod_name": res.worker, "files": {}})
+
+
+def openrlhf_items(body: Any) -> list[dict]:
+    """Reward inputs of an OpenRLHF remote-RM request ``{"query": [...], "prompts": [...], "labels": [...]}``.
+
+    A query is the prompt followed by the response (OpenRLHF decodes both
+    together); the response alone is what the service scores against the label.
+    """
+    if not isinstance(body, Mapping):
+        raise FieldError("", "the body must be a JSON object", kind="model_attributes_type")
+    queries = body.get("query")
+    if not isinstance(queries, list) or not all(isinstance(q, str) for q in queries):
+        raise FieldError("query", "must be a list of strings", _small(queries))
+    n = len(queries)
+    lists = {}
+    for name in ("prompts", "labels"):
+        v = body.get(name)
+        if v is None:
+            v = [""] * n
+        if not isinstance(v, list) or len(v) != n:
+            raise FieldError(name, f"must be a list as long as query ({n})", _small(v))
+        lists[name] = v
+    items = []
+    for q, p, label in zip(queries, lists["prompts"], lists["labels"]):
+        response = q[len(p):] if isinstance(p, str) and p and q.startswith(p) else q
+        items.append(reward_item(response, label if label is not None else "", prompt=p if isinstance(p, str) else ""))
+    return items
 
 
 def _int(v: Any) -> bool:
