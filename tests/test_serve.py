@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import importlib.util
 import os
 import shutil
 import signal
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
 import pytest
@@ -15,6 +18,7 @@ import sandbox_fusion as sf
 
 from tangram_hpc.actions import ActionSpec, Status
 from tangram_hpc.launch import LocalCluster
+from tangram_hpc.managers import sandboxfusion as sfm
 from tangram_hpc.managers.bwrap import probe_bwrap
 
 from serve_support import running_serve
@@ -87,6 +91,10 @@ PROGRAMS = {  # each prints twice the number on stdin
 
 
 def test_languages_of_the_verl_recipes(url):
+    missing = [sfm.LANGUAGES[lang].needs for lang in PROGRAMS if sfm.LANGUAGES[lang].needs
+               and shutil.which(sfm.LANGUAGES[lang].needs, path=sfm.SANDBOX_TOOL_PATH) is None]
+    if missing:
+        pytest.skip(f"not installed in /usr: {missing} (scripts/setup-env.sh as root adds them)")
     reqs = [sf.RunCodeRequest(code=code, language=lang, stdin=str(i + 10), compile_timeout=120)
             for i, (lang, code) in enumerate(PROGRAMS.items())]
     results = sf.run_concurrent(sf.run_code, kwargs=[{"request": r, "endpoint": url, "max_attempts": 1}
@@ -269,3 +277,36 @@ def test_sigterm_lets_requests_in_flight_finish(cluster):
         assert proc.wait(timeout=30) == 0
         with pytest.raises(requests.ConnectionError):
             requests.get(f"{url}/v1/ping", timeout=5)
+
+
+SOLUTION = "```python\nn = int(input())\nprint(n * (n + 1) // 2)\n```"
+WRONG = "```python\nn = int(input())\nprint(n * n)\n```"
+TESTS = {"inputs": ["1\n", "3\n", "10\n"], "outputs": ["1\n", "6\n", "55\n"]}
+
+
+@pytest.mark.verl
+@pytest.mark.skipif(importlib.util.find_spec("verl") is None, reason="needs verl (WITH_MODEL=1 scripts/setup-env.sh)")
+def test_verl_sandbox_fusion_reward_utility_scores_through_serve(url):
+    """verl's own code path for ``reward.sandbox_fusion.url``: default_compute_score -> SandboxFusion /run_code."""
+    from verl.utils.reward_score import default_compute_score
+
+    sem = threading.Semaphore(64)  # verl passes a multiprocessing Manager semaphore of max_concurrent
+
+    def score(completion, tests=TESTS):
+        return default_compute_score("codecontests", completion, tests, sandbox_fusion_url=f"{url}/run_code",
+                                     concurrent_semaphore=sem, memory_limit_mb=1024)
+
+    good = score(SOLUTION)
+    assert good == 1.0 or (isinstance(good, dict) and good["score"] == 1.0), good
+    bad = score(WRONG)
+    assert (bad["score"] if isinstance(bad, dict) else bad) < 1.0, bad
+    # The function-call mode of verl's wrapper (fn_name): arguments as JSON lines on stdin.
+    fn_tests = {"fn_name": "add", "inputs": ["1\n2", "5\n7"], "outputs": ["3", "12"]}
+    fn = score("```python\ndef add(a, b):\n    return a + b\n```", fn_tests)
+    assert (fn["score"] if isinstance(fn, dict) else fn) == 1.0, fn
+    # verl's reward workers score a step's samples from many threads at once.
+    completions = [SOLUTION if i % 3 else WRONG for i in range(30)]
+    with ThreadPoolExecutor(16) as pool:
+        scores = list(pool.map(score, completions))
+    plain = [s["score"] if isinstance(s, dict) else s for s in scores]
+    assert plain == [1.0 if i % 3 else plain[0] for i in range(30)] and plain[0] < 1.0
