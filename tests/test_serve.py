@@ -18,9 +18,9 @@ import sandbox_fusion as sf
 
 from tangram_hpc.actions import ActionSpec, Status
 from tangram_hpc.launch import LocalCluster
-from tangram_hpc.managers import sandboxfusion as sfm
 from tangram_hpc.managers.bwrap import probe_bwrap
 
+from runcode_programs import LANGUAGE_PROGRAMS as PROGRAMS, missing_tool
 from serve_support import running_serve
 
 pytestmark = [
@@ -77,22 +77,8 @@ def test_sync_client_success_failure_timeout_files(url):
     assert sf.summary_run_code_result(slow, sf.SummaryMapping(RunTimeout="tle")) == "tle"
 
 
-PROGRAMS = {  # each prints twice the number on stdin
-    "python": "print(int(input()) * 2)",
-    "bash": "read x; echo $((x * 2))",
-    "nodejs": "const x = require('fs').readFileSync(0, 'utf8'); console.log(parseInt(x) * 2);",
-    "cpp": "#include <iostream>\nint main(){long x; std::cin >> x; std::cout << x * 2 << std::endl;}",
-    "java": ("import java.util.Scanner;\npublic class Main { public static void main(String[] a) {"
-             " System.out.println(new Scanner(System.in).nextLong() * 2); } }"),
-    "go": 'package main\nimport "fmt"\nfunc main() { var x int; fmt.Scan(&x); fmt.Println(x * 2) }',
-    "rust": ("use std::io::Read;\nfn main() { let mut s = String::new(); std::io::stdin().read_to_string(&mut s)"
-             ".unwrap(); let x: i64 = s.trim().parse().unwrap(); println!(\"{}\", x * 2); }"),
-}
-
-
 def test_languages_of_the_verl_recipes(url):
-    missing = [sfm.LANGUAGES[lang].needs for lang in PROGRAMS if sfm.LANGUAGES[lang].needs
-               and shutil.which(sfm.LANGUAGES[lang].needs, path=sfm.SANDBOX_TOOL_PATH) is None]
+    missing = [missing_tool(lang) for lang in PROGRAMS if missing_tool(lang)]
     if missing:
         pytest.skip(f"not installed in /usr: {missing} (scripts/setup-env.sh as root adds them)")
     reqs = [sf.RunCodeRequest(code=code, language=lang, stdin=str(i + 10), compile_timeout=120)
