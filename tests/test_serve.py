@@ -296,3 +296,14 @@ def test_verl_sandbox_fusion_reward_utility_scores_through_serve(url):
         scores = list(pool.map(score, completions))
     plain = [s["score"] if isinstance(s, dict) else s for s in scores]
     assert plain == [1.0 if i % 3 else plain[0] for i in range(30)] and plain[0] < 1.0
+
+
+def test_listening_beyond_loopback_needs_allow_remote(cluster):
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "tangram_hpc.cli", "serve", "-c", str(cluster.connection_file),
+                        "--host", "0.0.0.0", "--port", "0"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--allow-remote" in r.stderr and "not a loopback address" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "tangram_hpc.cli", "serve"], capture_output=True, text=True,
+                       timeout=60, env={k: v for k, v in os.environ.items() if not k.startswith("TANGRAM_CONN")})
+    assert r.returncode == 2 and "--connection-file" in r.stderr
