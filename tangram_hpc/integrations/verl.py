@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-import weakref
 from collections import Counter
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Sequence
@@ -35,33 +34,47 @@ from tangram_hpc.integrations.batching import RewardBatcher, RewardError, reward
 __all__ = ["compute_score", "compute_score_batch", "batching_stats", "RewardError"]
 
 _lock = threading.Lock()
-_clients: dict[tuple[type, int, str], Any] = {}
-# Per event loop (verl may run several, one per thread): service -> batcher.
-_batchers: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict]" = weakref.WeakKeyDictionary()
+_clients: dict[tuple[int, str], Client] = {}
+# Per event loop (verl may run several, one per thread): the loop, its AsyncClient per connection
+# file (an AsyncClient belongs to the loop it is first used on) and its batchers.
+_loops: dict[int, tuple[asyncio.AbstractEventLoop, dict[str, AsyncClient], dict[tuple, RewardBatcher]]] = {}
 _totals: Counter = Counter()
 
 
-def _client(cls: type, connection_file: str | None) -> Any:
-    """This process's ``cls`` (Client or AsyncClient) for the connection file."""
+def _connection_path(connection_file: str | None) -> str:
     path = connection_file or default_connection_file()
     if not path:
         raise RewardError(f"tangram reward: pass reward_kwargs.connection_file or set ${ENV_VAR}")
-    key = (cls, os.getpid(), str(path))  # a forked or Ray worker process gets its own connection
+    return str(path)
+
+
+def _sync_client(connection_file: str | None) -> Client:
+    """This process's Client for the connection file (a forked or Ray worker process gets its own)."""
+    key = (os.getpid(), _connection_path(connection_file))
     with _lock:
         c = _clients.get(key)
         if c is None:
-            c = _clients[key] = cls(connection_file=str(path), name=f"verl-reward-{os.getpid()}")
+            c = _clients[key] = Client(connection_file=key[1], name=f"verl-reward-{os.getpid()}")
         return c
 
 
 def _batcher(service: str, connection_file: str | None, max_batch: int, batch_window_ms: float,
              timeout_s: float | None, wait_s: float | None, gpu_mem_mb: int) -> RewardBatcher:
-    client = _client(AsyncClient, connection_file)
-    per_loop = _batchers.setdefault(asyncio.get_running_loop(), {})
-    key = (service, max_batch, batch_window_ms, timeout_s, wait_s, gpu_mem_mb)
-    b = per_loop.get(key)
-    if b is None or b.client is not client:
-        b = per_loop[key] = RewardBatcher(client, service, max_batch=max_batch, window_s=batch_window_ms / 1000.0,
+    path = _connection_path(connection_file)
+    loop = asyncio.get_running_loop()
+    entry = _loops.get(id(loop))
+    if entry is None or entry[0] is not loop:
+        for key in [k for k, (other, _, _) in _loops.items() if other.is_closed()]:
+            del _loops[key]  # loops that ended (each asyncio.run makes one)
+        entry = _loops[id(loop)] = (loop, {}, {})
+    _, clients, batchers = entry
+    client = clients.get(path)
+    if client is None:
+        client = clients[path] = AsyncClient(connection_file=path, name=f"verl-reward-{os.getpid()}")
+    key = (path, service, max_batch, batch_window_ms, timeout_s, wait_s, gpu_mem_mb)
+    b = batchers.get(key)
+    if b is None:
+        b = batchers[key] = RewardBatcher(client, service, max_batch=max_batch, window_s=batch_window_ms / 1000.0,
                                           timeout=timeout_s, wait_s=wait_s, gpu_mem_mb=gpu_mem_mb, totals=_totals)
     return b
 
@@ -99,7 +112,7 @@ def compute_score_batch(data_sources: Sequence[str], solution_strs: Sequence[str
                         **_: Any) -> list[Any]:
     """verl's batch ``compute_score``: the lists go out as reward actions of ``max_batch`` inputs."""
     items = [reward_item(s, g, data_source=str(d)) for d, s, g in zip(data_sources, solution_strs, ground_truths)]
-    client: Client = _client(Client, connection_file)
+    client = _sync_client(connection_file)
     specs = [reward(service, items[i:i + max_batch], gpu_mem_mb=gpu_mem_mb, timeout=timeout_s)
              for i in range(0, len(items), max_batch)]
     futures = client.submit_many(specs)
