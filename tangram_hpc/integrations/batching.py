@@ -13,10 +13,9 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import Counter
-from typing import Any
+from typing import Any, Callable, Iterable
 
-from tangram_hpc.actions import ActionResult, Status, reward
-from tangram_hpc.client import AsyncClient
+from tangram_hpc.actions import ActionResult, ActionSpec, Status, reward
 
 __all__ = ["RewardBatcher", "RewardError", "reward_item"]
 
@@ -41,14 +40,22 @@ def reward_item(response: str, reference: Any, **extra: Any) -> dict[str, Any]:
 
 
 class RewardBatcher:
-    """Batches :meth:`score` calls made on one event loop into ``reward`` actions for ``service``."""
+    """Batches :meth:`score` calls made on one event loop into ``reward`` actions for ``service``.
 
-    def __init__(self, client: AsyncClient, service: str, *, max_batch: int = 64, window_s: float = 0.005,
+    ``submit`` sends an action and returns an asyncio future of its result on this loop
+    (``AsyncClient.submit_nowait``, or ``asyncio.wrap_future`` of ``Client.submit`` for a client
+    shared by several loops); ``cancel`` cancels actions by id.
+    """
+
+    def __init__(self, submit: Callable[[ActionSpec], "asyncio.Future[ActionResult]"],
+                 cancel: Callable[[str | Iterable[str]], None], service: str, *, max_batch: int = 64,
+                 window_s: float = 0.005,
                  timeout: float | None = None, wait_s: float | None = 600.0, gpu_mem_mb: int = 0,
                  totals: Counter | None = None):
         if max_batch < 1 or window_s < 0 or (wait_s is not None and wait_s <= 0):
             raise ValueError("max_batch must be at least 1, window_s not negative and wait_s positive")
-        self.client = client
+        self.submit = submit
+        self.cancel = cancel
         self.service = service
         self.max_batch = max_batch
         self.window_s = window_s
@@ -87,7 +94,7 @@ class RewardBatcher:
         self.totals["actions"] += 1
         self.totals["items"] += len(items)
         spec = reward(self.service, items, gpu_mem_mb=self.gpu_mem_mb, timeout=self.timeout)
-        pending = self.client.submit_nowait(spec)
+        pending = self.submit(spec)
         pending.add_done_callback(lambda f: _deliver(f, futures))
         if self.wait_s is not None:
             expiry = asyncio.get_running_loop().call_later(self.wait_s, self._expire, spec.id, pending, futures)
@@ -96,7 +103,7 @@ class RewardBatcher:
     def _expire(self, action_id: str, pending: asyncio.Future, futures: list[asyncio.Future]) -> None:
         if pending.done():
             return
-        self.client.cancel(action_id)
+        self.cancel(action_id)
         error = RewardError(f"no result from reward service {self.service!r} within {self.wait_s:g}s "
                             f"(is a worker offering it?); action {action_id} cancelled")
         for fut in futures:

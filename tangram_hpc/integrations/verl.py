@@ -27,30 +27,26 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Sequence
 
 from tangram_hpc.actions import Status, reward
-from tangram_hpc.client import AsyncClient, Client
+from tangram_hpc.client import Client
 from tangram_hpc.connection import ENV_VAR, default_connection_file
 from tangram_hpc.integrations.batching import RewardBatcher, RewardError, reward_item
 
 __all__ = ["compute_score", "compute_score_batch", "batching_stats", "RewardError"]
 
 _lock = threading.Lock()
+# One Client per process and connection file, shared by every thread and event loop (its own I/O
+# thread resolves the futures); a forked or Ray worker process gets its own.
 _clients: dict[tuple[int, str], Client] = {}
-# Per event loop (verl may run several, one per thread): the loop, its AsyncClient per connection
-# file (an AsyncClient belongs to the loop it is first used on) and its batchers.
-_loops: dict[int, tuple[asyncio.AbstractEventLoop, dict[str, AsyncClient], dict[tuple, RewardBatcher]]] = {}
+# Per event loop (verl may run several, one per thread): the loop and its batchers.
+_loops: dict[int, tuple[asyncio.AbstractEventLoop, dict[tuple, RewardBatcher]]] = {}
 _totals: Counter = Counter()
 
 
-def _connection_path(connection_file: str | None) -> str:
+def _client(connection_file: str | None) -> Client:
     path = connection_file or default_connection_file()
     if not path:
         raise RewardError(f"tangram reward: pass reward_kwargs.connection_file or set ${ENV_VAR}")
-    return str(path)
-
-
-def _sync_client(connection_file: str | None) -> Client:
-    """This process's Client for the connection file (a forked or Ray worker process gets its own)."""
-    key = (os.getpid(), _connection_path(connection_file))
+    key = (os.getpid(), str(path))
     with _lock:
         c = _clients.get(key)
         if c is None:
@@ -60,21 +56,19 @@ def _sync_client(connection_file: str | None) -> Client:
 
 def _batcher(service: str, connection_file: str | None, max_batch: int, batch_window_ms: float,
              timeout_s: float | None, wait_s: float | None, gpu_mem_mb: int) -> RewardBatcher:
-    path = _connection_path(connection_file)
+    client = _client(connection_file)
     loop = asyncio.get_running_loop()
     entry = _loops.get(id(loop))
     if entry is None or entry[0] is not loop:
-        for key in [k for k, (other, _, _) in _loops.items() if other.is_closed()]:
+        for key in [k for k, (other, _) in _loops.items() if other.is_closed()]:
             del _loops[key]  # loops that ended (each asyncio.run makes one)
-        entry = _loops[id(loop)] = (loop, {}, {})
-    _, clients, batchers = entry
-    client = clients.get(path)
-    if client is None:
-        client = clients[path] = AsyncClient(connection_file=path, name=f"verl-reward-{os.getpid()}")
-    key = (path, service, max_batch, batch_window_ms, timeout_s, wait_s, gpu_mem_mb)
+        entry = _loops[id(loop)] = (loop, {})
+    batchers = entry[1]
+    key = (id(client), service, max_batch, batch_window_ms, timeout_s, wait_s, gpu_mem_mb)
     b = batchers.get(key)
     if b is None:
-        b = batchers[key] = RewardBatcher(client, service, max_batch=max_batch, window_s=batch_window_ms / 1000.0,
+        b = batchers[key] = RewardBatcher(lambda spec: asyncio.wrap_future(client.submit(spec)), client.cancel,
+                                          service, max_batch=max_batch, window_s=batch_window_ms / 1000.0,
                                           timeout=timeout_s, wait_s=wait_s, gpu_mem_mb=gpu_mem_mb, totals=_totals)
     return b
 
@@ -112,7 +106,7 @@ def compute_score_batch(data_sources: Sequence[str], solution_strs: Sequence[str
                         **_: Any) -> list[Any]:
     """verl's batch ``compute_score``: the lists go out as reward actions of ``max_batch`` inputs."""
     items = [reward_item(s, g, data_source=str(d)) for d, s, g in zip(data_sources, solution_strs, ground_truths)]
-    client = _sync_client(connection_file)
+    client = _client(connection_file)
     specs = [reward(service, items[i:i + max_batch], gpu_mem_mb=gpu_mem_mb, timeout=timeout_s)
              for i in range(0, len(items), max_batch)]
     futures = client.submit_many(specs)

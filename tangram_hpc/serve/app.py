@@ -138,7 +138,7 @@ class _Service:
             batcher = self.batchers.get(service)
             if batcher is None:
                 batcher = self.batchers[service] = RewardBatcher(
-                    self.client, service, max_batch=self.config.reward_max_batch,
+                    self.client.submit_nowait, self.client.cancel, service, max_batch=self.config.reward_max_batch,
                     window_s=self.config.reward_window_ms / 1000.0, wait_s=self.config.reward_wait_s)
             try:
                 scores = await asyncio.gather(*(batcher.score(item) for item in items))
