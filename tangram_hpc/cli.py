@@ -24,6 +24,7 @@ COMMANDS = {
     "fidelity": ("tangram_hpc.sim.replay", "run a small workload live on local workers and in the simulator; compare ACT"),
     "demo": ("tangram_hpc.demo", "run a synthetic agentic-RL step on a local coordinator and print ACT statistics"),
     "config": ("tangram_hpc.config_cli", "show the effective configuration (defaults, file, environment) and its sources"),
+    "serve": ("tangram_hpc.serve.command", "SandboxFusion-compatible HTTP service (/run_code) in front of a coordinator"),
 }
 
 _ENTRY = {  # modules hosting several subcommands name their functions per command

@@ -11,6 +11,8 @@ from tangram_hpc.actions import ActionSpec, Status
 from tangram_hpc.managers import SandboxManager
 from tangram_hpc.managers.bwrap import probe_bwrap
 
+from runcode_programs import LANGUAGE_PROGRAMS, missing_tool
+
 pytestmark = [
     pytest.mark.sandbox,
     pytest.mark.skipif(probe_bwrap(shutil.which("bwrap") or "") is not None,
@@ -18,7 +20,7 @@ pytestmark = [
 ]
 
 CPU = [sorted(os.sched_getaffinity(0))[0]]
-RUN_RESULT_KEYS = {"status", "execution_time", "return_code", "stdout", "stderr"}
+RUN_RESULT_KEYS = {"status", "execution_time", "cpu_time", "return_code", "stdout", "stderr"}
 RESPONSE_KEYS = {"status", "message", "compile_result", "run_result", "executor_pod_name", "files"}
 
 
@@ -82,4 +84,65 @@ def test_cpp_compiles_then_runs(mgr):
 
 def test_unknown_language_is_an_error(mgr):
     r = run_code(mgr, language="cobol", code="x")
-    assert r.status == Status.ERROR and "unsupported language" in r.error
+    assert r.status == Status.ERROR and "language: unsupported language 'cobol'" in r.error
+
+
+# Each malformed field comes back as a clear error naming it (issue 10, item 4), never a crash.
+MALFORMED = [
+    ({"compile_timeout": "abc"}, "compile_timeout: must be a number of seconds"),
+    ({"run_timeout": 1e300}, "run_timeout: must be a number of seconds in (0, 86400]"),
+    ({"run_timeout": float("nan")}, "run_timeout: must be a number"),
+    ({"run_timeout": -1}, "run_timeout: must be a number"),
+    ({"run_timeout": True}, "run_timeout: must be a number"),
+    ({"files": ["a.txt"]}, "files: must be a map from file path to base64 content, got list"),
+    ({"files": {"a.txt": "%%%"}}, "files.a.txt: is not base64"),
+    ({"files": {"a.txt": 5}}, "files.a.txt: must be base64 text, got int"),
+    ({"fetch_files": 5}, "fetch_files: must be a list of strings, got int"),
+    ({"fetch_files": ["ok", 3]}, "fetch_files: must be a list of strings"),
+    ({"memory_limit_MB": "lots"}, "memory_limit_MB: must be a whole number"),
+    ({"memory_limit_MB": 1.5}, "memory_limit_MB: must be a whole number"),
+    ({"stdin": 7}, "stdin: must be a string or null, got int"),
+    ({"args": "x"}, "args: must be a list of strings, got str"),
+    ({"code": None}, "code: must be a string, got null"),
+    ({"language": 3}, "language: unsupported language 3"),
+    ({"colour": "red"}, "colour: unknown run_code field"),
+]
+
+
+@pytest.mark.parametrize("bad,message", MALFORMED, ids=[m.split(":")[0] + "-" + str(i) for i, (_, m) in
+                                                        enumerate(MALFORMED)])
+def test_malformed_fields_are_named(mgr, bad, message):
+    req = {"language": "python", "code": "print(1)"} | bad
+    r = mgr.run(ActionSpec("sandbox", req), CPU)
+    assert r.status == Status.ERROR, r
+    assert r.error.startswith("bad sandbox payload: ") and message in r.error, r.error
+    assert "crashed" not in r.error and "ValueError" not in r.error
+
+
+def test_valid_edge_values_are_accepted(mgr):
+    r = run_code(mgr, language="python", code="print(2)", run_timeout=3, compile_timeout=1.5,
+                 memory_limit_MB=-1, files={"skipped.txt": None}, fetch_files=None, stdin=None)
+    assert r.status == Status.OK and r.output["status"] == "Success", r
+    assert r.output["run_result"]["stdout"] == "2\n"
+
+
+def test_cpu_time_is_the_cpu_seconds_of_the_step(mgr):
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n"
+    plain = mgr.run(ActionSpec("sandbox", {"cmd": ["python3", "-c", burn]}), CPU)
+    assert plain.output["cpu_time"] >= 0.25
+    r = run_code(mgr, language="python", code=burn)
+    assert r.output["status"] == "Success", r.output
+    cpu = r.output["run_result"]["cpu_time"]
+    assert isinstance(cpu, float) and 0.25 <= cpu <= r.output["run_result"]["execution_time"] + 0.1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("language", sorted(LANGUAGE_PROGRAMS))
+def test_languages_of_the_verl_recipes_run_in_the_sandbox(mgr, language):
+    if missing_tool(language):
+        pytest.skip(f"{missing_tool(language)} is not installed in /usr (scripts/setup-env.sh as root adds it)")
+    r = run_code(mgr, language=language, code=LANGUAGE_PROGRAMS[language], stdin="21\n",
+                 compile_timeout=120, run_timeout=30)
+    assert r.status == Status.OK, r
+    assert r.output["status"] == "Success", r.output
+    assert r.output["run_result"]["stdout"].strip() == "42"

@@ -26,6 +26,7 @@ Two modes, chosen by who runs the worker:
 """
 from __future__ import annotations
 
+import glob
 import os
 import subprocess
 import sys
@@ -139,6 +140,8 @@ class BwrapLayout:
             src = os.path.join("/etc", name)
             if os.path.exists(src):
                 binds.append((src, src))
+        # The JDK reads its configuration (java.security) from /etc/java-<version>-openjdk.
+        binds += [(src, src) for src in sorted(glob.glob("/etc/java-*"))]
         for p in python_prefixes() + [os.path.abspath(p) for p in self.extra_ro]:
             binds.append((p, p))
         made = {"/", "/usr", "/etc", SANDBOX_DIR, "/tmp", "/proc", "/dev"} | set(_SYSTEM_TOP)

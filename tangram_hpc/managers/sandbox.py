@@ -455,9 +455,7 @@ class SandboxManager:
             def step(argv, stdin, timeout_s):
                 res = self._exec(env, argv, stdin, {}, base.merged({"timeout_s": timeout_s}), cpus, False,
                                  cancel_fd).res
-                return res, sf.command_result(timed_out=res.timed_out, returncode=res.returncode,
-                                              stdout=res.text("stdout"), stderr=res.text("stderr"),
-                                              wall_s=res.wall_s)
+                return res, sf.command_result(res)
 
             ok = True
             if compile_argv is not None:

@@ -5,30 +5,45 @@ A payload with ``language`` and ``code`` (and no ``cmd``) is a SandboxFusion
 
     {"language": "python", "code": "print(1)", "stdin": "", "files": {"a.txt": "<base64>"},
      "fetch_files": ["out.txt"], "compile_timeout": 10, "run_timeout": 10,
-     "memory_limit_MB": -1, "args": []}
+     "memory_limit_MB": -1, "args": [], "template": None}
 
 and the action's output is SandboxFusion's response::
 
     {"status": "Success"|"Failed"|"SandboxError", "message": "",
      "compile_result": None | {...}, "run_result": {"status": "Finished"|"Error"|"TimeLimitExceeded",
-     "execution_time": 0.05, "return_code": 0, "stdout": "1\\n", "stderr": ""},
+     "execution_time": 0.05, "cpu_time": 0.04 | None, "return_code": 0, "stdout": "1\\n", "stderr": ""},
      "executor_pod_name": None, "files": {"out.txt": "<base64>"}}
 
 As in SandboxFusion, ``files`` values and fetched files are base64.  The code
-is written to ``.run_code/`` in the environment and run from the
-environment directory, so files it writes stay for the next action.
+is written to ``.run_code/`` in the environment and run from the environment
+directory, so files it writes stay for the next action.
+
+:func:`parse_run_code` is the one validation of a request: the worker runs it
+on every payload and ``tangram-hpc serve`` on every HTTP body, so a bad field
+is reported the same way on both paths, as a :class:`RunCodeError` naming it.
 """
 from __future__ import annotations
 
 import base64
 import binascii
+import math
 import shutil
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-__all__ = ["RunCodeRequest", "LANGUAGES", "parse_run_code", "command_result", "response"]
+__all__ = ["RunCodeRequest", "RunCodeError", "LANGUAGES", "RUN_CODE_FIELDS", "MAX_TIMEOUT_S",
+           "parse_run_code", "is_run_code", "command_result", "response"]
 
 CODE_DIR = ".run_code"
+
+#: Directories on the sandbox's PATH (bubblewrap shows them read-only), where a
+#: language's tool must be: a tool only on the worker's own PATH, such as a
+#: rustup install in the home directory, is invisible inside the sandbox.
+SANDBOX_TOOL_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+#: The longest compile or run timeout a request may ask for.
+MAX_TIMEOUT_S = 86400.0
+_MAX_MEMORY_MB = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -39,15 +54,22 @@ class _Lang:
     needs: str | None = None  # binary that must exist on the worker
 
 
+# The Go build cache must be writable; /tmp is the sandbox's private tmpfs, so a
+# throw-away environment leaves nothing behind (HOME is the environment itself).
+_GO_ENV = ("env", "GOCACHE=/tmp/go-cache", "GOPATH=/tmp/go")
+
 #: language -> how to run it; ``{src}`` is the code file, ``{exe}`` the binary.
+#: The names are SandboxFusion's (its ``Language`` literal); see docs/frameworks.md
+#: for the ones it has and tangram-hpc does not.
 LANGUAGES: dict[str, _Lang] = {
     "python": _Lang("main.py", ("python", "{src}")),
     "pytest": _Lang("test_main.py", ("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "{src}")),
     "bash": _Lang("main.sh", ("bash", "{src}"), needs="bash"),
     "cpp": _Lang("main.cpp", ("{exe}",), ("g++", "-O2", "-std=c++17", "-o", "{exe}", "{src}"), "g++"),
-    "go": _Lang("main.go", ("{exe}",), ("go", "build", "-o", "{exe}", "{src}"), "go"),
+    "go": _Lang("main.go", ("{exe}",), (*_GO_ENV, "go", "build", "-o", "{exe}", "{src}"), "go"),
     "rust": _Lang("main.rs", ("{exe}",), ("rustc", "-O", "-o", "{exe}", "{src}"), "rustc"),
-    "java": _Lang("Main.java", ("java", "-cp", CODE_DIR, "Main"), ("javac", "-d", CODE_DIR, "{src}"), "javac"),
+    "java": _Lang("Main.java", ("java", "-ea", "-cp", CODE_DIR, "Main"), ("javac", "-d", CODE_DIR, "{src}"),
+                  "javac"),
     "nodejs": _Lang("main.js", ("node", "{src}"), needs="node"),
     "perl": _Lang("main.pl", ("perl", "{src}"), needs="perl"),
     "ruby": _Lang("main.rb", ("ruby", "{src}"), needs="ruby"),
@@ -57,9 +79,21 @@ LANGUAGES: dict[str, _Lang] = {
     "php": _Lang("main.php", ("php", "{src}"), needs="php"),
 }
 
+#: Every key a run_code payload may have (SandboxFusion's request, plus
+#: ``args`` for pytest and ``template`` for the environment's first action).
+RUN_CODE_FIELDS = frozenset({"language", "code", "stdin", "files", "fetch_files", "compile_timeout",
+                             "run_timeout", "memory_limit_MB", "args", "template"})
+
 
 class RunCodeError(ValueError):
-    pass
+    """A run_code request field that does not follow the schema; ``field`` names it."""
+
+    def __init__(self, field_name: str, problem: str, value: Any = None, kind: str = "value_error"):
+        self.field = field_name
+        self.problem = problem
+        self.value = value
+        self.kind = kind  # "missing", "literal_error" or "value_error", as pydantic names them
+        super().__init__(f"{field_name}: {problem}")
 
 
 @dataclass
@@ -92,44 +126,118 @@ def is_run_code(payload: Any) -> bool:
     return isinstance(payload, Mapping) and "code" in payload and "language" in payload and "cmd" not in payload
 
 
-def parse_run_code(p: Mapping[str, Any]) -> RunCodeRequest:
-    lang = p.get("language")
-    if lang not in LANGUAGES:
-        raise RunCodeError(f"unsupported language {lang!r}; supported: {', '.join(LANGUAGES)}")
-    needs = LANGUAGES[lang].needs
-    if needs and shutil.which(needs) is None:
-        raise RunCodeError(f"language {lang!r} needs {needs!r}, which this worker does not have")
-    code = p.get("code")
+def parse_run_code(p: Mapping[str, Any], *, check_tools: bool = True) -> RunCodeRequest:
+    """Validate a run_code payload; raises :class:`RunCodeError` naming the first bad field.
+
+    ``check_tools``: also refuse a language whose tool this machine lacks (the
+    worker's check; ``serve`` runs beside the coordinator and cannot know).
+    """
+    unknown = set(p) - RUN_CODE_FIELDS
+    if unknown:
+        name = sorted(map(str, unknown))[0]
+        raise RunCodeError(name, f"unknown run_code field; known: {', '.join(sorted(RUN_CODE_FIELDS))}",
+                           kind="extra_forbidden")
+    if "language" not in p:
+        raise RunCodeError("language", "field required", kind="missing")
+    lang = p["language"]
+    if not isinstance(lang, str) or lang not in LANGUAGES:
+        raise RunCodeError("language", f"unsupported language {lang!r}; supported: {', '.join(LANGUAGES)}",
+                           lang, kind="literal_error")
+    if check_tools:
+        needs = LANGUAGES[lang].needs
+        if needs and shutil.which(needs, path=SANDBOX_TOOL_PATH) is None:
+            raise RunCodeError("language", f"language {lang!r} needs {needs!r}, which is not installed in "
+                                           f"the system directories this worker's sandboxes see", lang)
+    if "code" not in p:
+        raise RunCodeError("code", "field required", kind="missing")
+    code = p["code"]
     if not isinstance(code, str):
-        raise RunCodeError("run_code: code must be a string")
-    files: dict[str, bytes] = {}
-    for name, b64 in (p.get("files") or {}).items():
-        if b64 is None:
-            continue
-        try:
-            files[str(name)] = base64.b64decode(b64, validate=True)
-        except (binascii.Error, TypeError, ValueError) as exc:
-            raise RunCodeError(f"run_code: files[{name!r}] is not base64: {exc}") from exc
+        raise RunCodeError("code", f"must be a string, got {_type(code)}", code)
     stdin = p.get("stdin")
-    mem = p.get("memory_limit_MB", -1)
+    if isinstance(stdin, str):
+        stdin = stdin.encode()
+    elif isinstance(stdin, (bytes, bytearray)):  # msgpack callers may send bytes
+        stdin = bytes(stdin)
+    elif stdin is not None:
+        raise RunCodeError("stdin", f"must be a string or null, got {_type(stdin)}", stdin)
+    template = p.get("template")
+    if template is not None and (not isinstance(template, str) or not template):
+        raise RunCodeError("template", f"must be a template name, got {_type(template)}", template)
+    mem = _memory_mb(p.get("memory_limit_MB", -1))
     return RunCodeRequest(
-        language=lang, code=code,
-        stdin=stdin.encode() if isinstance(stdin, str) else (bytes(stdin) if stdin else None),
-        files=files, fetch_files=[str(f) for f in (p.get("fetch_files") or [])],
-        compile_timeout=float(p.get("compile_timeout", 10)), run_timeout=float(p.get("run_timeout", 10)),
-        memory_mb=int(mem) if mem and mem > 0 else None, args=[str(a) for a in (p.get("args") or [])],
-        template=p.get("template"),
+        language=lang, code=code, stdin=stdin or None, files=_files(p.get("files")),
+        fetch_files=_strings(p, "fetch_files"),
+        compile_timeout=_timeout(p, "compile_timeout"), run_timeout=_timeout(p, "run_timeout"),
+        memory_mb=mem, args=_strings(p, "args"), template=template,
     )
 
 
-def command_result(*, timed_out: bool, returncode: int | None, stdout: str, stderr: str,
-                   wall_s: float) -> dict:
+def _type(v: Any) -> str:
+    return "null" if v is None else type(v).__name__
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _timeout(p: Mapping[str, Any], name: str) -> float:
+    v = p.get(name, 10)
+    if not _number(v) or not math.isfinite(v) or not 0 < v <= MAX_TIMEOUT_S:
+        raise RunCodeError(name, f"must be a number of seconds in (0, {MAX_TIMEOUT_S:g}], got {v!r}", v)
+    return float(v)
+
+
+def _memory_mb(v: Any) -> int | None:
+    # SandboxFusion: -1 (or any value <= 0) means no limit.
+    if not _number(v) or not math.isfinite(v) or v != int(v) or v > _MAX_MEMORY_MB:
+        raise RunCodeError("memory_limit_MB", f"must be a whole number of MiB up to {_MAX_MEMORY_MB} "
+                                              f"(-1: no limit), got {v!r}", v)
+    return int(v) if v > 0 else None
+
+
+def _strings(p: Mapping[str, Any], name: str) -> list[str]:
+    v = p.get(name)
+    if v is None:
+        return []
+    if not isinstance(v, (list, tuple)) or not all(isinstance(s, str) for s in v):
+        raise RunCodeError(name, f"must be a list of strings, got {_type(v)}", v)
+    return list(v)
+
+
+def _files(v: Any) -> dict[str, bytes]:
+    if v is None:
+        return {}
+    if not isinstance(v, Mapping):
+        raise RunCodeError("files", f"must be a map from file path to base64 content, got {_type(v)}", v)
+    files: dict[str, bytes] = {}
+    for name, b64 in v.items():
+        if not isinstance(name, str) or not name:
+            raise RunCodeError("files", f"file paths must be non-empty strings, got {name!r}")
+        if b64 is None:  # SandboxFusion allows null content: the file is skipped
+            continue
+        if not isinstance(b64, str):
+            raise RunCodeError(f"files.{name}", f"must be base64 text, got {_type(b64)}")
+        try:
+            files[name] = base64.b64decode(b64, validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise RunCodeError(f"files.{name}", f"is not base64: {exc}") from None
+    return files
+
+
+def command_result(res: Any) -> dict:
+    """SandboxFusion's CommandRunResult for one finished step (a ``process.ProcResult``).
+
+    ``cpu_time`` is the user+system CPU seconds of the step's process tree when
+    the process layer measures it, else None (never a guess).
+    """
+    cpu = getattr(res, "cpu_time", None)
     return {
-        "status": "TimeLimitExceeded" if timed_out else "Finished",
-        "execution_time": round(wall_s, 6),
-        "return_code": returncode,
-        "stdout": stdout,
-        "stderr": stderr,
+        "status": "TimeLimitExceeded" if res.timed_out else "Finished",
+        "execution_time": round(res.wall_s, 6),
+        "cpu_time": None if cpu is None else round(cpu, 6),
+        "return_code": res.returncode,
+        "stdout": res.text("stdout"),
+        "stderr": res.text("stderr"),
     }
 
 

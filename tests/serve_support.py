@@ -1,0 +1,50 @@
+"""Starting ``tangram-hpc serve`` as a child process for tests (and reading its URL)."""
+from __future__ import annotations
+
+import ctypes
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+
+
+@contextmanager
+def running_serve(connection_file, *extra: str, timeout: float = 30.0):
+    """``tangram-hpc serve --port 0`` beside a coordinator; yields ``(process, base_url)``."""
+    cmd = [sys.executable, "-m", "tangram_hpc.cli", "serve", "--connection-file", str(connection_file),
+           "--port", "0", *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=os.path.join(os.path.dirname(__file__), ".."), preexec_fn=_die_with_parent)
+    try:
+        yield proc, _read_url(proc, timeout)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _die_with_parent() -> None:
+    # A test run that is killed must not leave a serve process behind.
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _read_url(proc: subprocess.Popen, timeout: float) -> str:
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if sel.select(timeout=0.2):
+            line = proc.stdout.readline()
+            if " at http://" in line:
+                return line.split(" at ", 1)[1].split()[0]
+            if not line and proc.poll() is not None:
+                break
+    proc.kill()
+    raise RuntimeError(f"serve did not start: {proc.stderr.read()}")
