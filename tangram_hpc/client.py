@@ -483,7 +483,6 @@ class AsyncClient(_ClientBase):
         super().__init__(address, connection_file=connection_file, connection=connection, name=name,
                          heartbeat_s=heartbeat_s, reconnect_after_s=reconnect_after_s)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._ctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
         self._fd: int | None = None
         self._ticker: asyncio.Task | None = None
@@ -535,8 +534,6 @@ class AsyncClient(_ClientBase):
         if self._ticker is not None:
             self._ticker.cancel()
         self._disconnect()
-        if self._ctx is not None:
-            self._ctx.destroy(linger=0)
         self._fail_unresolved()
 
     async def __aenter__(self) -> "AsyncClient":
@@ -553,14 +550,15 @@ class AsyncClient(_ClientBase):
         if self._closed:
             raise CoordinatorError("the client is closed")
         self._loop = loop = asyncio.get_running_loop()
-        self._ctx = zmq.Context()
         self._connect()
         self._hold_until = time.monotonic() + _HELLO_WAIT_S
         self._ticker = loop.create_task(self._tick())
         return loop
 
     def _connect(self) -> None:
-        self._sock = _dealer(self._ctx, self._ident, self._address, self._conn)
+        # The process-wide context: an AsyncClient dropped without close() after its loop ended
+        # must not block the garbage collector terminating a context of its own.
+        self._sock = _dealer(zmq.Context.instance(), self._ident, self._address, self._conn)
         self._fd = self._sock.getsockopt(zmq.FD)
         self._loop.add_reader(self._fd, self._on_readable)
         self._sock.send(ClientSession.hello_frame(self.name))

@@ -1,6 +1,8 @@
 """The client -> coordinator -> worker -> client path with several clients and workers."""
 import asyncio
 import os
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -204,3 +206,19 @@ def _outcome(fut):
         return fut.result(20)
     except Exception as e:
         return e
+
+
+def test_an_async_client_left_open_after_its_loop_ended_does_not_hang_the_process(cluster):
+    # Garbage collection of a client whose loop is gone must not block (a context waiting for its socket).
+    script = (
+        "import asyncio, gc, sys\n"
+        "from tangram_hpc import AsyncClient, function\n"
+        "async def main():\n"
+        f"    c = AsyncClient(connection_file={str(cluster.connection_file)!r})\n"
+        "    r = await c.submit(function('math:sqrt', 16))\n"
+        "    assert r.output == 4.0\n"
+        "asyncio.run(main())\n"
+        "gc.collect()\n"
+        "print('exited cleanly')\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "exited cleanly" in proc.stdout, proc.stderr

@@ -28,7 +28,7 @@ from typing import Any, Sequence
 
 from tangram_hpc.actions import Status, reward
 from tangram_hpc.client import Client
-from tangram_hpc.connection import ENV_VAR, default_connection_file
+from tangram_hpc.connection import CONNECTION_FILE_ENV, default_connection_file
 from tangram_hpc.integrations.batching import RewardBatcher, RewardError, reward_item
 
 __all__ = ["compute_score", "compute_score_batch", "batching_stats", "RewardError"]
@@ -45,7 +45,7 @@ _totals: Counter = Counter()
 def _client(connection_file: str | None) -> Client:
     path = connection_file or default_connection_file()
     if not path:
-        raise RewardError(f"tangram reward: pass reward_kwargs.connection_file or set ${ENV_VAR}")
+        raise RewardError(f"tangram reward: pass reward_kwargs.connection_file or set ${CONNECTION_FILE_ENV}")
     key = (os.getpid(), str(path))
     with _lock:
         c = _clients.get(key)

@@ -6,13 +6,13 @@ import asyncio
 import signal
 import sys
 
-from ..connection import ENV_VAR, default_connection_file
+from ..connection import CONNECTION_FILE_ENV, default_connection_file
 from ..security import is_loopback
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--connection-file", "-c",
-                   help=f"the coordinator's connection file (default ${ENV_VAR})")
+                   help=f"the coordinator's connection file (default ${CONNECTION_FILE_ENV})")
     p.add_argument("--host", default="127.0.0.1",
                    help="interface to listen on (default 127.0.0.1; another one needs --allow-remote)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080, SandboxFusion's; 0: any free one)")
@@ -44,7 +44,7 @@ def main(args: argparse.Namespace) -> int:
 
     path = args.connection_file or default_connection_file()
     if not path:
-        print(f"tangram-hpc serve: give --connection-file or set ${ENV_VAR}", file=sys.stderr)
+        print(f"tangram-hpc serve: give --connection-file or set ${CONNECTION_FILE_ENV}", file=sys.stderr)
         return 2
     if not is_loopback(args.host) and not args.allow_remote:
         print(f"tangram-hpc serve: {args.host} is not a loopback address; anyone who reaches it could run "
