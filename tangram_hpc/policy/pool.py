@@ -1,7 +1,9 @@
 """Pool sizing: how many workers of which shape to ask for, and which to give back.
 
 :class:`PoolController` is pure (the clock comes in the :class:`PoolView`);
-it keeps only its own history (launch times, the circuit breaker).
+it keeps no history of its own.  It states the workers it *wants*: the pool
+driver's one launch throttle (rate, back-off, breaker) holds launches back,
+for every backend alike.
 
 Scale up.  Waiting work is split by the shape kind it needs (``gpu`` for
 actions with a GPU service or GPU memory, ``cpu`` otherwise) and turned into
@@ -20,8 +22,7 @@ under-provision: the controller also launches when busy cores exceed
 ``target_util`` of the capacity (and does not reclaim below it).  Workers already
 starting count as capacity, so a backlog does not trigger a second wave of
 launches while the first is still queued in the batch system.  Launches are
-capped by the per-kind and total maxima and by a rate limit (``max_launch_rate``
-workers per ``rate_window_s``).
+capped by the per-kind and total maxima.
 
 Cluster view.  With a :class:`ClusterCapacity` (free cores/GPUs per
 partition, from the batch system) the controller only asks for shapes whose
@@ -39,21 +40,20 @@ waits; one that hosts sandbox environments waits ``env_idle_ttl_s`` instead
 the next worker to restore).  A worker that runs actions is never reclaimed;
 a draining worker is reclaimed once it is empty.
 
-Circuit breaker.  ``breaker_failures`` failed starts within
-``breaker_window_s`` stop all launches for ``breaker_cooldown_s`` (the batch
-system is refusing, the image is broken, the account is out of hours ...):
-retrying in a loop would flood the scheduler with doomed jobs.
-:meth:`explain` says why it stopped and until when.
+Withdrawing.  Once nothing of a kind waits, launches still starting that the
+busy cores do not need (beyond ``min_workers``) are withdrawn, newest first:
+the driver cancels the jobs still queued in the batch system, as
+dask-jobqueue's adapt and Parsl's scale-in do, instead of letting them start
+after the work is done.
 """
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass, field
 
 from ..actions import ActionSpec
 from ..resources import ClusterCapacity, PartitionFree, WorkerShape
-from .base import Launch, PoolPolicy, PoolView, Reclaim
+from .base import Launch, PoolPolicy, PoolView, Reclaim, Withdraw
 from .predict import Predictor
 
 __all__ = ["PoolController", "PoolConfig", "ClusterCapacity", "PartitionFree", "shape_kind_for"]
@@ -76,18 +76,13 @@ class PoolConfig:
     startup_s: float = 60.0
     idle_ttl_s: float = 300.0
     env_idle_ttl_s: float = 600.0   # idle time before a worker hosting environments is drained
-    max_launch_rate: int = 16
-    rate_window_s: float = 60.0
-    breaker_failures: int = 3
-    breaker_window_s: float = 600.0
-    breaker_cooldown_s: float = 900.0
     time_limit_margin_s: float = 120.0
     target_util: float = 0.75
 
     def __post_init__(self) -> None:
         if not self.shapes:
             raise ValueError("PoolConfig needs at least one worker shape")
-        for name in ("startup_s", "idle_ttl_s", "rate_window_s", "breaker_window_s", "breaker_cooldown_s"):
+        for name in ("startup_s", "idle_ttl_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative")
 
@@ -103,11 +98,7 @@ class PoolController(PoolPolicy):
         self.config = config
         self.predictor = predictor if predictor is not None else Predictor()
         self.cluster: ClusterCapacity | None = None
-        self._launches: deque[float] = deque()
-        self._breaker_until: float | None = None
-        self._breaker_reason = ""
         self._last = ""
-        self._seen_failures = 0.0
 
     @property
     def shapes(self) -> list[WorkerShape]:
@@ -121,11 +112,11 @@ class PoolController(PoolPolicy):
         return self._last
 
     # -- decision ------------------------------------------------------------
-    def decide(self, view: PoolView) -> list[Launch | Reclaim]:
+    def decide(self, view: PoolView) -> list[Launch | Reclaim | Withdraw]:
         cfg = self.config
         now = view.now
         cluster = view.cluster or self.cluster
-        out: list[Launch | Reclaim] = []
+        out: list[Launch | Reclaim | Withdraw] = []
 
         # backlog per kind, in core-seconds and in actions
         backlog: dict[str, float] = {}
@@ -183,15 +174,11 @@ class PoolController(PoolPolicy):
             out.append(Reclaim(ws.info.id, "idle"))
             kept[k] -= 1
         total -= len(out)
-
-        # -- circuit breaker
-        if self._breaker_open(view):
-            return out
+        withdrawn = self._withdrawals(view, waiting, busy, cap, kept)
+        out += withdrawn
+        total -= sum(w.count for w in withdrawn)
 
         # -- scale up
-        while self._launches and now - self._launches[0] >= cfg.rate_window_s:
-            self._launches.popleft()
-        budget = cfg.max_launch_rate - len(self._launches)
         reasons = []
         kinds = sorted(set(waiting) | set(cfg.min_workers) | set(busy))
         for k in kinds:
@@ -221,19 +208,39 @@ class PoolController(PoolPolicy):
             if room <= 0:
                 reasons.append(f"{k} pool at its maximum ({have} workers)")
                 continue
-            if budget <= 0:
-                reasons.append("launch rate limit reached")
-                break
-            n = min(need, room, budget)
+            n = min(need, room)
             for shape, m in self._split(shapes, n, cluster):
                 out.append(Launch(shape, m))
-                budget -= m
                 total += m
-                self._launches.extend([now] * m)
                 n -= m
             if n > 0:
                 reasons.append(f"partitions cannot hold {n} more {k} workers now")
         self._last = "; ".join(reasons) if reasons else "ok"
+        return out
+
+    def _withdrawals(self, view: PoolView, waiting: dict[str, int], busy: dict[str, int], cap: dict[str, int],
+                     kept: dict[str, int]) -> list[Withdraw]:
+        """Launches still starting that nothing needs any more: none of their kind waits, and the
+        workers there are (and ``min_workers``) are enough for the busy cores at ``target_util``."""
+        cfg = self.config
+        out = []
+        by_kind: dict[str, list] = {}
+        for shape, at in view.starting:
+            by_kind.setdefault(shape.kind, []).append((at, shape))
+        for k, starting in by_kind.items():
+            if waiting.get(k):
+                continue
+            surplus = cap.get(k, 0) + sum(s.cores for _, s in starting) - busy.get(k, 0) / cfg.target_util
+            keep_at_least = cfg.min_workers.get(k, 0) - kept.get(k, 0)
+            count: dict[WorkerShape, int] = {}
+            left = len(starting)
+            for _, shape in sorted(starting, key=lambda p: -p[0]):   # newest first
+                if left <= keep_at_least or surplus < shape.cores:
+                    break
+                count[shape] = count.get(shape, 0) + 1
+                surplus -= shape.cores
+                left -= 1
+            out += [Withdraw(shape, n, f"no {k} work waiting") for shape, n in count.items()]
         return out
 
     def _expiring(self, ws, now: float) -> bool:
@@ -260,25 +267,3 @@ class PoolController(PoolPolicy):
         if not out and ranked:
             out[ranked[0]] = n
         return list(out.items())
-
-    def _breaker_open(self, view: PoolView) -> bool:
-        cfg = self.config
-        now = view.now
-        if self._breaker_until is not None:
-            if now < self._breaker_until:
-                self._last = self._breaker_reason
-                return True
-            # cool-down over: forget the failures that tripped it
-            self._seen_failures = self._breaker_until
-            self._breaker_until = None
-        recent = [(t, r) for t, r in view.failures
-                  if now - t <= cfg.breaker_window_s and t > self._seen_failures]
-        if len(recent) >= cfg.breaker_failures:
-            self._breaker_until = now + cfg.breaker_cooldown_s
-            last = recent[-1][1] or "unknown reason"
-            self._breaker_reason = (
-                f"stopped launching: {len(recent)} worker starts failed in the last "
-                f"{cfg.breaker_window_s:.0f}s (last: {last}); retrying after t={self._breaker_until:.0f}")
-            self._last = self._breaker_reason
-            return True
-        return False
