@@ -137,7 +137,7 @@ class LaunchThrottle:
             return ThrottleStatus(ThrottleState.PAUSED, f"{self._paused}; 'tangram-hpc pool resume' launches again")
         if self._stopped_until is not None:
             if now < self._stopped_until:
-                return ThrottleStatus(ThrottleState.STOPPED, f"stopped launching: {self._stop_reason}",
+                return ThrottleStatus(ThrottleState.STOPPED, self._stop_reason,
                                       self._stopped_until)
             if self._trial_out:
                 return ThrottleStatus(ThrottleState.TRIAL, f"one trial launch under way after: {self._stop_reason}")

@@ -149,6 +149,10 @@ class SlurmBackend(WorkerBackend):
                  clock: Callable[[], float] = time.time):
         import submitit  # imported here so the rest of the package works without it
 
+        missing = [c for c in ("sbatch", "srun", "squeue", "scancel") if shutil.which(c) is None]
+        if missing:
+            raise ConfigError(f"the Slurm backend needs {', '.join(missing)}, not on PATH (PATH="
+                              f"{os.environ.get('PATH', '')}): install the Slurm client or load its module")
         self.config = cfg = config or SlurmBackendConfig()
         self.clock = clock
         self.view = view or cluster_view(cfg.cluster_view)
@@ -358,7 +362,9 @@ class SlurmBackend(WorkerBackend):
         elif slurm_state == "PREEMPTED":
             self._finish(j, JobState.PREEMPTED, reason or "preempted", now, events)
         else:
-            self._finish(j, JobState.FAILED, f"{slurm_state.lower()}{': ' + reason if reason else ''}", now, events)
+            # the state says "failed"; the reason says how: NonZeroExitCode, or node_fail, out_of_memory ...
+            why = reason if slurm_state == "FAILED" else f"{slurm_state.lower()}{': ' + reason if reason else ''}"
+            self._finish(j, JobState.FAILED, why, now, events)
 
     def _finish(self, j: _Job, state: JobState, reason: str, now: float, events: list[BackendEvent]) -> None:
         j.final, j.state, j.reason = True, state, reason
@@ -399,9 +405,6 @@ class SlurmBackend(WorkerBackend):
         and QOS names against the accounting database where there is one (a cluster that does not
         enforce associations would otherwise take a misspelt account silently).
         """
-        if shutil.which("sbatch") is None:
-            raise ConfigError("the Slurm backend needs sbatch, which is not on PATH (PATH="
-                              f"{os.environ.get('PATH', '')}): install the Slurm client or load its module")
         cfg = self.config
         try:
             parts = self.partitions()

@@ -136,14 +136,14 @@ class PoolDriver:
             self._reclaim_at.pop(ev.handle, None)  # it ended by itself
             self._unproven.pop(ev.handle, None)
             job = f" (job {rec.job_id})" if rec is not None and rec.job_id else ""
+            what = f"{ev.state} {ev.reason}".strip()
             if self.starting.pop(ev.handle, None) is not None and ev.state is not JobState.ENDED:
-                self._launch_failed(now, f"{ev.handle}{job}: {ev.state} {ev.reason}".strip())
+                self._launch_failed(now, f"{ev.handle}{job}: {what}")
             elif (rec is not None and rec.joined is not None and not rec.healthy and ev.state is JobState.FAILED):
-                self._launch_failed(now, f"{ev.handle}{job}: failed {now - rec.joined:.0f} s after its worker "
-                                         f"joined: {ev.reason}".strip())
+                self._launch_failed(now, f"{ev.handle}{job}: {what} {now - rec.joined:.0f} s after its worker joined")
             wid = workers.by_handle.get(ev.handle)
             if wid is not None:
-                self.ledger.lose_worker(wid, now, f"backend job {ev.handle}{job} {ev.state} {ev.reason}".strip())
+                self.ledger.lose_worker(wid, now, f"backend job {ev.handle}{job} {what}")
 
     def _apply(self, rec: Allocation, state: JobState, reason: str, now: float) -> None:
         if rec.job_id is None:
