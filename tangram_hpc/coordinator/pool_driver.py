@@ -108,6 +108,8 @@ class PoolDriver:
         if rec is not None:
             at = w.registered_at if now is None else now
             rec.joined, rec.worker = at, w.info.id
+            if rec.started is None:
+                rec.started = at   # it joined before the backend's next poll saw its job run
             if rec.state != JobState.RUNNING:
                 rec.note(at, JobState.RUNNING, f"worker {w.info.id} joined")
             self._unproven[handle] = rec
