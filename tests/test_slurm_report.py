@@ -5,6 +5,7 @@ import argparse
 import csv
 import io
 import json
+import subprocess
 import time
 from pathlib import Path
 
@@ -237,5 +238,12 @@ def test_report_over_real_sacct(tmp_path, dev_cluster, capsys):
     assert doc["summary"]["allocated_core_hours"] == pytest.approx(expect)
     assert all(j["elapsed_s"] >= 2 for j in doc["jobs"])
     assert doc["summary"]["actions"] == 1 and doc["summary"]["source"] == "sacct"
+    # the CPU time the jobs used, as sacct's own TotalCPU column says (the steps' sum; [MM:]SS.mmm here)
+    text = subprocess.run(["sacct", "-n", "-P", "-j", ",".join(map(str, ids)), "-o", "JobID,TotalCPU"],
+                          capture_output=True, text=True, check=True).stdout   # not -X: that says 0
+    total = {jid: sum(float(x) * 60 ** i for i, x in enumerate(reversed(t.split(":"))))
+             for jid, t in (line.split("|") for line in text.split()) if "." not in jid}
+    for h, jid in zip(hs, ids):
+        assert jobs[h]["cpu_time_s"] > 0.05 and jobs[h]["cpu_time_s"] == pytest.approx(total[str(jid)], abs=0.002)
     assert report.main(_args("--run-dir", str(rd))) == 0
     assert hs[1] in capsys.readouterr().out
