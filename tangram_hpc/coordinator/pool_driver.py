@@ -154,7 +154,7 @@ class PoolDriver:
             rec.started = now
         if not state.live:
             rec.ended = now
-            if rec.withdrawn and state is JobState.ENDED:
+            if rec.withdrawn and state is JobState.ENDED and rec.joined is None:
                 reason = f"cancelled while queued: {rec.withdrawn}"
         if state != rec.state or reason != rec.reason:
             if state is JobState.RUNNING and rec.joined is not None:
