@@ -42,6 +42,7 @@ from .backends.base import HANDLE_ENV
 from .connection import CONNECTION_FILE_ENV
 from .errors import ConfigError
 from .managers.devices import CPU_BUDGET_ENV, DEFAULT_CPU_BUDGET_MB
+from .managers.limits import Limits
 from .protocol import MAX_FRAME_BYTES
 
 if sys.version_info >= (3, 11):
@@ -77,6 +78,9 @@ def key(default: Any, help: str, *, env: str | None = None, flag: str | None = N
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
+
+
+_LIMITS = Limits()
 
 
 # -- the sections ----------------------------------------------------------------
@@ -184,6 +188,16 @@ class SandboxSettings:
     env_ttl_s: float = key(3600.0, "seconds an idle environment is kept", flag="--sandbox-env-ttl", minimum=0)
     snapshot_dir: Path | None = key(None, "shared directory for environment snapshots (default RUN_DIR/snapshots)",
                                     flag="--snapshot-dir")
+    seccomp: bool = key(True, "syscall filter in every sandbox: no nested user namespaces, keyrings, bpf, "
+                        "io_uring, perf events, userfaultfd or fallocate")
+    # 0 turns a limit off; the defaults are Limits' own (managers/limits.py), stated there once.
+    timeout_s: float = key(_LIMITS.timeout_s, "seconds an action may run when it names no timeout (0: none)",
+                           flag="--sandbox-timeout", minimum=0)
+    memory_mb: int = key(_LIMITS.memory_mb, "memory of an action that declares no mem_mb, in MiB (0: none)",
+                         flag="--sandbox-memory-mb", minimum=0)
+    disk_mb: int = key(_LIMITS.disk_mb, "disk space of one environment, in MiB (0: none)", minimum=0)
+    disk_files: int = key(_LIMITS.disk_files, "files and directories one environment may hold (0: none)",
+                          minimum=0)
 
 
 @dataclass
