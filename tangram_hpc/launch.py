@@ -20,7 +20,8 @@ from pathlib import Path
 
 from .connection import ConnectionInfo, wait_for_file
 from .coordinator import Coordinator, CoordinatorConfig
-from .policy.base import SchedulingPolicy, StaticPool
+from .policy.base import SchedulingPolicy
+from .policy.static import StaticPool
 from .resources import WorkerShape
 from .security import CurveKeys, is_loopback
 

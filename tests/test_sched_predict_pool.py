@@ -159,7 +159,7 @@ def test_drains_workers_near_their_time_limit_and_replaces_them():
 
 
 def test_static_pool_replaces_backs_off_and_gives_back_extras():
-    from tangram_hpc.policy.base import StaticPool
+    from tangram_hpc.policy.static import StaticPool
     shape = WorkerShape(2)
     pool = StaticPool([shape, shape])
     assert pool.decide(PoolView(0.0, [], [])) == [Launch(shape, 2)]
