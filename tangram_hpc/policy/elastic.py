@@ -132,23 +132,28 @@ class ElasticScheduler(PlacementPolicy):
     def _key(self, rec: ActionRecord) -> float:
         spec = rec.spec
         prio = max(-self.priority_clamp, min(self.priority_clamp, spec.priority))
-        return self.predictor.predict(spec) + self.aging * rec.submit - self.priority_weight * prio
+        return rec.time_at(spec.demand.min_cores) + self.aging * rec.submit - self.priority_weight * prio
 
     def _grant(self, rec: ActionRecord, w: WorkerState) -> int:
         return self._cores_for(rec, w, min(rec.spec.demand.max_cores, rec.cores + w.free_cores))
 
-    def _cores_for(self, rec: ActionRecord, w: WorkerState, hi: int) -> int:
-        """The grant for ``rec`` on ``w`` with at most ``hi`` cores available."""
+    def _cores_for(self, rec: ActionRecord, w: WorkerState, hi: int, *, later: bool = False) -> int:
+        """The grant for ``rec`` on ``w`` with at most ``hi`` cores available.
+
+        ``later``: the grant it should wait for -- the fixed-size actions running now will have
+        ended by then, so only the waiting ones count against the elastic share.
+        """
         d = rec.spec.demand
         lo = d.min_cores
         if hi <= lo:
             return lo
         kl = rec.load
-        share = water_level(kl.capacity - kl.rigid, kl.by_max)
+        rigid = kl.rigid - kl.rigid_running if later else kl.rigid
+        share = water_level(kl.capacity - rigid, kl.by_max)
         c = max(lo, min(hi, int(share) if share != float("inf") else hi))
         if c <= lo:
             return lo
-        c = self._knee(rec.spec, lo, c)
+        c = self._knee(rec.p, lo, c)
         queued = self.waiting_for(rec, w)
         if queued and c > lo:
             # Going from c-1 to c cores saves d1*p/(c(c-1)) seconds of this action and costs d1*(1-p)
@@ -156,7 +161,7 @@ class ElasticScheduler(PlacementPolicy):
             # worth it while c(c-1) < p * capacity / ((1-p) * queued).  Under a standing queue
             # this is min_cores (the most work per core-second); with a few waiting, long-parallel
             # actions still grow.
-            p = self.predictor.parallel_fraction(rec.spec)
+            p = rec.p
             if p < 1.0:
                 limit = p * max(1, kl.capacity) / ((1.0 - p) * queued)
                 while c > lo and c * (c - 1) >= limit:
@@ -168,20 +173,18 @@ class ElasticScheduler(PlacementPolicy):
         # (a long final test run on one core, on the critical path of the step) waits there for
         # the cores it should have -- when the time they save it exceeds the expected wait.
         free = w.free_cores
-        target = self._cores_for(rec, w, min(rec.spec.demand.max_cores, w.cores))
+        target = self._cores_for(rec, w, min(rec.spec.demand.max_cores, w.cores), later=True)
         if free >= target:
             return True
-        spec = rec.spec
-        gain = self.predictor.predict(spec, max(free, spec.demand.min_cores)) - self.predictor.predict(spec, target)
+        gain = rec.time_at(max(free, rec.spec.demand.min_cores)) - rec.time_at(target)
         return gain <= self._wait_for_cores(w, target - free, now)
 
     def _wait_for_cores(self, w: WorkerState, need: int, now: float) -> float:
         """Expected seconds until ``need`` more cores are free on ``w`` (from its actions' predicted ends)."""
         ends = []
-        predict = self.predictor.predict
         for r in w.running.values():
             if r.cores:
-                t = predict(r.spec, r.cores)
+                t = r.expect
                 ends.append((max(0.25 * t, r.started + t - now), r.cores))
         ends.sort()
         got = 0
@@ -195,11 +198,10 @@ class ElasticScheduler(PlacementPolicy):
         d = rec.spec.demand
         if not rec.elastic:
             return max(1, d.min_cores)
-        return self._knee(rec.spec, d.min_cores, d.max_cores)
+        return self._knee(rec.p, d.min_cores, d.max_cores)
 
-    def _knee(self, spec, lo: int, c: int) -> int:
-        """Cut ``c`` back to where the next core buys less than ``min_gain`` (Amdahl with the learned p)."""
-        p = self.predictor.parallel_fraction(spec)
+    def _knee(self, p: float, lo: int, c: int) -> int:
+        """Cut ``c`` back to where the next core buys less than ``min_gain`` (Amdahl with parallel fraction p)."""
         serial = 1.0 - p
         while c > lo:
             t_c = serial + p / c
@@ -237,7 +239,7 @@ class ElasticScheduler(PlacementPolicy):
                     slots += min(w.cores // per, batch)
         if slots == 0:
             return True
-        service_s = self.predictor.predict(rec.spec)
+        service_s = rec.time_at(rec.spec.demand.min_cores)
         if self.arrival_rate(svc, now) * service_s > self.service_util * slots:
             return True        # throughput: the replicas cannot keep up with the arrivals
         waiting = self.tally.service_pending.get(svc, 1)

@@ -82,7 +82,7 @@ class ActionRecord:
     """One submitted action as the policy tracks it."""
 
     __slots__ = ("spec", "submit", "seq", "key", "state", "worker", "cores", "started",
-                 "load_wait", "queue", "elastic", "light", "load")
+                 "load_wait", "queue", "elastic", "light", "load", "expect", "d1", "p")
 
     def __init__(self, spec: ActionSpec, submit: float, seq: int, load: "KindLoad"):
         self.spec = spec
@@ -100,6 +100,14 @@ class ActionRecord:
         self.light = d.min_cores == 0
         self.elastic = not self.light and d.max_cores > d.min_cores
         self.load = load            # the counters of its kind
+        self.expect = 0.0           # predicted run time at its granted cores (set when it starts)
+        self.d1 = 1.0               # predicted one-core duration and parallel fraction, at submit
+        self.p = 0.0
+
+    def time_at(self, cores: int) -> float:
+        """Predicted run time at ``cores`` (Amdahl with the estimate made at submit)."""
+        p = self.p
+        return self.d1 * ((1.0 - p) + p / (cores if cores > 1 else 1))
 
 
 class ServiceReplica:
@@ -118,7 +126,7 @@ class WorkerState:
     """The policy's belief about one registered worker (see the module docstring for why it is its own)."""
 
     __slots__ = ("id", "info", "seq", "cores", "free_cores", "mem", "free_mem", "gpu_mem",
-                 "gpu_used", "services", "draining", "running", "envs", "kinds", "version",
+                 "gpu_used", "services", "draining", "running", "envs", "kinds", "version", "listed",
                  "env_queue", "light", "light_cap")
 
     def __init__(self, info: WorkerInfo, seq: int):
@@ -137,6 +145,7 @@ class WorkerState:
         self.envs: set[str] = set()
         self.kinds = info.kinds
         self.version = 0
+        self.listed = -1                     # the version its free-capacity index entry has
         self.env_queue: PlacementQueue | None = None
         self.light = 0                       # zero-core actions it holds
         self.light_cap = light_capacity(info)
@@ -193,10 +202,10 @@ class KindLoad:
 
     capacity: int = 0        # cores of non-draining workers serving the kind
     rigid: int = 0           # min cores of fixed-size actions in the system
+    rigid_running: int = 0   # ... of those running
     elastic: int = 0         # elastic actions in the system (pending + running)
     by_max: dict = field(default_factory=dict)    # elastic actions in the system per max_cores
     queued: int = 0          # pending core-binding actions waiting in the kind's shared queues
-    workers: list = field(default_factory=list)   # heap of (-free, seq, version, worker)
 
 
 class Tally:
@@ -239,6 +248,8 @@ class Tally:
         self.running += 1
         self.free_cores -= rec.cores
         w.free_cores -= rec.cores
+        if not rec.elastic:
+            rec.load.rigid_running += rec.spec.demand.min_cores
 
     def regranted(self, rec: ActionRecord, w: WorkerState, extra: int) -> None:
         rec.cores += extra
@@ -254,6 +265,8 @@ class Tally:
         if w is not None:
             self.free_cores += rec.cores
             w.free_cores += rec.cores
+        if not rec.elastic:
+            rec.load.rigid_running -= rec.spec.demand.min_cores
         self._leave(rec)
 
     @staticmethod
@@ -284,6 +297,9 @@ class PlacementPolicy(SchedulingPolicy):
         self._armed: dict[int, PlacementQueue] = {}     # queues whose head may be placeable now
         self._shared: dict[str, dict[int, PlacementQueue]] = {}   # kind -> its non-env queues
         self._kinds: dict[str, KindLoad] = {}
+        # free-capacity index: per set of kinds served, a max-heap of (-free cores, seq, version, worker)
+        self._index: dict[frozenset[str], list] = {}
+        self._kind_index: dict[str, list[list]] = {}    # kind -> the heaps of the workers serving it
         self._env_host: dict[str, WorkerState] = {}
         self._env_first: dict[str, ActionRecord] = {}         # env -> its pending first action
         self._env_wait: dict[str, list[ActionRecord]] = {}    # later actions of an env with no host yet
@@ -404,6 +420,7 @@ class PlacementPolicy(SchedulingPolicy):
         lost = list(w.running)
         for rec in w.running.values():
             self._end_running(rec)
+            self.predictor.observe(rec.spec, None, rec.cores, now)
         w.running.clear()
         self.tally.free_cores -= w.free_cores
         if not w.draining:
@@ -473,34 +490,46 @@ class PlacementPolicy(SchedulingPolicy):
                 if self._env_host.get(env) is w:
                     del self._env_host[env]
 
-    def _reindex(self, w: WorkerState) -> None:
-        """A worker's free capacity changed: replace its entries in the free-capacity index."""
+    def _fell(self, w: WorkerState) -> None:
+        """A worker's free capacity fell: its index entry is stale, refreshed lazily when read.
+
+        A stale entry overstates the free cores, so the index stays an upper
+        bound and :meth:`_best_worker` may stop early; rising capacity is pushed at once.
+        """
         w.version += 1
-        if w.draining:
-            return
-        entry = (-w.free_cores, w.seq, w.version, w)
-        for k in w.kinds:
-            kl = self._kinds.get(k) or self._kind(k)
-            heap = kl.workers
-            heapq.heappush(heap, entry)
-            if len(heap) > 8 * len(self._workers) + 64:
-                kl.workers = [e for e in heap if e[3].version == e[2] and e[3].id in self._workers]
-                heapq.heapify(kl.workers)
 
     def _touch(self, w: WorkerState) -> None:
         """A worker gained capacity (or joined): re-index it and arm the queues it may serve."""
-        self._reindex(w)
+        w.version += 1
         q = w.env_queue
         if q is not None and q.live:
             self._armed[q.idx] = q
         if w.draining:
             return
+        self._list(w)
         for k in w.kinds:
             shared = self._shared.get(k)
             if shared:
                 for sq in shared.values():
                     if sq.live:
                         self._armed[sq.idx] = sq
+
+    def _list(self, w: WorkerState) -> None:
+        """Push the worker's current free cores into the index of the kinds it serves."""
+        heap = self._index.get(w.kinds)
+        if heap is None:
+            heap = self._index[w.kinds] = []
+            for k in w.kinds:
+                self._kind_index.setdefault(k, []).append(heap)
+        if len(heap) > 4 * len(self._workers) + 64:      # mostly stale entries: rebuild
+            heap.clear()
+            for o in self._workers.values():
+                if o.kinds == w.kinds and not o.draining and o is not w:
+                    heap.append((-o.free_cores, o.seq, o.version, o))
+                    o.listed = o.version
+            heapq.heapify(heap)
+        heapq.heappush(heap, (-w.free_cores, w.seq, w.version, w))
+        w.listed = w.version
 
     # -- residency ---------------------------------------------------------------
     def _service_mem(self, svc: str, default: int) -> int:
@@ -544,6 +573,7 @@ class PlacementPolicy(SchedulingPolicy):
         self._seq += 1
         rec = ActionRecord(action, now, self._seq, self._kind(action.kind))
         self._recs[aid] = rec
+        rec.d1, rec.p = self.predictor.estimate(action)
         rec.key = self._key(rec)
         d = action.demand
         step = action.step
@@ -577,7 +607,7 @@ class PlacementPolicy(SchedulingPolicy):
             return
         res = ResourceClass.GPU if d.service or d.gpu_mem_mb else ResourceClass.CPU
         c = self._best_cores(rec)
-        work = self.predictor.predict(rec.spec, c) * c / self.load_window_s
+        work = rec.time_at(c) * c / self.load_window_s
         r = self._offered.get(res)
         if r is None:
             self._offered[res] = [work, now]
@@ -735,6 +765,7 @@ class PlacementPolicy(SchedulingPolicy):
         started_hook = self.predictor.started
         for r in started:
             started_hook(r.spec, r.cores, now)
+            r.expect = r.time_at(r.cores)
         return [Assignment(r.spec.id, r.worker.id, r.cores) for r in started]
 
     def _drain_heads(self, heads: list, now: float, started: list[ActionRecord]) -> None:
@@ -779,31 +810,30 @@ class PlacementPolicy(SchedulingPolicy):
                 extra = min(self._grant(rec, w), rec.spec.demand.max_cores) - rec.cores
                 if 0 < extra <= w.free_cores:
                     self.tally.regranted(rec, w, extra)
-                    self._reindex(w)
+                    self._fell(w)
                 continue
             heap = []
             for rec in recs:
                 cap = min(self._grant(rec, w), rec.spec.demand.max_cores)
                 if cap > rec.cores:
-                    heap.append((-self._next_core_gain(rec, rec.cores), rec.seq, rec, cap))
+                    # one more core than c saves d1 * p / (c (c + 1)) seconds (Amdahl)
+                    scale = rec.d1 * rec.p
+                    c = rec.cores
+                    heap.append((-scale / (c * (c + 1)), rec.seq, rec, cap, scale))
             heapq.heapify(heap)
             while heap and w.free_cores > 0:
-                _, _, rec, cap = heapq.heappop(heap)
+                _, _, rec, cap, scale = heapq.heappop(heap)
                 self.tally.regranted(rec, w, 1)
-                if rec.cores < cap:
-                    heapq.heappush(heap, (-self._next_core_gain(rec, rec.cores), rec.seq, rec, cap))
-            self._reindex(w)
-
-    def _next_core_gain(self, rec: ActionRecord, cores: int) -> float:
-        """Seconds the action's predicted run time drops with one more core than ``cores``."""
-        spec = rec.spec
-        return self.predictor.predict(spec, cores) - self.predictor.predict(spec, cores + 1)
+                c = rec.cores
+                if c < cap:
+                    heapq.heappush(heap, (-scale / (c * (c + 1)), rec.seq, rec, cap, scale))
+            self._fell(w)
 
     @staticmethod
     def waiting_for(rec: ActionRecord, w: WorkerState) -> int:
-        """Core-binding actions waiting that could use ``w``'s cores: its kind's shared queues and ``w``'s own."""
+        """Core-binding actions waiting that could use ``w``'s cores (its kind's shared queues, ``w``'s own), ``rec`` aside."""
         q = w.env_queue
-        return rec.load.queued + (q.live if q is not None else 0)
+        return rec.load.queued + (q.live if q is not None else 0) - (rec.queue is not None)
 
     def _fits(self, w: WorkerState, d) -> bool:
         return ((w.free_cores >= d.min_cores if d.min_cores else w.light < w.light_cap)
@@ -817,15 +847,31 @@ class PlacementPolicy(SchedulingPolicy):
 
     def _best_worker(self, kind: str, d) -> WorkerState | None:
         """The non-draining worker serving ``kind`` with the most free cores that fits ``d``."""
-        kl = self._kinds.get(kind)
-        if kl is None:
+        heaps = self._kind_index.get(kind)
+        if not heaps:
             return None
-        heap = kl.workers
+        if len(heaps) == 1:
+            return self._top_fit(heaps[0], d)
+        best = None
+        for heap in heaps:
+            w = self._top_fit(heap, d)
+            if w is not None and (best is None or (-w.free_cores, w.seq) < (-best.free_cores, best.seq)):
+                best = w
+        return best
+
+    def _top_fit(self, heap: list, d) -> WorkerState | None:
         skipped = []
         found = None
+        workers = self._workers
         while heap:
             negfree, seq, ver, w = heap[0]
-            if w.version != ver or w.draining or self._workers.get(w.id) is not w:
+            if w.version != ver:
+                heapq.heappop(heap)
+                if w.listed != w.version and not w.draining and workers.get(w.id) is w:
+                    heapq.heappush(heap, (-w.free_cores, w.seq, w.version, w))   # refresh a fallen one
+                    w.listed = w.version
+                continue
+            if w.draining or workers.get(w.id) is not w:
                 heapq.heappop(heap)
                 continue
             if d.min_cores and -negfree < d.min_cores:
@@ -961,7 +1007,7 @@ class PlacementPolicy(SchedulingPolicy):
             del self._env_first[env]
         if rec.elastic:
             self._grow.append((rec, w))
-        self._reindex(w)
+        self._fell(w)
         started.append(rec)
 
     # -- views -------------------------------------------------------------------

@@ -21,7 +21,10 @@ Robustness.
   prior of standard deviation ``prior_parallel_sd``.  So ``p`` moves only as
   far as the evidence carries it.
 * **Early completions.**  The first runs of a class to finish are its short
-  ones.  Until ``warm_runs`` runs have finished and no more than a quarter as
+  ones.  Speed-up evidence is therefore counted in start order: a run's time
+  enters the fit only once every run of its class started before it has
+  ended, so the runs at each core count are a fair sample, not the quick ones.
+  For the duration itself, the first runs to finish are the short ones.  Until ``warm_runs`` runs have finished and no more than a quarter as
   many are still running, the estimate also counts the class's running actions: each is known to take longer than it has run
   so far, and enters as the expected log duration of a lognormal conditioned
   on that (:func:`censored_log_mean`).  The driver reports starts with
@@ -43,6 +46,7 @@ same predictions.
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 
 from ..actions import ActionSpec
@@ -89,6 +93,12 @@ class ClassStats:
     done: list | None = field(default_factory=lambda: [0, 0.0])
     running: dict | None = field(default_factory=dict)   # action id -> (start, one-core factor)
     mu_adj: float | None = None   # warm-up estimate counting the running actions
+    # speed-up evidence enters in start order (a run waits until every run started before it ended)
+    seq: int = 0
+    fed: int = 0                                    # runs counted for the speed-up
+    cohort: dict = field(default_factory=dict)      # action id -> start number, while it runs
+    order: deque = field(default_factory=deque)     # (start number, action id) in start order
+    ended: dict = field(default_factory=dict)       # start number -> (run time, cores), not yet counted
 
     def median(self) -> float:
         return math.exp(self.mu if self.mu_adj is None else self.mu_adj)
@@ -99,7 +109,7 @@ class ClassStats:
 
 _P_GRID = tuple(i / 40 for i in range(41))
 _BUCKET_CAP = 200.0     # a core count's mean log time forgets after about this many runs
-_CENSORED_CAP = 256     # running actions counted in a warm-up estimate
+_CENSORED_CAP = 128     # running actions counted in a warm-up estimate
 
 
 def fit_parallel_fraction(by_cores: dict, prior: float, noise_var: float, prior_sd: float) -> float:
@@ -178,14 +188,24 @@ class Predictor:
         self.learn_parallel = learn_parallel
         self.default_load_time = default_load_time
         self._classes: dict[str, ClassStats] = {}
+        self._keys: dict[tuple, str] = {}
         self._load: dict[str, float] = {}
 
     # -- reading -------------------------------------------------------------
     def stats(self, key: str) -> ClassStats | None:
         return self._classes.get(key)
 
+    def _key(self, spec: ActionSpec) -> str:
+        if spec.label or spec.demand.service:        # the common case: no need to look at the payload
+            ck = (spec.kind, spec.label, spec.demand.service)
+            key = self._keys.get(ck)
+            if key is None:
+                key = self._keys[ck] = feature_key(spec)
+            return key
+        return feature_key(spec)
+
     def _stats_of(self, spec: ActionSpec) -> ClassStats | None:
-        return self._classes.get(feature_key(spec))
+        return self._classes.get(self._key(spec))
 
     def parallel_fraction(self, spec: ActionSpec, st: ClassStats | None = None) -> float:
         if spec.demand.max_cores <= 1:
@@ -211,6 +231,11 @@ class Predictor:
             return st.median()
         return self.default_duration
 
+    def estimate(self, spec: ActionSpec) -> tuple[float, float]:
+        """(predicted one-core duration, parallel fraction) in one look-up."""
+        st = self._stats_of(spec)
+        return self.one_core(spec, st), self.parallel_fraction(spec, st)
+
     def predict(self, spec: ActionSpec, cores: int | None = None) -> float:
         """Predicted run time (median) at ``cores`` (default ``min_cores``)."""
         st = self._stats_of(spec)
@@ -229,7 +254,7 @@ class Predictor:
 
     # -- learning ------------------------------------------------------------
     def _class(self, spec: ActionSpec) -> ClassStats:
-        key = feature_key(spec)
+        key = self._key(spec)
         st = self._classes.get(key)
         if st is None:
             st = self._classes[key] = ClassStats()
@@ -241,6 +266,10 @@ class Predictor:
         if st.running is not None:
             p = self.parallel_fraction(spec, st)
             st.running[spec.id] = (now, (1.0 - p) + p / max(1, cores))
+        if spec.demand.max_cores > 1 and self.learn_parallel:
+            st.seq += 1
+            st.cohort[spec.id] = st.seq
+            st.order.append((st.seq, spec.id))
 
     def observe(self, spec: ActionSpec, run_time: float | None, cores: int, now: float | None = None) -> None:
         """Learn from one run of ``spec`` that took ``run_time`` on ``cores`` cores and ended at ``now``.
@@ -250,12 +279,13 @@ class Predictor:
         st = self._class(spec)
         if st.running is not None:
             st.running.pop(spec.id, None)
-        if run_time is None or not (run_time > 0.0) or math.isinf(run_time):
+        usable = run_time is not None and run_time > 0.0 and not math.isinf(run_time)
+        if spec.demand.max_cores > 1 and self.learn_parallel:
+            self._speedup_in_start_order(st, spec.id, run_time if usable else None, max(1, cores))
+        if not usable:
             return
         cores = max(1, cores)
         a = self.alpha
-        if spec.demand.max_cores > 1 and self.learn_parallel:
-            self._observe_speedup(st, run_time, cores)
         p = self.parallel_fraction(spec, st)
         d1 = run_time / ((1.0 - p) + p / cores)
         y = math.log(max(d1, 1e-6))
@@ -276,6 +306,27 @@ class Predictor:
         if st.done is not None:
             self._warm_estimate(st, y, now)
 
+    def _speedup_in_start_order(self, st: ClassStats, aid: str, run_time: float | None, cores: int) -> None:
+        """Count speed-up evidence in start order, so the runs at one core count are not just its short ones.
+
+        Which runs end first depends on their length; which core count a run got
+        depends on the load when it started.  Released in start order, every
+        core count's runs are a fair sample of their class.
+        """
+        seq = st.cohort.pop(aid, None)
+        if seq is None:            # never reported as started: nothing to order it by
+            if run_time is not None:
+                self._observe_speedup(st, run_time, cores)
+            return
+        if run_time is not None:
+            st.ended[seq] = (run_time, cores)
+        order, cohort, ended = st.order, st.cohort, st.ended
+        while order and order[0][1] not in cohort:
+            s0, _ = order.popleft()
+            r = ended.pop(s0, None)
+            if r is not None:
+                self._observe_speedup(st, r[0], r[1])
+
     def _observe_speedup(self, st: ClassStats, run_time: float, cores: int) -> None:
         bucket = st.by_cores.get(cores)
         y_t = math.log(max(run_time, 1e-6))
@@ -284,7 +335,8 @@ class Predictor:
         else:
             bucket[0] = min(bucket[0] + 1.0, _BUCKET_CAP)
             bucket[1] += (y_t - bucket[1]) / bucket[0]
-        if st.n % 16 and st.p is not None:
+        st.fed += 1
+        if st.fed % 16 and st.p is not None:
             return          # refit now and then: one run moves a posterior little
         solid = {c: b for c, b in st.by_cores.items() if b[0] >= self.min_fit_runs}
         if len(solid) >= 2:
@@ -298,11 +350,14 @@ class Predictor:
         """
         st.done[0] += 1
         st.done[1] += y
-        if st.done[0] >= self.warm_runs and len(st.running) * 4 <= st.done[0]:
+        n = st.done[0]
+        if n >= self.warm_runs and len(st.running) * 4 <= n:
             st.done = None      # enough evidence: the moving average alone from here
             st.running = None
             st.mu_adj = None
             return
+        if n > 16 and n % 8:
+            return              # the estimate moves slowly by now: refresh it every 8 runs
         if now is None or not st.running:
             st.mu_adj = None
             return

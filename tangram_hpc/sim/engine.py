@@ -256,6 +256,7 @@ class Simulation:
         self.step_active = 0
         self.barrier: list[int] = []            # trajectories waiting for the others to finish the turn
         self.step_durations: list[float] = []
+        self.sync_turns = w.rollout.sync_turns
         self.done = False
         self.now = 0.0
         self.heap: list = []
@@ -332,13 +333,12 @@ class Simulation:
             self._submit_one(i, g, now)
             return
         end = self.traj_end[g]
+        joined = self.joined
         k = i
-        while True:
+        self._submit_one(k, g, now)
+        while k + 1 < end and joined[k + 1]:
+            k += 1
             self._submit_one(k, g, now)
-            if k + 1 < end and self.joined[k + 1]:
-                k += 1
-            else:
-                break
         self.traj_next[g] = k + 1
         self.traj_left[g] = k - i + 1
 
@@ -353,8 +353,8 @@ class Simulation:
 
     def _on_finish(self, arg) -> None:
         i, att, sw = arg
-        if att != self.attempt.get(i, 0):
-            return
+        if self.attempt and att != self.attempt.get(i, 0):
+            return                      # an attempt lost with its worker
         now = self.now
         self.finish_t[i] = now
         c = self.cores_of[i]
@@ -384,7 +384,7 @@ class Simulation:
             return                      # others of its group still run
         nxt = self.traj_next[g]
         if nxt < self.traj_end[g]:
-            if self.w.rollout.sync_turns and self.turn[nxt] != self.turn[i]:
+            if self.sync_turns and self.turn[nxt] != self.turn[i]:
                 self.barrier.append(g)
                 if len(self.barrier) >= self.step_active:
                     self._release_barrier()
