@@ -128,29 +128,46 @@ def run_baseline(plan: Plan, name: str, *, size: int | None = None, progress=Non
 
 
 def baseline_runs(plan: Plan, progress=None) -> tuple[dict[str, SimResult], dict[str, Any]]:
-    """Every baseline on the plan; also which sandbox size was best and what each size gave."""
+    """Every baseline on the plan; also which sandbox size was best, what each size gave, what cannot run.
+
+    A setup that stalls cannot run the workload on this cluster (trajectory-bound sandboxes with
+    per-turn barriers: every trajectory of the batch needs its sandbox at once); it is reported
+    as infeasible instead of measured.
+    """
     out: dict[str, SimResult] = {}
-    meta: dict[str, Any] = {}
+    meta: dict[str, Any] = {"infeasible": {}}
     w = plan.workload
     tried: dict[int, SimResult] = {}
+    stalled: dict[int, str] = {}
     for size in _sandbox_sizes(w):
         if progress:
             progress(f"simulating trajectory-bound with {size}-core sandboxes ...")
-        tried[size] = run_baseline(plan, "trajectory-best", size=size)
-    best = min(tried, key=lambda s: (float(tried[s].act.mean()), s))
-    meta["trajectory_best_size"] = best
+        try:
+            tried[size] = run_baseline(plan, "trajectory-best", size=size)
+        except RuntimeError as e:
+            stalled[size] = str(e)
     meta["trajectory_sizes"] = {s: {"mean_act": float(r.act.mean()), "step_s": r.mean_step}
                                 for s, r in tried.items()}
+    meta["trajectory_sizes"].update({s: None for s in stalled})
+    best = min(tried, key=lambda s: (float(tried[s].act.mean()), s)) if tried else None
+    meta["trajectory_best_size"] = best
+    biggest = max(_sandbox_sizes(w))
     for name in BASELINES:
-        if name == "trajectory-best":
-            out[name] = replace(tried[best], name=name)
-            continue
-        if name == "trajectory-max" and max(tried) in tried:
-            out[name] = replace(tried[max(tried)], name=name)
+        if name in ("trajectory-best", "trajectory-max"):
+            size = best if name == "trajectory-best" else biggest
+            if size in tried:
+                out[name] = replace(tried[size], name=name)
+            else:
+                why = stalled.get(size) or "no sandbox size can run this workload on the cluster"
+                meta["infeasible"][name] = (f"{size}-core sandboxes for {w.rollout.trajectories_per_step} "
+                                            f"trajectories stall: {why}" if size else why)
             continue
         if progress:
             progress(f"simulating {name} ...")
-        out[name] = run_baseline(plan, name, progress=progress)
+        try:
+            out[name] = run_baseline(plan, name, progress=progress)
+        except RuntimeError as e:
+            meta["infeasible"][name] = str(e)
     return out, meta
 
 
@@ -263,7 +280,7 @@ def run_bench(w: Workload, *, search: bool = True, progress=None) -> tuple[dict[
                     "gpu_workers": w.cluster.gpu_workers, "gpu_slots": w.cluster.gpu_slots},
         "policies": {k: _summary(r, plan) for k, r in runs.items()},
         "trajectory_best_size": meta["trajectory_best_size"], "trajectory_sizes": meta["trajectory_sizes"],
-        "tangram_vs": {}, "savings": {},
+        "infeasible": meta["infeasible"], "tangram_vs": {}, "savings": {},
     }
     ts = fig["policies"]["tangram"]
     for k, r in runs.items():
@@ -277,7 +294,8 @@ def run_bench(w: Workload, *, search: bool = True, progress=None) -> tuple[dict[
         }
     fig["tangram_bound_ratio"] = ts["bound_ratio"]
     if search:
-        fig["savings"] = savings(plan, runs, list(BASELINES), meta["trajectory_best_size"], progress)
+        fig["savings"] = savings(plan, runs, [b for b in BASELINES if b in runs], meta["trajectory_best_size"],
+                                 progress)
     return fig, runs
 
 
@@ -292,6 +310,8 @@ def _fmt_table(fig: dict[str, Any]) -> str:
         lines.append(f"{name:18s} {s['mean_act']:9.2f} {s['p50_act']:7.2f} {s['p99_act']:8.1f} {s['step_s']:7.0f} "
                      f"{s['cpu_core_s']:10.0f} {s['gpu_s']:9.0f} {s['cpu_util']:8.0%} {s['gpu_util']:8.0%} "
                      f"{s['capacity_bound']:7.2f} {s['bound_ratio']:5.2f}x")
+    for k, why in fig.get("infeasible", {}).items():
+        lines.append(f"{k:18s} cannot run here: {why}")
     lines.append("")
     ts = fig["policies"]["tangram"]
     lines.append(f"lower bounds on tangram's mean ACT: {ts['per_action_bound']:.2f} s per action (alone, best "

@@ -149,7 +149,7 @@ def test_presets_use_the_new_features():
     swe, math_, judge = load_workload("swe"), load_workload("math"), load_workload("judge")
     assert swe.rollout.turns.lognormal and any(a.timeout_s for a in swe.actions)
     assert any(a.mem_mean_mb < a.mem_mb for a in swe.actions)
-    assert math_.rollout.sync_turns
+    assert load_workload("tir").rollout.sync_turns
     assert judge.rollout.parallel_finals and any(a.followups for a in judge.actions)
     assert any(s.max_batch and s.batch_slowdown for s in judge.services.values())
     assert any(a.hint_sigma for a in swe.actions)

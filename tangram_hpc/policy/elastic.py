@@ -211,6 +211,12 @@ class ElasticScheduler(PlacementPolicy):
             c -= 1
         return c
 
+    @staticmethod
+    def _replica_rank(w: WorkerState, svc: str) -> tuple:
+        # the replica with the smallest batch: a request's latency grows with the batch it joins
+        st = w.services[svc]
+        return (st.ready_at, st.running, -w.free_cores, w.seq)
+
     def _arrived(self, service: str, now: float) -> None:
         r = self._rates.get(service)
         if r is None:

@@ -39,9 +39,11 @@ frees capacity or joins, a replica of its service frees a slot, an action
 joins it): such queues are *armed*.  :meth:`schedule` merges the heads of
 armed queues in one small heap and places them in key order, so a call costs
 ``O(A + k log(A + W))`` for ``A`` armed queues, ``W`` workers and ``k``
-starts -- independent of how many actions wait.  Free capacity per kind is a
-max-heap of workers by free cores with lazy invalidation (a worker's entry is
-valid while its version matches).
+starts -- independent of how many actions wait.  Free capacity is a max-heap
+of workers by free cores per set of kinds served, with lazy invalidation (a
+worker's entry is valid while its version matches): capacity that rises is
+pushed at once, capacity that falls is refreshed when the entry is read, so
+the index always overstates and a search may stop at the first entry too small.
 
 Cores are granted in two phases.  Every start of a :meth:`schedule` call first
 takes ``min_cores``; once everything placeable has started, elastic starts
@@ -933,12 +935,13 @@ class PlacementPolicy(SchedulingPolicy):
         best = None
         reps = self._svc_replicas.get(svc)
         if reps:
+            rank = None
             for w in reps.values():
                 if (not w.draining and rec.spec.kind in w.kinds and self._fits(w, d)
                         and self._has_slot(w, svc)):
-                    if best is None or (w.services[svc].ready_at, -w.free_cores, w.seq) < (
-                            best.services[svc].ready_at, -best.free_cores, best.seq):
-                        best = w
+                    r = self._replica_rank(w, svc)
+                    if best is None or r < rank:
+                        best, rank = w, r
             if best is not None:
                 return best
         if not self._should_load(rec, q, now):
@@ -966,6 +969,11 @@ class PlacementPolicy(SchedulingPolicy):
         _, w, ev = choice
         self._load(w, rec, ev, now)
         return w
+
+    @staticmethod
+    def _replica_rank(w: WorkerState, svc: str) -> tuple:
+        """Order of preference among the replicas of ``svc`` that can take a request: ready first, least busy worker."""
+        return (w.services[svc].ready_at, -w.free_cores, w.seq)
 
     def _load(self, w: WorkerState, rec: ActionRecord, evict: list[str], now: float) -> None:
         svc = rec.spec.demand.service

@@ -19,9 +19,9 @@ fixed factor per start-up.  Without an offered load (a driver that does not
 provide it) the controller falls back to growing while busy cores exceed
 ``target_util`` of the capacity.
 
-RL steps repeat.  The controller remembers the largest ``wanted`` of the
-current and of the previous step (``PoolView.step``) and, while the run is
-active (an action ran or waited within ``hold_idle_s``), never lets capacity
+RL steps repeat.  The controller remembers the largest ``wanted`` (or busy
+cores, when elastic actions grew into more) of the current and of the
+previous step (``PoolView.step``) and, while the run is active (an action ran or waited within ``hold_idle_s``), never lets capacity
 fall below it: the tail of a step, when a few long trajectories keep most
 workers idle, is followed at once by the next step's burst, which a worker
 started only then would reach a start-up too late.  A new step that finds
@@ -201,7 +201,8 @@ class PoolController(PoolPolicy):
             want = view.offered_load.get(res, 0.0) / cfg.target_util + backlog
         else:   # no offered load: grow while the pool runs hot
             want = max(d.busy / cfg.target_util, d.cap + d.starting_cores - d.free + backlog)
-        self._peak[res] = max(self._peak.get(res, 0.0), want)
+        # what the step used counts too: elastic actions grow into idle cores and run shorter for it
+        self._peak[res] = max(self._peak.get(res, 0.0), want, float(d.busy))
         return max(want, self.held(res, now))
 
     def _new_step(self, view: PoolView) -> None:

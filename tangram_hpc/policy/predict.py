@@ -133,7 +133,7 @@ def fit_parallel_fraction(by_cores: dict, prior: float, noise_var: float, prior_
     return best
 
 
-def censored_log_mean(done_n: int, done_sum: float, censored: list[float], sd: float, rounds: int = 3) -> float:
+def censored_log_mean(done_n: int, done_sum: float, censored: list[float], sd: float, rounds: int = 5) -> float:
     """Mean of log durations when ``done_n`` (summing to ``done_sum``) finished and ``censored`` are only known to be longer.
 
     Each censored value ``c`` is replaced by ``E[y | y > c]`` under a normal
@@ -336,8 +336,8 @@ class Predictor:
             bucket[0] = min(bucket[0] + 1.0, _BUCKET_CAP)
             bucket[1] += (y_t - bucket[1]) / bucket[0]
         st.fed += 1
-        if st.fed % 16 and st.p is not None:
-            return          # refit now and then: one run moves a posterior little
+        if st.p is not None and st.fed % max(16, st.fed >> 5):
+            return          # refit now and then (rarer as evidence piles up): one run moves a posterior little
         solid = {c: b for c, b in st.by_cores.items() if b[0] >= self.min_fit_runs}
         if len(solid) >= 2:
             st.p = fit_parallel_fraction(solid, self.prior_parallel, max(st.var, 0.05), self.prior_parallel_sd)
@@ -356,8 +356,8 @@ class Predictor:
             st.running = None
             st.mu_adj = None
             return
-        if n > 16 and n % 8:
-            return              # the estimate moves slowly by now: refresh it every 8 runs
+        if n > 16 and n % max(8, n >> 4):
+            return              # the estimate moves slowly by now: refresh it now and then
         if now is None or not st.running:
             st.mu_adj = None
             return
@@ -368,7 +368,9 @@ class Predictor:
                 censored.append(math.log(max(el / factor, 1e-6)))
                 if len(censored) >= _CENSORED_CAP:
                     break
-        sd = math.sqrt(st.var) if st.n > 2 else 1.0
+        # the finished runs are the short ones, so their spread says little yet: assume the
+        # e-fold spread typical of action durations unless they already show more
+        sd = max(1.0, math.sqrt(st.var))
         st.mu_adj = censored_log_mean(st.done[0], st.done[1], censored, sd) if censored else None
 
     def seed_load_time(self, service: str, load_time: float) -> None:
