@@ -331,7 +331,9 @@ def _fmt_table(fig: dict[str, Any]) -> str:
                      "baseline's step time):")
 
         def pct(x):
-            return f"{x:6.1%}" if x is not None else "     -"
+            if x is None:
+                return "      -"
+            return f"{x:6.1%} fewer" if x >= 0 else f"{-x:6.1%} more"
         for k, e in fig["savings"].items():
             b, t = e.get("baseline"), e.get("tangram")
             if b is None:
@@ -342,7 +344,7 @@ def _fmt_table(fig: dict[str, Any]) -> str:
                 continue
             lines.append(f"  {k:18s} step {e['step_s']:6.0f}s: baseline {b['cpu_workers']} CPU / {b['gpu_workers']} "
                          f"GPU workers, tangram at most {t['cpu_workers']} / {t['gpu_workers']}: CPU core-s "
-                         f"{pct(e.get('cpu_saving'))} fewer, GPU-s {pct(e.get('gpu_saving'))} fewer")
+                         f"{pct(e.get('cpu_saving'))}, GPU-s {pct(e.get('gpu_saving'))}")
     return "\n".join(lines)
 
 
