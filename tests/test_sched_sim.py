@@ -5,6 +5,7 @@ import argparse
 import copy
 import json
 
+import numpy as np
 import pytest
 
 from tangram_hpc import bench
@@ -184,3 +185,66 @@ def test_policies_and_simulator_import_no_live_code():
     for f in (root / "sim").glob("*.py"):
         assert not {m for m in imports(f) if m.startswith("..") and m not in
                     ("..actions", "..resources") and not m.startswith("..policy")}, f
+
+
+def test_capacity_bound_is_shortest_remaining_work_on_one_machine():
+    from tangram_hpc.sim.bounds import srpt_flow_sum
+    # speed 2: a (4 units at t=0) alone until t=1, then b (1 unit) preempts and ends at 1.5, a at 2.5
+    assert srpt_flow_sum(np.array([0.0, 1.0]), np.array([4.0, 1.0]), 2.0) == pytest.approx(2.5 + 0.5)
+    # idle gaps: jobs far apart each take work / speed
+    assert srpt_flow_sum(np.array([0.0, 100.0]), np.array([2.0, 2.0]), 1.0) == pytest.approx(4.0)
+    # on an overloaded cluster the bound is above the per-action one, and the policies respect it
+    d = _doc(rollout={"steps": 1, "trajectories_per_step": 20, "turns": 1, "think_s": 1.0},
+             cluster={"cpu_workers": 1, "cpu_cores": 2})
+    plan = parse_workload(d).sample()
+    from tangram_hpc.sim.bounds import capacity_bound
+    for pol in (FifoPolicy(), ElasticScheduler()):
+        r = simulate(plan, pol)
+        cap = capacity_bound(r, plan, 2, 0)
+        assert r.lower_bound.mean() < cap <= r.act.mean() + 1e-9
+        # two cores, twenty 10 s actions at once: SRPT on a 2x machine ends them at 5, 10, ..., 100
+        assert cap == pytest.approx(sum(5.0 * k for k in range(1, 21)) / 20)
+
+
+def _reward_doc(gpu_workers=1):
+    return _doc(cluster={"cpu_workers": 1, "cpu_cores": 4, "gpu_workers": gpu_workers, "gpus": 1,
+                         "gpu_mem_mb": 1000, "gpu_slots": 4, "startup_s": 30.0, "idle_ttl_s": 60.0},
+                rollout={"steps": 2, "trajectories_per_step": 4, "turns": 1, "think_s": 5.0},
+                services=[{"name": "rm", "gpu_mem_mb": 500, "load_s": 10.0}],
+                actions=[{"name": "job", "kind": "sandbox", "weight": 1.0, "duration_s": 2.0},
+                         {"name": "score", "kind": "reward", "service": "rm", "final": 1, "duration_s": 1.0}])
+
+
+def test_reward_workers_scale_from_zero_in_the_simulator():
+    plan = parse_workload(_reward_doc()).sample()
+    r = bench.tangram_run(plan, gpu_workers=1, name="zero")
+    assert r.step_durations and len(r.step_durations) == 2
+    # no GPU worker at first: the first reward calls wait for a launch (30 s) and the load (10 s)
+    plan0 = parse_workload(_reward_doc()).sample()
+    from tangram_hpc.policy.pool import PoolConfig, PoolController
+    from tangram_hpc.sim.engine import cluster_shapes, service_infos
+    w = plan0.workload
+    shapes = cluster_shapes(w)
+    pred = Predictor()
+    pool = PoolController(PoolConfig(list(shapes.values()), max_workers={"cpu": 1, "gpu": 1}, startup_s=30.0,
+                                     idle_ttl_s=60.0), pred)
+    sched = ElasticScheduler(pred, shapes=list(shapes.values()), services=service_infos(w))
+    z = simulate(plan0, sched, pool=pool, workers={"cpu": 1, "gpu": 0}, pool_interval_s=1.0)
+    scores = z.act[plan0.cls == 1]
+    assert len(scores) == 8 and np.isfinite(scores).all()
+    first = scores[:4]
+    assert first.min() >= 30.0 + 10.0 - 1.0 and first.max() <= 30.0 + 10.0 + 1.0 + 2.0
+    assert z.gpu_s > 0
+
+
+def test_step_aware_pool_keeps_the_capacity_of_a_step_for_the_next():
+    # one long straggler keeps step 1 going while every other worker idles past the TTL
+    d = _doc(rollout={"steps": 2, "trajectories_per_step": 16, "turns": 1, "think_s": 1.0},
+             cluster={"cpu_workers": 4, "cpu_cores": 4, "startup_s": 60.0, "idle_ttl_s": 30.0},
+             actions=[{"name": "job", "kind": "sandbox", "weight": 1.0,
+                       "duration_s": {"median": 10.0, "sigma": 1.5}}])
+    plan = parse_workload(d).sample()
+    r = bench.tangram_run(plan)
+    at_step2 = [a for t, _, a, _, _ in r.trace if t >= r.step_durations[0]]
+    assert at_step2 and at_step2[0] == 16        # all four workers still there when step 2 begins
+    assert r.cpu_cores_max == 16
