@@ -10,17 +10,13 @@ from tangram_hpc.policy.elastic import ElasticScheduler
 from tangram_hpc.policy.fifo import FifoPolicy
 from tangram_hpc.sim.engine import service_infos, simulate
 from tangram_hpc.sim.workload import WorkloadError, load_workload, parse_workload
+from test_sched_sim import _doc as _doc_v1
 
 
 def _doc(**over):
-    d = {
-        "format_version": 2, "name": "t",
-        "rollout": {"steps": 1, "trajectories_per_step": 1, "turns": 1, "think_s": 1.0},
-        "cluster": {"cpu_workers": 1, "cpu_cores": 1},
-        "actions": [{"name": "job", "kind": "sandbox", "weight": 1.0, "duration_s": 10.0}],
-    }
-    d.update(over)
-    return d
+    """The one-job document of test_sched_sim, in format 2 with one trajectory."""
+    return _doc_v1(**{"format_version": 2,
+                      "rollout": {"steps": 1, "trajectories_per_step": 1, "turns": 1, "think_s": 1.0}, **over})
 
 
 def _gpu_cluster(slots=4, mem=1000):

@@ -177,7 +177,8 @@ class ElasticScheduler(PlacementPolicy):
         if free >= target:
             return True
         gain = rec.time_at(max(free, rec.spec.demand.min_cores)) - rec.time_at(target)
-        return gain <= self._wait_for_cores(w, target - free, now)
+        # twice the expected wait: predicted ends are medians, and a wait is a sure cost for a likely gain
+        return gain <= 2.0 * self._wait_for_cores(w, target - free, now)
 
     def _wait_for_cores(self, w: WorkerState, need: int, now: float) -> float:
         """Expected seconds until ``need`` more cores are free on ``w`` (from its actions' predicted ends)."""

@@ -294,6 +294,7 @@ class PlacementPolicy(SchedulingPolicy):
         self.predictor = predictor if predictor is not None else Predictor()
         self.tally = Tally()
         self._recs: dict[str, ActionRecord] = {}
+        self._waiting: dict[str, ActionRecord] = {}    # the pending ones
         self._workers: dict[str, WorkerState] = {}
         self._queues: dict[tuple, PlacementQueue] = {}
         self._armed: dict[int, PlacementQueue] = {}     # queues whose head may be placeable now
@@ -314,6 +315,7 @@ class PlacementPolicy(SchedulingPolicy):
         self._qseq = 0
         self._limits: tuple[ShapeLimit, ...] = ()
         self._unplaceable: dict[str, tuple[ActionRecord, str]] = {}
+        self._fit_memo: dict[tuple, str | None] = {}   # (kind, demand) -> why it fits nothing (None: fits)
         self._heads: list | None = None
         self._grow: list[tuple[ActionRecord, WorkerState]] = []
         self.load_window_s = 60.0
@@ -331,6 +333,7 @@ class PlacementPolicy(SchedulingPolicy):
         unplaceable (the driver may add workers of any size).
         """
         self._limits = tuple(s if isinstance(s, ShapeLimit) else ShapeLimit.of(s) for s in shapes)
+        self._fit_memo.clear()
         for rec in list(self._recs.values()):
             if rec.state is not _PENDING:
                 continue
@@ -369,6 +372,14 @@ class PlacementPolicy(SchedulingPolicy):
     def _too_big(self, spec: ActionSpec) -> str | None:
         if not self._limits:
             return None
+        key = (spec.kind, spec.demand)
+        try:
+            return self._fit_memo[key]
+        except KeyError:
+            why = self._fit_memo[key] = self._too_big_now(spec)
+            return why
+
+    def _too_big_now(self, spec: ActionSpec) -> str | None:
         d = spec.demand
         for lim in self._limits:
             if lim.holds(d.min_cores, d.mem_mb, d.gpu_mem_mb):
@@ -407,6 +418,7 @@ class PlacementPolicy(SchedulingPolicy):
         self._wseq += 1
         w = WorkerState(info, self._wseq)
         self._workers[w.id] = w
+        self._fit_memo.clear()          # a worker larger than the shapes makes more fit
         self.tally.free_cores += w.free_cores
         for k in w.kinds:
             self._kind(k).capacity += w.cores
@@ -419,6 +431,7 @@ class PlacementPolicy(SchedulingPolicy):
         w = self._workers.pop(worker_id, None)
         if w is None:
             return []
+        self._fit_memo.clear()
         lost = list(w.running)
         for rec in w.running.values():
             self._end_running(rec)
@@ -575,6 +588,7 @@ class PlacementPolicy(SchedulingPolicy):
         self._seq += 1
         rec = ActionRecord(action, now, self._seq, self._kind(action.kind))
         self._recs[aid] = rec
+        self._waiting[aid] = rec
         rec.d1, rec.p = self.predictor.estimate(action)
         rec.key = self._key(rec)
         d = action.demand
@@ -613,6 +627,8 @@ class PlacementPolicy(SchedulingPolicy):
         r = self._offered.get(res)
         if r is None:
             self._offered[res] = [work, now]
+        elif now - r[1] < 0.5:
+            r[0] += work            # decay in half-second steps: submits come in bursts
         else:
             r[0] = r[0] * math.exp(-(now - r[1]) / self.load_window_s) + work
             r[1] = now
@@ -683,6 +699,7 @@ class PlacementPolicy(SchedulingPolicy):
     def _drop_pending(self, rec: ActionRecord) -> None:
         rec.state = _GONE
         self._recs.pop(rec.spec.id, None)
+        del self._waiting[rec.spec.id]
         self.tally.withdrawn(rec)
         if self._unplaceable.pop(rec.spec.id, None) is not None:
             return
@@ -986,6 +1003,7 @@ class PlacementPolicy(SchedulingPolicy):
         spec = rec.spec
         d = spec.demand
         self._unqueue(rec)
+        del self._waiting[spec.id]
         rec.state = _RUNNING
         rec.worker = w
         rec.cores = d.min_cores
@@ -1028,7 +1046,7 @@ class PlacementPolicy(SchedulingPolicy):
         return self.tally.running
 
     def pending_actions(self) -> list[ActionSpec]:
-        return [r.spec for r in self._recs.values() if r.state is _PENDING and r.spec.id not in self._unplaceable]
+        return [r.spec for r in self._waiting.values() if r.spec.id not in self._unplaceable]
 
     def unplaceable(self, now: float) -> list[tuple[str, str]]:
         """Pending actions larger than every configured shape; they stay pending until cancelled."""

@@ -226,7 +226,10 @@ class PoolController(PoolPolicy):
         # -- scale down first (frees room under max_total for the other class)
         kept = {k: d.count for k, d in demand.items()}
         cap_left = {k: d.cap + d.starting_cores for k, d in demand.items()}
-        for ws in sorted(view.workers, key=lambda s: (s.idle_since if s.idle_since is not None else now, s.info.id)):
+        # busy workers are never reclaimed: only the others are ordered (longest idle first)
+        candidates = [ws for ws in view.workers
+                      if not (ws.running or ws.busy_cores) or (ws.ends_at is not None and not ws.draining)]
+        for ws in sorted(candidates, key=lambda s: (s.idle_since if s.idle_since is not None else now, s.info.id)):
             k = ws.launched_shape.resource
             if self._expiring(ws, now) and not ws.draining:
                 out.append(Reclaim(ws.info.id, "time limit"))  # drained; its replacement is launched below

@@ -32,6 +32,7 @@ applies the policy's starts.
 """
 from __future__ import annotations
 
+import gc
 import heapq
 import time
 from array import array
@@ -274,6 +275,17 @@ class Simulation:
         self.seq += 1
 
     def run(self) -> SimResult:
+        # Millions of short-lived objects and no cycles worth collecting on the way: the cyclic
+        # collector's passes over a live set that grows with the plan only cost time (10-20 %).
+        gc_on = gc.isenabled()
+        gc.disable()
+        try:
+            return self._run()
+        finally:
+            if gc_on:
+                gc.enable()
+
+    def _run(self) -> SimResult:
         t_wall = time.perf_counter()
         for res in (_CPU, _GPU):
             for _ in range(self.warm.get(res, 0)):
