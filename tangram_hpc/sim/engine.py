@@ -25,8 +25,9 @@ The world it simulates:
 * Workers appear ``startup_s`` after the pool policy launches them.  Resources
   count as allocated from launch to reclaim (or the end of the run).
 
-Events live in one ``heapq``; finishing events sort before submissions at the
-same instant, and all events of an instant are applied before ``schedule``.
+Events live in a calendar (:class:`EventCalendar`): finishing events sort before
+submissions at the same instant, and all events of an instant are applied before
+``schedule``.
 Each event type has its handler (``_on_*``); :meth:`Simulation._dispatch`
 applies the policy's starts.
 """
@@ -155,6 +156,55 @@ class _Replica:
         self.mem = mem
 
 
+class EventCalendar:
+    """Pending events in ``(time, type, seq)`` order.
+
+    A single heap of every pending event costs ``log2`` of a few hundred
+    thousand comparisons per pop at 100,000 trajectories.  Events here sit in
+    buckets of ``width`` simulated seconds; only the current bucket is a heap,
+    later ones are plain lists until their turn comes.
+    """
+
+    __slots__ = ("width", "buckets", "keys", "cur", "cur_key", "seq")
+
+    def __init__(self, width: float = 0.25):
+        self.width = width
+        self.buckets: dict[int, list] = {}
+        self.keys: list[int] = []        # heap of the indices of later, non-empty buckets
+        self.cur: list = []              # heap of the current bucket's events
+        self.cur_key = -1
+        self.seq = 0
+
+    def push(self, t: float, typ: int, arg) -> None:
+        self.seq += 1
+        e = (t, typ, self.seq, arg)
+        k = int(t / self.width)
+        if k <= self.cur_key:
+            heapq.heappush(self.cur, e)
+            return
+        b = self.buckets.get(k)
+        if b is None:
+            self.buckets[k] = [e]
+            heapq.heappush(self.keys, k)
+        else:
+            b.append(e)
+
+    def pop(self) -> tuple:
+        if not self.cur:
+            k = heapq.heappop(self.keys)
+            cur = self.buckets.pop(k)
+            heapq.heapify(cur)
+            self.cur, self.cur_key = cur, k
+        return heapq.heappop(self.cur)
+
+    def more_at(self, t: float) -> bool:
+        """Another event at time ``t`` (the time of the last pop): later buckets start after it."""
+        return bool(self.cur) and self.cur[0][0] == t
+
+    def __bool__(self) -> bool:
+        return bool(self.cur) or bool(self.keys)
+
+
 class SimWorker:
     """A simulated worker.
 
@@ -260,8 +310,7 @@ class Simulation:
         self.sync_turns = w.rollout.sync_turns
         self.done = False
         self.now = 0.0
-        self.heap: list = []
-        self.seq = 0
+        self.events_q = EventCalendar()
         self.events = 0
         # optional policy hooks
         self._close_env = getattr(policy, "close_env", None)
@@ -271,8 +320,7 @@ class Simulation:
 
     # -- events ------------------------------------------------------------------
     def _push(self, t: float, typ: int, arg) -> None:
-        heapq.heappush(self.heap, (t, typ, self.seq, arg))
-        self.seq += 1
+        self.events_q.push(t, typ, arg)
 
     def run(self) -> SimResult:
         # Millions of short-lived objects and no cycles worth collecting on the way: the cyclic
@@ -295,18 +343,19 @@ class Simulation:
         if self.pool is not None:
             self._push(0.0, _TICK, 0)
         handlers = (self._on_finish, self._on_submit, self._on_worker_up, self._on_step, self._on_pool_tick)
-        heap = self.heap
-        pop = heapq.heappop
+        q = self.events_q
+        pop = q.pop
+        more_at = q.more_at
         policy = self.policy
         next_report = time.perf_counter() + 2.0
         events = 0
         now = 0.0
-        while heap and not self.done:
-            now, typ, _, arg = pop(heap)
+        while q and not self.done:
+            now, typ, _, arg = pop()
             self.now = now
             events += 1
             handlers[typ](arg)
-            if heap and heap[0][0] == now:
+            if more_at(now):
                 continue
             if now >= self.next_trace:
                 self.trace.append((now, self.busy[_CPU], self.alloc_units[_CPU], self.busy[_GPU],
@@ -518,8 +567,7 @@ class Simulation:
         classes = self.classes
         cls = self.cls
         d1 = self.d1
-        push = heapq.heappush
-        heap = self.heap
+        push = self.events_q.push
         for a in starts:
             i = int(a.action_id)
             sw = workers[a.worker_id]
@@ -553,8 +601,7 @@ class Simulation:
             run = d1[i] * ((1.0 - p) + p / (c if c > 1 else 1)) * factor
             if run > row.timeout_s:
                 run = row.timeout_s
-            push(heap, (start + run, _FINISH, self.seq, (i, self.attempt.get(i, 0) if self.attempt else 0, sw)))
-            self.seq += 1
+            push(start + run, _FINISH, (i, self.attempt.get(i, 0) if self.attempt else 0, sw))
 
     def _batch_factor(self, sw: SimWorker, name: str, in_batch: int) -> float:
         svc = self.svc_defs[name]
