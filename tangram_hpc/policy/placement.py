@@ -376,6 +376,8 @@ class PlacementPolicy(SchedulingPolicy):
         try:
             return self._fit_memo[key]
         except KeyError:
+            if len(self._fit_memo) >= 4096:     # clients may send any number of distinct demands
+                self._fit_memo.clear()
             why = self._fit_memo[key] = self._too_big_now(spec)
             return why
 
