@@ -83,7 +83,7 @@ import math
 from typing import Mapping, Sequence
 
 from ..resources import ServiceInfo, WorkerShape
-from .placement import ActionRecord, PlacementPolicy, PlacementQueue, WorkerState, water_level
+from .placement import ActionRecord, PlacementPolicy, PlacementQueue, WorkerRecord, water_level
 from .predict import Predictor
 
 __all__ = ["ElasticScheduler"]
@@ -134,10 +134,10 @@ class ElasticScheduler(PlacementPolicy):
         prio = max(-self.priority_clamp, min(self.priority_clamp, spec.priority))
         return rec.time_at(spec.demand.min_cores) + self.aging * rec.submit - self.priority_weight * prio
 
-    def _grant(self, rec: ActionRecord, w: WorkerState) -> int:
+    def _grant(self, rec: ActionRecord, w: WorkerRecord) -> int:
         return self._cores_for(rec, w, min(rec.spec.demand.max_cores, rec.cores + w.free_cores))
 
-    def _cores_for(self, rec: ActionRecord, w: WorkerState, hi: int, *, later: bool = False) -> int:
+    def _cores_for(self, rec: ActionRecord, w: WorkerRecord, hi: int, *, later: bool = False) -> int:
         """The grant for ``rec`` on ``w`` with at most ``hi`` cores available.
 
         ``later``: the grant it should wait for -- the fixed-size actions running now will have
@@ -168,7 +168,7 @@ class ElasticScheduler(PlacementPolicy):
                     c -= 1
         return c
 
-    def _startable(self, rec: ActionRecord, w: WorkerState, now: float) -> bool:
+    def _startable(self, rec: ActionRecord, w: WorkerRecord, now: float) -> bool:
         # Grants are final, so an elastic action that would start on the leftovers of a busy worker
         # (a long final test run on one core, on the critical path of the step) waits there for
         # the cores it should have -- when the time they save it exceeds the expected wait.
@@ -180,7 +180,7 @@ class ElasticScheduler(PlacementPolicy):
         # twice the expected wait: predicted ends are medians, and a wait is a sure cost for a likely gain
         return gain <= 2.0 * self._wait_for_cores(w, target - free, now)
 
-    def _wait_for_cores(self, w: WorkerState, need: int, now: float) -> float:
+    def _wait_for_cores(self, w: WorkerRecord, need: int, now: float) -> float:
         """Expected seconds until ``need`` more cores are free on ``w`` (from its actions' predicted ends)."""
         ends = []
         for r in w.running.values():
@@ -213,7 +213,7 @@ class ElasticScheduler(PlacementPolicy):
         return c
 
     @staticmethod
-    def _replica_rank(w: WorkerState, svc: str) -> tuple:
+    def _replica_rank(w: WorkerRecord, svc: str) -> tuple:
         # the replica with the smallest batch: a request's latency grows with the batch it joins
         st = w.services[svc]
         return (st.ready_at, st.running, -w.free_cores, w.seq)

@@ -11,7 +11,7 @@ policies (and the baselines in :mod:`tangram_hpc.sim.baselines`) build on them:
 
 * :class:`ActionRecord` -- one submitted action (:class:`ActionState`
   ``PENDING -> RUNNING -> GONE``, or ``PENDING -> GONE`` when cancelled);
-* :class:`WorkerState` -- what the policy believes about one worker: free
+* :class:`WorkerRecord` -- what the policy believes about one worker: free
   cores and memory, resident service replicas, hosted environments.  It is not
   the coordinator's record of the worker (a connection with heartbeats and
   attempt numbers) nor the simulator's (a simulated machine whose services
@@ -65,7 +65,7 @@ from .base import Assignment, SchedulingPolicy, light_capacity
 from .predict import Predictor
 from .residency import Resident, choose_victims
 
-__all__ = ["ActionState", "ActionRecord", "ServiceReplica", "WorkerState", "PlacementQueue", "ShapeLimit",
+__all__ = ["ActionState", "ActionRecord", "ServiceReplica", "WorkerRecord", "PlacementQueue", "ShapeLimit",
            "KindLoad", "Tally", "PlacementPolicy", "water_level"]
 
 _INF = float("inf")
@@ -92,7 +92,7 @@ class ActionRecord:
         self.seq = seq
         self.key = 0.0
         self.state = _PENDING
-        self.worker: WorkerState | None = None
+        self.worker: WorkerRecord | None = None
         self.cores = 0
         self.started = 0.0
         self.load_wait = 0.0        # seconds it had to wait for its service to load
@@ -124,7 +124,7 @@ class ServiceReplica:
         self.ready_at = ready_at
 
 
-class WorkerState:
+class WorkerRecord:
     """The policy's belief about one registered worker (see the module docstring for why it is its own)."""
 
     __slots__ = ("id", "info", "seq", "cores", "free_cores", "mem", "free_mem", "gpu_mem",
@@ -159,7 +159,7 @@ class PlacementQueue:
     __slots__ = ("idx", "heap", "kind", "service", "min_cores", "mem", "gpu_mem", "worker", "live")
 
     def __init__(self, idx: int, kind: str, service: str | None, min_cores: int, mem: int,
-                 gpu_mem: int, worker: WorkerState | None = None):
+                 gpu_mem: int, worker: WorkerRecord | None = None):
         self.idx = idx
         self.heap: list = []
         self.kind = kind
@@ -245,7 +245,7 @@ class Tally:
         if svc:
             self.service_pending[svc] -= 1
 
-    def started(self, rec: ActionRecord, w: WorkerState) -> None:
+    def started(self, rec: ActionRecord, w: WorkerRecord) -> None:
         self._unpend(rec)
         self.running += 1
         self.free_cores -= rec.cores
@@ -253,7 +253,7 @@ class Tally:
         if not rec.elastic:
             rec.load.rigid_running += rec.spec.demand.min_cores
 
-    def regranted(self, rec: ActionRecord, w: WorkerState, extra: int) -> None:
+    def regranted(self, rec: ActionRecord, w: WorkerRecord, extra: int) -> None:
         rec.cores += extra
         self.free_cores -= extra
         w.free_cores -= extra
@@ -262,7 +262,7 @@ class Tally:
         self._unpend(rec)
         self._leave(rec)
 
-    def ended(self, rec: ActionRecord, w: WorkerState | None) -> None:
+    def ended(self, rec: ActionRecord, w: WorkerRecord | None) -> None:
         self.running -= 1
         if w is not None:
             self.free_cores += rec.cores
@@ -295,7 +295,7 @@ class PlacementPolicy(SchedulingPolicy):
         self.tally = Tally()
         self._recs: dict[str, ActionRecord] = {}
         self._waiting: dict[str, ActionRecord] = {}    # the pending ones
-        self._workers: dict[str, WorkerState] = {}
+        self._workers: dict[str, WorkerRecord] = {}
         self._queues: dict[tuple, PlacementQueue] = {}
         self._armed: dict[int, PlacementQueue] = {}     # queues whose head may be placeable now
         self._shared: dict[str, dict[int, PlacementQueue]] = {}   # kind -> its non-env queues
@@ -303,11 +303,11 @@ class PlacementPolicy(SchedulingPolicy):
         # free-capacity index: per set of kinds served, a max-heap of (-free cores, seq, version, worker)
         self._index: dict[frozenset[str], list] = {}
         self._kind_index: dict[str, list[list]] = {}    # kind -> the heaps of the workers serving it
-        self._env_host: dict[str, WorkerState] = {}
+        self._env_host: dict[str, WorkerRecord] = {}
         self._env_first: dict[str, ActionRecord] = {}         # env -> its pending first action
         self._env_wait: dict[str, list[ActionRecord]] = {}    # later actions of an env with no host yet
         self._services: dict[str, ServiceInfo] = {}
-        self._svc_replicas: dict[str, dict[str, WorkerState]] = {}
+        self._svc_replicas: dict[str, dict[str, WorkerRecord]] = {}
         self._svc_step: dict[str, int] = {}          # service -> last RL step that called it
         self._step = 0                                # highest RL step seen
         self._seq = 0
@@ -317,7 +317,7 @@ class PlacementPolicy(SchedulingPolicy):
         self._unplaceable: dict[str, tuple[ActionRecord, str]] = {}
         self._fit_memo: dict[tuple, str | None] = {}   # (kind, demand) -> why it fits nothing (None: fits)
         self._heads: list | None = None
-        self._grow: list[tuple[ActionRecord, WorkerState]] = []
+        self._grow: list[tuple[ActionRecord, WorkerRecord]] = []
         self.load_window_s = 60.0
         self._offered: dict[ResourceClass, list[float]] = {}   # resource -> [cores, at time]
         if services:
@@ -400,7 +400,7 @@ class PlacementPolicy(SchedulingPolicy):
     def _key(self, rec: ActionRecord) -> float:
         raise NotImplementedError
 
-    def _grant(self, rec: ActionRecord, w: WorkerState) -> int:
+    def _grant(self, rec: ActionRecord, w: WorkerRecord) -> int:
         """Cores for an elastic action that starts on ``w`` when nothing else waits (``min_cores`` there)."""
         return rec.spec.demand.min_cores
 
@@ -418,7 +418,7 @@ class PlacementPolicy(SchedulingPolicy):
         if info.id in self._workers:
             raise ValueError(f"worker {info.id} already added")
         self._wseq += 1
-        w = WorkerState(info, self._wseq)
+        w = WorkerRecord(info, self._wseq)
         self._workers[w.id] = w
         self._fit_memo.clear()          # a worker larger than the shapes makes more fit
         self.tally.free_cores += w.free_cores
@@ -507,7 +507,7 @@ class PlacementPolicy(SchedulingPolicy):
                 if self._env_host.get(env) is w:
                     del self._env_host[env]
 
-    def _fell(self, w: WorkerState) -> None:
+    def _fell(self, w: WorkerRecord) -> None:
         """A worker's free capacity fell: its index entry is stale, refreshed lazily when read.
 
         A stale entry overstates the free cores, so the index stays an upper
@@ -515,7 +515,7 @@ class PlacementPolicy(SchedulingPolicy):
         """
         w.version += 1
 
-    def _touch(self, w: WorkerState) -> None:
+    def _touch(self, w: WorkerRecord) -> None:
         """A worker gained capacity (or joined): re-index it and arm the queues it may serve."""
         w.version += 1
         q = w.env_queue
@@ -531,7 +531,7 @@ class PlacementPolicy(SchedulingPolicy):
                     if sq.live:
                         self._armed[sq.idx] = sq
 
-    def _list(self, w: WorkerState) -> None:
+    def _list(self, w: WorkerRecord) -> None:
         """Push the worker's current free cores into the index of the kinds it serves."""
         heap = self._index.get(w.kinds)
         if heap is None:
@@ -553,21 +553,21 @@ class PlacementPolicy(SchedulingPolicy):
         s = self._services.get(svc)
         return s.gpu_mem_mb if s is not None else default
 
-    def _make_resident(self, w: WorkerState, svc: str, mem: int, ready_at: float) -> ServiceReplica:
+    def _make_resident(self, w: WorkerRecord, svc: str, mem: int, ready_at: float) -> ServiceReplica:
         st = ServiceReplica(mem, ready_at)
         w.services[svc] = st
         w.gpu_used += mem
         self._svc_replicas.setdefault(svc, {})[w.id] = w
         return st
 
-    def _evict(self, w: WorkerState, svc: str) -> None:
+    def _evict(self, w: WorkerRecord, svc: str) -> None:
         st = w.services.pop(svc)
         w.gpu_used -= st.mem
         reps = self._svc_replicas.get(svc)
         if reps is not None:
             reps.pop(w.id, None)
 
-    def _victims(self, w: WorkerState, need: int, now: float) -> list[str] | None:
+    def _victims(self, w: WorkerRecord, need: int, now: float) -> list[str] | None:
         """What the worker's service manager would evict to fit ``need`` MB (the shared rule)."""
         free = w.gpu_mem - w.gpu_used
         if free >= need:
@@ -851,22 +851,22 @@ class PlacementPolicy(SchedulingPolicy):
             self._fell(w)
 
     @staticmethod
-    def waiting_for(rec: ActionRecord, w: WorkerState) -> int:
+    def waiting_for(rec: ActionRecord, w: WorkerRecord) -> int:
         """Core-binding actions waiting that could use ``w``'s cores (its kind's shared queues, ``w``'s own), ``rec`` aside."""
         q = w.env_queue
         return rec.load.queued + (q.live if q is not None else 0) - (rec.queue is not None)
 
-    def _fits(self, w: WorkerState, d) -> bool:
+    def _fits(self, w: WorkerRecord, d) -> bool:
         return ((w.free_cores >= d.min_cores if d.min_cores else w.light < w.light_cap)
                 and w.free_mem >= d.mem_mb
                 and (d.service is not None or w.gpu_mem - w.gpu_used >= d.gpu_mem_mb))
 
-    def _has_slot(self, w: WorkerState, svc: str) -> bool:
+    def _has_slot(self, w: WorkerRecord, svc: str) -> bool:
         """The service's replica on ``w`` takes another request (its batch limit)."""
         info = self._services.get(svc)
         return info is None or not info.max_batch or w.services[svc].running < info.max_batch
 
-    def _best_worker(self, kind: str, d) -> WorkerState | None:
+    def _best_worker(self, kind: str, d) -> WorkerRecord | None:
         """The non-draining worker serving ``kind`` with the most free cores that fits ``d``."""
         heaps = self._kind_index.get(kind)
         if not heaps:
@@ -880,7 +880,7 @@ class PlacementPolicy(SchedulingPolicy):
                 best = w
         return best
 
-    def _top_fit(self, heap: list, d) -> WorkerState | None:
+    def _top_fit(self, heap: list, d) -> WorkerRecord | None:
         skipped = []
         found = None
         workers = self._workers
@@ -926,17 +926,17 @@ class PlacementPolicy(SchedulingPolicy):
         self._start(rec, w, now, started)
         return True
 
-    def _startable(self, rec: ActionRecord, w: WorkerState, now: float) -> bool:
+    def _startable(self, rec: ActionRecord, w: WorkerRecord, now: float) -> bool:
         """Whether an elastic action should start on ``w`` now rather than wait there for more cores."""
         return True
 
     @staticmethod
-    def _can_host(w: WorkerState, svc: str) -> bool:
+    def _can_host(w: WorkerRecord, svc: str) -> bool:
         """A worker that declares the services it can host takes only those; one that declares none, any."""
         hostable = w.info.services
         return not hostable or svc in hostable
 
-    def _service_ready_on(self, w: WorkerState, rec: ActionRecord, now: float) -> bool:
+    def _service_ready_on(self, w: WorkerRecord, rec: ActionRecord, now: float) -> bool:
         svc = rec.spec.demand.service
         if svc in w.services:
             return self._has_slot(w, svc)
@@ -948,7 +948,7 @@ class PlacementPolicy(SchedulingPolicy):
         self._load(w, rec, ev, now)
         return True
 
-    def _service_worker(self, rec: ActionRecord, q: PlacementQueue, now: float) -> WorkerState | None:
+    def _service_worker(self, rec: ActionRecord, q: PlacementQueue, now: float) -> WorkerRecord | None:
         d = rec.spec.demand
         svc = d.service
         best = None
@@ -990,18 +990,18 @@ class PlacementPolicy(SchedulingPolicy):
         return w
 
     @staticmethod
-    def _replica_rank(w: WorkerState, svc: str) -> tuple:
+    def _replica_rank(w: WorkerRecord, svc: str) -> tuple:
         """Order of preference among the replicas of ``svc`` that can take a request: ready first, least busy worker."""
         return (w.services[svc].ready_at, -w.free_cores, w.seq)
 
-    def _load(self, w: WorkerState, rec: ActionRecord, evict: list[str], now: float) -> None:
+    def _load(self, w: WorkerRecord, rec: ActionRecord, evict: list[str], now: float) -> None:
         svc = rec.spec.demand.service
         for s in evict:
             self._evict(w, s)
         self._make_resident(w, svc, self._service_mem(svc, rec.spec.demand.gpu_mem_mb),
                             now + self.predictor.load_time(svc))
 
-    def _start(self, rec: ActionRecord, w: WorkerState, now: float, started: list[ActionRecord]) -> None:
+    def _start(self, rec: ActionRecord, w: WorkerRecord, now: float, started: list[ActionRecord]) -> None:
         spec = rec.spec
         d = spec.demand
         self._unqueue(rec)
