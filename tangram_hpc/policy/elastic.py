@@ -45,9 +45,10 @@ Cores -- heSRPT-inspired shares.
     the share is the whole pool, so an action alone gets all the cores it can
     use ("grow when idle").  While work waits for cores the grant shrinks
     further: one more core is worth giving while the time it saves the action,
-    ``d1 p / (c (c - 1))``, exceeds the delay its extra core-seconds,
-    ``d1 (1 - p)``, impose on the ``q`` waiting actions (``1 / capacity`` each
-    per core-second), i.e. while ``c (c - 1) < p capacity / ((1 - p) q)``.
+    ``d1 p / (c (c - 1))``, exceeds the delay its extra core-seconds impose on
+    the ``q`` waiting actions (``1 / capacity`` each per core-second) -- ``d1
+    (1 - p)`` of them, or only as many as the queue's drain time ``T`` when it
+    clears sooner: ``c (c - 1) < d1 p capacity / (min(d1 (1 - p), T) q)``.
     Under a standing queue that is ``min_cores`` -- on an overloaded pool the
     most work per core-second is done at one core each -- while a moment's
     queue of a few short actions does not pin a long, parallel action to one
@@ -135,7 +136,9 @@ class ElasticScheduler(PlacementPolicy):
         return rec.time_at(spec.demand.min_cores) + self.aging * rec.submit - self.priority_weight * prio
 
     def _grant(self, rec: ActionRecord, w: WorkerRecord) -> int:
-        return self._cores_for(rec, w, min(rec.spec.demand.max_cores, rec.cores + w.free_cores))
+        hi = min(rec.spec.demand.max_cores, rec.cores + w.free_cores)
+        # an action that waited for its cores gets them
+        return max(self._cores_for(rec, w, hi), min(rec.target, hi))
 
     def _cores_for(self, rec: ActionRecord, w: WorkerRecord, hi: int, *, later: bool = False) -> int:
         """The grant for ``rec`` on ``w`` with at most ``hi`` cores available.
@@ -154,16 +157,17 @@ class ElasticScheduler(PlacementPolicy):
         if c <= lo:
             return lo
         c = self._knee(rec.p, lo, c)
-        queued = self.waiting_for(rec, w)
-        if queued and c > lo:
-            # Going from c-1 to c cores saves d1*p/(c(c-1)) seconds of this action and costs d1*(1-p)
-            # more core-seconds, which delay each of the `queued` waiting actions by 1/capacity of it:
-            # worth it while c(c-1) < p * capacity / ((1-p) * queued).  Under a standing queue
-            # this is min_cores (the most work per core-second); with a few waiting, long-parallel
-            # actions still grow.
-            p = rec.p
-            if p < 1.0:
-                limit = p * max(1, kl.capacity) / ((1.0 - p) * queued)
+        queued, drain = self.waiting_for(rec, w)
+        if queued and c > lo and rec.p < 1.0:
+            # Going from c-1 to c cores saves d1 p / (c (c-1)) seconds of this action.  It takes
+            # d1 (1-p) more core-seconds, but only while the queue lasts do they delay anyone:
+            # min(d1 (1-p), drain time) core-seconds, each delaying the `queued` waiting actions by
+            # 1/capacity.  Under a standing queue that is min_cores (the most work per
+            # core-second); a burst of short actions that drains in a second leaves long
+            # parallel ones most of their cores.
+            lost = min(rec.d1 * (1.0 - rec.p), drain)
+            if lost > 0:
+                limit = rec.d1 * rec.p * max(1, kl.capacity) / (lost * queued)
                 while c > lo and c * (c - 1) >= limit:
                     c -= 1
         return c
@@ -174,11 +178,13 @@ class ElasticScheduler(PlacementPolicy):
         # the cores it should have -- when the time they save it exceeds the expected wait.
         free = w.free_cores
         target = self._cores_for(rec, w, min(rec.spec.demand.max_cores, w.cores), later=True)
+        rec.target = target
         if free >= target:
             return True
-        gain = rec.time_at(max(free, rec.spec.demand.min_cores)) - rec.time_at(target)
-        # twice the expected wait: predicted ends are medians, and a wait is a sure cost for a likely gain
-        return gain <= 2.0 * self._wait_for_cores(w, target - free, now)
+        # expected times, not medians: durations are heavy-tailed, and the long ones are the ones
+        # that decide a step's end
+        gain = (rec.time_at(max(free, rec.spec.demand.min_cores)) - rec.time_at(target)) * rec.tail
+        return gain <= self._wait_for_cores(w, target - free, now)
 
     def _wait_for_cores(self, w: WorkerRecord, need: int, now: float) -> float:
         """Expected seconds until ``need`` more cores are free on ``w`` (from its actions' predicted ends)."""

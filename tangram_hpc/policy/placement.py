@@ -84,7 +84,8 @@ class ActionRecord:
     """One submitted action as the policy tracks it."""
 
     __slots__ = ("spec", "submit", "seq", "key", "state", "worker", "cores", "started",
-                 "load_wait", "queue", "elastic", "light", "load", "expect", "d1", "p")
+                 "load_wait", "queue", "elastic", "light", "load", "expect", "d1", "p", "tail", "work",
+                 "target")
 
     def __init__(self, spec: ActionSpec, submit: float, seq: int, load: "KindLoad"):
         self.spec = spec
@@ -105,6 +106,9 @@ class ActionRecord:
         self.expect = 0.0           # predicted run time at its granted cores (set when it starts)
         self.d1 = 1.0               # predicted one-core duration and parallel fraction, at submit
         self.p = 0.0
+        self.tail = 1.0             # expected duration / median duration of its class
+        self.work = 0.0             # predicted core-seconds at min_cores
+        self.target = 0             # the cores an elastic action waited for (0: none)
 
     def time_at(self, cores: int) -> float:
         """Predicted run time at ``cores`` (Amdahl with the estimate made at submit)."""
@@ -156,7 +160,7 @@ class WorkerRecord:
 class PlacementQueue:
     """Waiting actions that need the same thing; ``live`` of its heap entries are current."""
 
-    __slots__ = ("idx", "heap", "kind", "service", "min_cores", "mem", "gpu_mem", "worker", "live")
+    __slots__ = ("idx", "heap", "kind", "service", "min_cores", "mem", "gpu_mem", "worker", "live", "work")
 
     def __init__(self, idx: int, kind: str, service: str | None, min_cores: int, mem: int,
                  gpu_mem: int, worker: WorkerRecord | None = None):
@@ -169,6 +173,7 @@ class PlacementQueue:
         self.gpu_mem = gpu_mem
         self.worker = worker
         self.live = 0
+        self.work = 0.0             # predicted core-seconds of the live entries, at min_cores
 
 
 @dataclass(slots=True, frozen=True)
@@ -208,6 +213,7 @@ class KindLoad:
     elastic: int = 0         # elastic actions in the system (pending + running)
     by_max: dict = field(default_factory=dict)    # elastic actions in the system per max_cores
     queued: int = 0          # pending core-binding actions waiting in the kind's shared queues
+    queued_work: float = 0.0  # ... and their predicted core-seconds at min_cores
 
 
 class Tally:
@@ -591,7 +597,9 @@ class PlacementPolicy(SchedulingPolicy):
         rec = ActionRecord(action, now, self._seq, self._kind(action.kind))
         self._recs[aid] = rec
         self._waiting[aid] = rec
-        rec.d1, rec.p = self.predictor.estimate(action)
+        rec.d1, rec.p, rec.tail = self.predictor.estimate(action)
+        if not rec.light:
+            rec.work = rec.time_at(action.demand.min_cores) * action.demand.min_cores
         rec.key = self._key(rec)
         d = action.demand
         step = action.step
@@ -674,8 +682,10 @@ class PlacementPolicy(SchedulingPolicy):
     def _push(self, q: PlacementQueue, rec: ActionRecord) -> None:
         rec.queue = q
         q.live += 1
+        q.work += rec.work
         if q.worker is None and not rec.light:
             rec.load.queued += 1
+            rec.load.queued_work += rec.work
         heapq.heappush(q.heap, (rec.key, rec.seq, rec))
         self._armed[q.idx] = q
         if self._heads is not None:     # routed during schedule(): eligible in this same call
@@ -687,8 +697,10 @@ class PlacementPolicy(SchedulingPolicy):
         if q is None:
             return
         q.live -= 1
+        q.work -= rec.work
         if q.worker is None and not rec.light:
             rec.load.queued -= 1
+            rec.load.queued_work -= rec.work
         rec.queue = None
 
     def cancel(self, action_id: str) -> bool:
@@ -851,10 +863,19 @@ class PlacementPolicy(SchedulingPolicy):
             self._fell(w)
 
     @staticmethod
-    def waiting_for(rec: ActionRecord, w: WorkerRecord) -> int:
-        """Core-binding actions waiting that could use ``w``'s cores (its kind's shared queues, ``w``'s own), ``rec`` aside."""
+    def waiting_for(rec: ActionRecord, w: WorkerRecord) -> tuple[int, float]:
+        """Core-binding actions waiting that could use ``w``'s cores, ``rec`` aside, and the seconds they take to drain.
+
+        The kind's shared queues drain over the kind's capacity, ``w``'s own over its cores.
+        """
         q = w.env_queue
-        return rec.load.queued + (q.live if q is not None else 0) - (rec.queue is not None)
+        kl = rec.load
+        mine = rec.queue is not None
+        n = kl.queued + (q.live if q is not None else 0) - mine
+        work = kl.queued_work + (q.work if q is not None else 0.0) - (rec.work if mine else 0.0)
+        env_work = q.work - (rec.work if mine and rec.queue is q else 0.0) if q is not None else 0.0
+        drain = (work - env_work) / max(1, kl.capacity) + env_work / max(1, w.cores)
+        return n, max(0.0, drain)
 
     def _fits(self, w: WorkerRecord, d) -> bool:
         return ((w.free_cores >= d.min_cores if d.min_cores else w.light < w.light_cap)
