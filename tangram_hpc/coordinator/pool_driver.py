@@ -86,7 +86,8 @@ class PoolDriver:
                                   shape=w.launched_shape)
                      for w in self.ledger.workers],
             starting=list(self.starting.values()),
-            failures=self.failures[-50:], cluster=backend.capacity())
+            failures=self.failures[-50:], cluster=backend.capacity(),
+            step=self.ledger.policy.current_step, offered_load=self.ledger.policy.offered_load(now))
         for d in self.pool.decide(view):
             if isinstance(d, Launch):
                 self._launch(d, now)
