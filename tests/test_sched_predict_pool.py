@@ -307,3 +307,29 @@ def test_reward_workers_scale_from_zero():
     reward = [ActionSpec("reward", demand=Demand(1, 1, 0, 2000, "judge"))]
     out = pc.decide(PoolView(0.0, reward, [_ws("c", idle_since=0.0)]))
     assert out == [Launch(WorkerShape(1, 0, 0, 4096), 1)]
+
+
+def test_startup_time_is_learned_from_the_workers_that_joined():
+    cfg = PoolConfig([CPU_SHAPE], startup_s=120, max_launch_rate=1 << 20, max_workers={"cpu": 100})
+    pc = PoolController(cfg)
+    backlog = _backlog(64, secs=30.0)        # 64 x 30 core-seconds waiting
+    joined = [WorkerStatus(WorkerInfo("w0", 16), busy_cores=16, running=16, started_at=12.0, launched_at=10.0,
+                           shape=CPU_SHAPE)]
+    assert pc.startup_s(PoolView(0.0, [], [_ws("w1")])) == 120       # nothing seen yet: the guess
+    assert pc.startup_s(PoolView(20.0, [], joined)) == 2.0
+    # 1920 core-seconds to clear in a 2 s start-up rather than 120 s: many more workers at once
+    def launched(controller, workers):
+        view = PoolView(20.0, backlog, workers, offered_load={"cpu": 0.0})
+        return sum(d.count for d in controller.decide(view) if isinstance(d, Launch))
+    guessed = [WorkerStatus(WorkerInfo("w0", 16), busy_cores=16, running=16, shape=CPU_SHAPE)]
+    assert launched(pc, joined) >= 1920 / 2 / 16 - 1 > launched(PoolController(cfg), guessed)
+
+
+def test_a_decaying_offered_load_does_not_keep_an_idle_pool():
+    cfg = PoolConfig([CPU_SHAPE], idle_ttl_s=4, max_launch_rate=1 << 20)
+    pc = PoolController(cfg)
+    pc.decide(PoolView(0.0, [], [_ws("w0", busy=2, running=2)], offered_load={"cpu": 2.0}))
+    # the burst ended at t=1; the policy's estimate of the offered load decays but never reaches 0
+    idle = [_ws("w0", idle_since=1.0)]
+    assert pc.decide(PoolView(3.0, [], idle, offered_load={"cpu": 1.5})) == []          # within the TTL
+    assert pc.decide(PoolView(30.0, [], idle, offered_load={"cpu": 0.9})) == [Reclaim("w0", "idle")]

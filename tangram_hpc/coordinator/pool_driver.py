@@ -46,7 +46,7 @@ class PoolDriver:
         if handle:
             started = self.starting.pop(handle, None)
             if started is not None:
-                w.launched_shape = started[0]
+                w.launched_shape, w.launched_at = started
 
     def tick(self, now: float) -> None:
         self.poll(now)
@@ -83,7 +83,7 @@ class PoolDriver:
                                   draining=w.state is WorkerState.DRAINING,
                                   started_at=w.registered_at,
                                   ends_at=backend.time_limit(w.info.handle) if w.info.handle else None,
-                                  shape=w.launched_shape)
+                                  shape=w.launched_shape, launched_at=w.launched_at)
                      for w in self.ledger.workers],
             starting=list(self.starting.values()),
             failures=self.failures[-50:], cluster=backend.capacity(),

@@ -133,6 +133,7 @@ class WorkerStatus:
     started_at: float = 0.0
     ends_at: float | None = None   # backend time limit, if any
     shape: WorkerShape | None = None  # the shape it was launched as, when a backend launched it
+    launched_at: float | None = None  # when the backend was asked for it (started_at - launched_at: its start-up)
 
     @property
     def launched_shape(self) -> WorkerShape:

@@ -13,7 +13,12 @@ the capacity wanted is
 ``offered load`` is the work submitted per second lately, counted at the
 cores each action would get with nothing waiting (``PoolView.offered_load``,
 from the scheduling policy): Little's law turns it into the cores that keep
-up.  The backlog term clears what already waits within one worker start-up.
+up; it counts only while the class is active (an action ran or waited within
+``hold_idle_s``), so a decaying estimate never keeps an idle pool.  The
+backlog term clears what already waits within one worker start-up:
+``startup_s`` is learned as the median start-up of the current workers
+(``WorkerStatus.launched_at`` to joining), with the configured value as the
+guess before any.
 The pool grows to ``wanted`` in one wave -- in proportion to demand, not by a
 fixed factor per start-up.  Without an offered load (a driver that does not
 provide it) the controller falls back to growing while busy cores exceed
@@ -156,14 +161,23 @@ class PoolController(PoolPolicy):
 
     def held(self, resource: ResourceClass | str, now: float) -> float:
         """Cores the step memory keeps for ``resource`` now (0 when the run went quiet)."""
-        cfg = self.config
         res = ResourceClass(resource)
-        if not cfg.hold_steps:
-            return 0.0
-        quiet = cfg.hold_idle_s if cfg.hold_idle_s is not None else cfg.idle_ttl_s
-        if now - self._active_at.get(res, -float("inf")) > quiet:
+        if not self.config.hold_steps or not self._active(res, now):
             return 0.0
         return max(self._peak.get(res, 0.0), self._prev_peak.get(res, 0.0))
+
+    def _active(self, res: ResourceClass, now: float) -> bool:
+        """An action of the class ran or waited within ``hold_idle_s`` (the run has not gone quiet)."""
+        cfg = self.config
+        quiet = cfg.hold_idle_s if cfg.hold_idle_s is not None else cfg.idle_ttl_s
+        return now - self._active_at.get(res, -float("inf")) <= quiet
+
+    def startup_s(self, view: PoolView) -> float:
+        """Seconds from asking for a worker to its joining: the median seen among the current
+        workers, else the configured guess (a queue-less dev cluster starts in seconds, a busy
+        site's in minutes; a guess far off either way over- or under-sizes every wave)."""
+        seen = sorted(w.started_at - w.launched_at for w in view.workers if w.launched_at is not None)
+        return seen[len(seen) // 2] if seen else self.config.startup_s
 
     # -- decision ------------------------------------------------------------
     def _tally(self, view: PoolView) -> dict[ResourceClass, _Demand]:
@@ -196,9 +210,11 @@ class PoolController(PoolPolicy):
         now = view.now
         if d.running or d.waiting:
             self._active_at[res] = now
-        backlog = d.backlog / max(cfg.startup_s, 1.0)
+        backlog = d.backlog / max(self.startup_s(view), 1.0)
         if view.offered_load is not None:
-            want = view.offered_load.get(res, 0.0) / cfg.target_util + backlog
+            # The offered load decays slowly; once the class went quiet it no longer keeps workers.
+            load = view.offered_load.get(res, 0.0) if self._active(res, now) else 0.0
+            want = load / cfg.target_util + backlog
         else:   # no offered load: grow while the pool runs hot
             want = max(d.busy / cfg.target_util, d.cap + d.starting_cores - d.free + backlog)
         # what the step used counts too: elastic actions grow into idle cores and run shorter for it

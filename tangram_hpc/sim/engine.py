@@ -221,7 +221,8 @@ class SimWorker:
         self.id = wid
         self.shape = shape
         self.resource = shape.resource
-        self.status = WorkerStatus(_info(wid, shape, services), idle_since=now, started_at=now, shape=shape)
+        self.status = WorkerStatus(_info(wid, shape, services), idle_since=now, started_at=now, shape=shape,
+                                   launched_at=requested if requested < now else None)
         self.alloc_start = requested
         self.alloc_end: float | None = None
         self.services: dict[str, _Replica] = {}
