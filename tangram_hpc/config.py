@@ -43,6 +43,7 @@ from .connection import CONNECTION_FILE_ENV
 from .errors import ConfigError
 from .managers.devices import CPU_BUDGET_ENV, DEFAULT_CPU_BUDGET_MB
 from .managers.limits import Limits
+from .policy.placement import PlacementPolicy
 from .protocol import MAX_FRAME_BYTES
 
 if sys.version_info >= (3, 11):
@@ -106,6 +107,8 @@ class CoordinatorSettings:
     backend: str = key("local", "who starts workers: processes on this machine, Slurm jobs, or nobody (workers "
                        "started by hand with 'tangram-hpc worker')", choices=("local", "slurm", "none"))
     policy: str = key("elastic", "placement policy", env="TANGRAM_POLICY", choices=("elastic", "fifo"))
+    pipeline_below_s: float = key(PlacementPolicy.PIPELINE_BELOW_S, "core-bound actions whose class is learned to "
+                                  "take less than this run pipelined, binding no core (0: never)", minimum=0)
     max_attempts: int = key(3, "attempts per action across worker losses", minimum=1)
     worker_timeout_s: float = key(5.0, "seconds of silence before a worker is lost", flag="--worker-timeout",
                                   minimum=0.1)

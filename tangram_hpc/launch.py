@@ -33,13 +33,13 @@ from .security import CurveKeys, is_loopback
 log = logging.getLogger("tangram.launch")
 
 
-def make_policy(name: str) -> SchedulingPolicy:
+def make_policy(name: str, pipeline_below_s: float | None = None) -> SchedulingPolicy:
     if name == "fifo":
         from .policy.fifo import FifoPolicy
-        return FifoPolicy()
+        return FifoPolicy(pipeline_below_s=pipeline_below_s)
     if name == "elastic":
         from .policy.elastic import ElasticScheduler
-        return ElasticScheduler()
+        return ElasticScheduler(pipeline_below_s=pipeline_below_s)
     raise ConfigError(f"unknown policy {name!r} (choose elastic or fifo)")
 
 
@@ -66,7 +66,7 @@ def build_coordinator(settings: Settings, *, reuse_ports: bool = True) -> Coordi
     common = ["--config", str(settings.file)] if settings.file else []
     service_args = common + worker_flags(settings, "services") + ["--kinds", "reward"]
     backend = pool = None
-    policy = make_policy(cfg.policy)
+    policy = make_policy(cfg.policy, cfg.pipeline_below_s)
     if cfg.backend == "local":
         from .backends.local import LocalBackend
         backend = LocalBackend(cfg.run_dir / "workers")

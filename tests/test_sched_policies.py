@@ -414,3 +414,50 @@ def test_throughput_rule_loads_another_replica_before_the_queue_outgrows_the_loa
     # one every 4 s needs two slots: one replica
     calm = _stream(4.0, 80.0)
     assert ["rm" in calm.resident_services(w) for w in ("g1", "g2")].count(True) == 1
+
+
+@pytest.mark.parametrize("policy_cls", [ElasticScheduler, FifoPolicy])
+def test_core_bound_actions_known_to_take_microseconds_are_pipelined(policy_cls):
+    p = policy_cls(shapes=[WorkerShape(2)])
+    p.add_worker(WorkerInfo("w", 2, kinds=CPU), 0.0)
+    t = 0.0
+
+    def run(n: int, seconds: float, **kw) -> list:
+        nonlocal t
+        specs = [ActionSpec("function", label="noop", demand=Demand(1, 1), **kw) for _ in range(n)]
+        for s in specs:
+            p.submit(s, t)
+        started = p.schedule(t)
+        for a in started:
+            t += seconds
+            p.finished(a.action_id, t, run_time=seconds)
+        return started
+
+    # unknown at first: each binds its core, so only the worker's two cores' worth start at once
+    first = run(40, 50e-6)
+    assert len(first) == 2 and all(a.cores == 1 for a in first)
+    while p.pending_count:
+        run(0, 50e-6)
+    for _ in range(10):                       # 20 runs seen: the class is known to take microseconds
+        run(2, 50e-6)
+    burst = run(100, 50e-6)
+    assert len(burst) == 100 and all(a.cores == 0 for a in burst)
+    # a hint at or above the limit keeps an action core-bound whatever its class did
+    [hinted] = run(1, 50e-6, duration_hint=1.0)
+    assert hinted.cores == 1
+    # slow runs bring the class over the limit: its actions bind cores again
+    for _ in range(10):
+        run(1, 0.05)
+    again = run(5, 50e-6)
+    assert len(again) == 2 and all(a.cores == 1 for a in again)
+
+
+def test_pipelining_can_be_turned_off():
+    p = ElasticScheduler(pipeline_below_s=0)
+    p.add_worker(WorkerInfo("w", 1, kinds=CPU), 0.0)
+    for i in range(30):
+        s = ActionSpec("function", label="noop")
+        p.submit(s, float(i))
+        [a] = p.schedule(float(i))
+        p.finished(a.action_id, float(i), run_time=1e-5)
+        assert a.cores == 1

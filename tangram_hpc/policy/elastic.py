@@ -110,7 +110,8 @@ class ElasticScheduler(PlacementPolicy):
     def __init__(self, predictor: Predictor | None = None, *, shapes: Sequence[WorkerShape] = (),
                  services: Mapping[str, ServiceInfo] | None = None,
                  aging: float = 0.5, priority_weight: float = 30.0, priority_clamp: int = 16,
-                 min_gain: float = 0.01, service_util: float = 0.85, rate_window_s: float = 30.0):
+                 min_gain: float = 0.01, service_util: float = 0.85, rate_window_s: float = 30.0,
+                 pipeline_below_s: float | None = None):
         if aging <= 0:
             raise ValueError("aging must be positive (it bounds the wait of every action)")
         self.aging = aging
@@ -120,7 +121,7 @@ class ElasticScheduler(PlacementPolicy):
         self.service_util = service_util
         self.rate_window_s = rate_window_s
         self._rates: dict[str, list[float]] = {}     # service -> [rate per second, at time]
-        super().__init__(predictor, shapes=shapes, services=services)
+        super().__init__(predictor, shapes=shapes, services=services, pipeline_below_s=pipeline_below_s)
 
     def wait_bound(self, size: float, priority_gap: int) -> float:
         """Time after which no newly submitted action outranks one of ``size``.

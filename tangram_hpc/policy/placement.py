@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Iterable, Mapping, Sequence
 
-from ..actions import ActionSpec
+from ..actions import ActionSpec, Demand
 from ..resources import ResourceClass, ServiceInfo, WorkerInfo, WorkerShape
 from .base import Assignment, SchedulingPolicy, light_capacity
 from .predict import Predictor
@@ -295,9 +295,13 @@ class Tally:
 class PlacementPolicy(SchedulingPolicy):
     """Common machinery; see the module docstring.  Subclasses set the order and the grant."""
 
+    #: Core-bound actions whose class is learned to take less than this run pipelined (see submit).
+    PIPELINE_BELOW_S = 0.001
+
     def __init__(self, predictor: Predictor | None = None, *, shapes: Sequence[WorkerShape] = (),
-                 services: Mapping[str, ServiceInfo] | None = None):
+                 services: Mapping[str, ServiceInfo] | None = None, pipeline_below_s: float | None = None):
         self.predictor = predictor if predictor is not None else Predictor()
+        self.pipeline_below_s = self.PIPELINE_BELOW_S if pipeline_below_s is None else pipeline_below_s
         self.tally = Tally()
         self._recs: dict[str, ActionRecord] = {}
         self._waiting: dict[str, ActionRecord] = {}    # the pending ones
@@ -595,6 +599,10 @@ class PlacementPolicy(SchedulingPolicy):
         if old is not None and old.state is not _GONE:
             raise ValueError(f"action {aid} is already pending or running")
         self._seq += 1
+        d = action.demand
+        if (d.min_cores and self.pipeline_below_s and action.env is None and not (d.mem_mb or d.gpu_mem_mb or d.service)
+                and self.predictor.is_tiny(action, self.pipeline_below_s)):
+            action = _pipelined(action)
         rec = ActionRecord(action, now, self._seq, self._kind(action.kind))
         self._recs[aid] = rec
         self._waiting[aid] = rec
@@ -602,7 +610,6 @@ class PlacementPolicy(SchedulingPolicy):
         if not rec.light:
             rec.work = rec.time_at(action.demand.min_cores) * action.demand.min_cores
         rec.key = self._key(rec)
-        d = action.demand
         step = action.step
         if step is not None:
             self._step_seen = True
@@ -1118,3 +1125,22 @@ def water_level(cores: float, by_max: dict[int, int]) -> float:
         return left / n
     return _INF
 
+
+
+_NO_CORE = Demand(0, 0)
+
+
+def _pipelined(spec: ActionSpec) -> ActionSpec:
+    """The spec as placed when its class is known to finish in well under a round trip.
+
+    Binding a core for such an action costs a coordinator round trip per action
+    (a worker holds only as many as it has cores, so frames carry one or two),
+    while the call itself takes microseconds.  Placed as a *light* action it is
+    pipelined like a zero-core one; the worker runs it on its I/O side, and the
+    result reports ``cores=0``.  Learning keeps it honest: one slow run puts the
+    class over the limit, and its next actions bind cores again.
+    """
+    return ActionSpec(kind=spec.kind, payload=spec.payload, env=None, demand=_NO_CORE,
+                      duration_hint=spec.duration_hint, timeout=spec.timeout, priority=spec.priority,
+                      trajectory=spec.trajectory, step=spec.step, label=spec.label,
+                      idempotency_key=spec.idempotency_key, id=spec.id)

@@ -248,6 +248,17 @@ class Predictor:
         c = spec.demand.min_cores if cores is None else cores
         return amdahl_time(self.one_core(spec, st), self.parallel_fraction(spec, st), max(1, c))
 
+    def is_tiny(self, spec: ActionSpec, limit_s: float, min_runs: int = 20) -> bool:
+        """Whether ``spec``'s class is known to take under ``limit_s`` (mean, after ``min_runs`` runs).
+
+        A hint at or above the limit says otherwise, whatever the class did so far.
+        """
+        hint = spec.duration_hint
+        if hint is not None and hint >= limit_s:
+            return False
+        st = self._stats_of(spec)
+        return st is not None and st.n >= min_runs and st.mean() < limit_s
+
     def mean_core_seconds(self, spec: ActionSpec) -> float:
         """Expected core-seconds at ``min_cores`` (mean, not median: for capacity planning)."""
         st = self._stats_of(spec)
