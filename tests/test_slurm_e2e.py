@@ -85,8 +85,10 @@ def test_workers_grow_under_load_and_shrink_after(coordinator):
     # the allocation history: every job the coordinator submitted, how it went, and why it ended
     with open(coordinator["run_dir"] / "slurm_jobs.log", "rb") as f:
         submitted = {str(r[2]) for r in msgpack.Unpacker(f)}
-    allocs = wait_until(lambda: [a for a in c.status(allocations=True)["allocations"] if a["state"] == "ended"],
-                        30, what="ended allocations")
+    def ended():
+        allocs = c.status(allocations=True)["allocations"]
+        return {a["job_id"] for a in allocs if a["state"] == "ended"} == submitted and allocs
+    allocs = wait_until(ended, 30, what="every submitted job to have ended in the allocation history")
     assert {a["job_id"] for a in allocs} == submitted
     for a in allocs:
         assert a["worker"] and a["started"] <= a["joined"] <= a["ended"] and a["reason"] == "completed", a

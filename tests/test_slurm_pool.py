@@ -54,20 +54,27 @@ def _work(n: int) -> list[ActionSpec]:
 
 
 def test_launches_still_starting_are_withdrawn_once_nothing_waits():
-    pc = PoolController(PoolConfig([ONE], max_workers={"cpu": 8}, startup_s=30))
+    pc = PoolController(PoolConfig([ONE], max_workers={"cpu": 8}, startup_s=30, hold_steps=False))
     starting = [(ONE, 10.0), (ONE, 11.0), (ONE, 12.0)]
     # work waits: nothing is withdrawn (and nothing more launched: the three starting cover it)
-    assert not [d for d in pc.decide(PoolView(20.0, _work(2), [], starting)) if isinstance(d, Withdraw)]
+    assert not [d for d in pc.decide(PoolView(20.0, _work(2), [], starting, offered_load={})) if isinstance(d, Withdraw)]
     # the backlog cleared, nothing runs: all three go
-    assert pc.decide(PoolView(20.0, [], [], starting)) == [Withdraw(ONE, 3, "no cpu work waiting")]
-    # 4 busy cores of 4 want 4 / 0.75 = 5.3 cores: two of the three are still wanted
-    out = pc.decide(PoolView(20.0, [], [_busy("w", 4, 4)], starting))
+    assert pc.decide(PoolView(20.0, [], [], starting, offered_load={})) == [Withdraw(ONE, 3, "no cpu work waiting")]
+    # 4 busy cores and work arriving at 4.5 cores' worth a second want 4.5 / 0.75 = 6 cores: one of the three goes
+    out = pc.decide(PoolView(20.0, [], [_busy("w", 4, 4)], starting, offered_load={"cpu": 4.5}))
     assert [d for d in out if isinstance(d, Withdraw)] == [Withdraw(ONE, 1, "no cpu work waiting")]
     # min_workers are kept
-    pc = PoolController(PoolConfig([ONE], min_workers={"cpu": 2}))
-    assert pc.decide(PoolView(20.0, [], [], starting)) == [Withdraw(ONE, 1, "no cpu work waiting")]
-    # a withdrawal never turns into a launch at the same decision
-    assert not [d for d in pc.decide(PoolView(20.0, [], [], starting)) if isinstance(d, Launch)]
+    pc = PoolController(PoolConfig([ONE], min_workers={"cpu": 2}, hold_steps=False))
+    out = pc.decide(PoolView(20.0, [], [], starting, offered_load={}))
+    assert out == [Withdraw(ONE, 1, "no cpu work waiting")]      # and a withdrawal never turns into a launch
+
+
+def test_capacity_held_for_the_next_step_is_withdrawn_only_once_the_run_goes_quiet():
+    pc = PoolController(PoolConfig([ONE], max_workers={"cpu": 8}, startup_s=30, idle_ttl_s=30))
+    starting = [(ONE, 10.0), (ONE, 11.0), (ONE, 12.0)]
+    pc.decide(PoolView(20.0, _work(2), [], starting, offered_load={}))     # 2 x 60 core-s: 4 cores wanted
+    assert not [d for d in pc.decide(PoolView(25.0, [], [], starting, offered_load={})) if isinstance(d, Withdraw)]
+    assert pc.decide(PoolView(51.0, [], [], starting, offered_load={})) == [Withdraw(ONE, 3, "no cpu work waiting")]
 
 
 # -- live: a coordinator with the Slurm backend ----------------------------------------------------
@@ -141,7 +148,7 @@ def job_ids(allocs: list[dict]) -> list[int]:
 @pytest.mark.slurm
 def test_queued_worker_jobs_are_cancelled_when_the_backlog_clears(tmp_path, dev_cluster):
     # Worker jobs that cannot start for an hour (--begin): they wait in the queue as on a busy cluster.
-    co = Coordinator(tmp_path / "run", "--slurm-sbatch", "begin=now+3600", "--slurm-max-workers", "3")
+    co = Coordinator(tmp_path / "run", "--slurm-sbatch", "begin=now+3600", "--slurm-max-workers", "3", "--slurm-idle", "2")
     view = CliClusterView()
     try:
         specs = [ActionSpec("function", {"fn": "time:sleep", "args": [1]}, demand=Demand(1, 1), duration_hint=60)

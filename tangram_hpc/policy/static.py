@@ -1,0 +1,40 @@
+"""A pool of fixed size: the local backend's pool, and the warm start of a static cluster."""
+from __future__ import annotations
+
+from ..resources import WorkerShape
+from .base import Launch, PoolPolicy, PoolView, Reclaim, Withdraw, WorkerStatus
+
+__all__ = ["StaticPool"]
+
+
+class StaticPool(PoolPolicy):
+    """Keep a fixed set of workers: launch them, replace lost ones, give back extras.
+
+    A worker command that keeps failing is held back by the driver's launch throttle
+    (back-off, then the breaker), not here.
+    """
+
+    def __init__(self, shapes: list[WorkerShape]):
+        self.shapes = list(shapes)
+
+    def decide(self, view: PoolView) -> list[Launch | Reclaim | Withdraw]:
+        want: dict[WorkerShape, int] = {}
+        for s in self.shapes:
+            want[s] = want.get(s, 0) + 1
+        have: dict[WorkerShape, list[WorkerStatus]] = {}
+        for w in view.workers:
+            have.setdefault(w.launched_shape, []).append(w)
+        starting: dict[WorkerShape, int] = {}
+        for shape, _ in view.starting:
+            starting[shape] = starting.get(shape, 0) + 1
+        out: list[Launch | Reclaim | Withdraw] = []
+        # A worker declared lost that comes back (a resumed hang) makes one too many: give back an idle one.
+        for shape, ws in have.items():
+            extra = len(ws) + starting.get(shape, 0) - want.get(shape, 0)
+            for w in [w for w in ws if not w.running and not w.draining][:max(0, extra)]:
+                out.append(Reclaim(w.info.id, "more workers than the pool keeps"))
+        for shape, n in want.items():
+            missing = n - len(have.get(shape, [])) - starting.get(shape, 0)
+            if missing > 0:
+                out.append(Launch(shape, missing))
+        return out
