@@ -208,3 +208,24 @@ def test_failed_worker_jobs_stop_launches_until_resumed(tmp_path, dev_cluster):
         assert "launches resumed by an operator" in log
     finally:
         co.close()
+
+
+class ShortPartitionView(CliClusterView):
+    """The live cluster, as if its partitions had a MaxTime of 30 minutes (the dev cluster's is unlimited)."""
+
+    def partitions(self):
+        from tangram_hpc.slurm.cli_view import parse_scontrol_partitions
+        text = self._run(["scontrol", "show", "partition", "-o"]).replace("MaxTime=UNLIMITED", "MaxTime=00:30:00")
+        return parse_scontrol_partitions(text, self.nodes())
+
+
+@pytest.mark.slurm
+def test_a_time_limit_over_the_partitions_maxtime_is_refused(tmp_path, dev_cluster):
+    from tangram_hpc.backends.slurm import SlurmBackend, backend_config, slurm_shapes
+    s = SlurmSettings(time_min=45)
+    be = SlurmBackend(backend_config(s, tmp_path), view=ShortPartitionView())
+    with pytest.raises(ConfigError, match=r"time_min \(--slurm-time\) = 45 min is longer than partition cpu's "
+                                          r"MaxTime \(30 min"):
+        be.preflight(slurm_shapes(s))
+    s = SlurmSettings(time_min=30)
+    SlurmBackend(backend_config(s, tmp_path), view=ShortPartitionView()).preflight(slurm_shapes(s))
