@@ -7,7 +7,6 @@ a coordinator with the Slurm backend on this machine against the loopback cluste
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -22,7 +21,7 @@ from slurm_support import REPO, dev_cluster, wait_until  # noqa: F401
 from tangram_hpc.actions import ActionSpec, Demand
 from tangram_hpc.backends.slurm import check_time_limits
 from tangram_hpc.config import ConfigError, SlurmSettings
-from tangram_hpc.policy.base import Launch, PoolView, Withdraw, WorkerStatus
+from tangram_hpc.policy.base import PoolView, Withdraw, WorkerStatus
 from tangram_hpc.policy.pool import PoolConfig, PoolController
 from tangram_hpc.resources import WorkerInfo, WorkerShape
 from tangram_hpc.slurm.cli_view import CliClusterView
