@@ -44,6 +44,8 @@ from .errors import ConfigError
 from .managers.devices import CPU_BUDGET_ENV, DEFAULT_CPU_BUDGET_MB
 from .managers.limits import Limits
 from .policy.placement import PlacementPolicy
+from .policy.pool import PoolConfig
+from .resources import WorkerShape
 from .protocol import MAX_FRAME_BYTES
 
 if sys.version_info >= (3, 11):
@@ -82,6 +84,7 @@ def key(default: Any, help: str, *, env: str | None = None, flag: str | None = N
 
 
 _LIMITS = Limits()
+_POOL = PoolConfig([WorkerShape(1)])   # its defaults, stated once there
 
 
 # -- the sections ----------------------------------------------------------------
@@ -240,9 +243,16 @@ class SlurmSettings:
     env_idle_s: float | None = key(None, "idle time before a worker hosting sandbox environments is drained; its "
                                    "environments are snapshotted and follow their trajectories (default: twice "
                                    "idle_s)", flag="--slurm-env-idle", minimum=0)
-    startup_s: float = key(30.0, "expected seconds from submitting a worker job to its joining: the pool asks for "
-                           "enough workers to clear the backlog in about this time", flag="--slurm-startup",
-                           minimum=0.1)
+    startup_s: float = key(30.0, "seconds from submitting a worker job to its joining, until the pool has seen "
+                           "some (it then uses the median it saw): the pool asks for enough workers to clear the "
+                           "backlog in about this time", flag="--slurm-startup", minimum=0.1)
+    target_util: float = key(_POOL.target_util, "busy share of the pool's cores it aims for under a steady load "
+                             "(lower: more headroom, shorter queues)", flag="--slurm-target-util", minimum=0.05)
+    hold_steps: bool = key(_POOL.hold_steps, "keep the current and the previous RL step's peak capacity while "
+                           "the run is active, so the next step's burst finds its workers up",
+                           flag="--no-slurm-hold-steps")
+    hold_idle_s: float | None = key(_POOL.hold_idle_s, "quiet time after which the held step capacity is let "
+                                    "go (default: idle_s)", flag="--slurm-hold-idle", minimum=0)
 
 
 @dataclass

@@ -514,7 +514,8 @@ def pool_from_settings(s: SlurmSettings, predictor=None) -> PoolController:
     cfg = PoolConfig(slurm_shapes(s), max_workers=max_workers, min_workers={"cpu": s.min_workers},
                      startup_s=s.startup_s, idle_ttl_s=s.idle_s,
                      env_idle_ttl_s=s.env_idle_s if s.env_idle_s is not None else 2 * s.idle_s,
-                     time_limit_margin_s=s.replace_before_s)
+                     time_limit_margin_s=s.replace_before_s, target_util=s.target_util,
+                     hold_steps=s.hold_steps, hold_idle_s=s.hold_idle_s)
     return PoolController(cfg, predictor)
 
 
