@@ -18,7 +18,8 @@ CANCEL        C->K       ``[action id, ...]``
 RESULT        K->C       ``[result wire list, ...]``
 STATUS        C->K       ``{}``; reply STATUS with a status map
 HEARTBEAT     any        ``{"coordinator": id}`` from K; ``{}`` from C;
-                         ``{"running": n, "services": [...], "envs": [...]}`` from W
+                         ``{"running": n, "services": [...], "envs": [...],
+                         "service_counts": {service: [loads, evictions, queued]}}`` from W
 ERROR         K->any     ``{"code": str, "message": str}``
 REGISTER      W->K       worker description, see :func:`check_register`
 ASSIGN        K->W       ``[[action wire map, attempt, cores], ...]``

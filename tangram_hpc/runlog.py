@@ -33,6 +33,11 @@ class RunLog:
     def append(self, record: list) -> None:
         self._buf.append(record)
 
+    @property
+    def pending(self) -> list[list]:
+        """The records not written yet (the coordinator's metrics read them before each flush)."""
+        return self._buf
+
     def flush(self) -> None:
         if not self._buf:
             return

@@ -11,6 +11,7 @@ it is still there ``drain_grace_s`` later.
 from __future__ import annotations
 
 import logging
+from collections import deque
 
 from .. import protocol as P
 from ..backends.base import JobState, WorkerBackend, WorkerLaunchSpec
@@ -38,6 +39,7 @@ class PoolDriver:
         self.failures: list[tuple[float, str]] = []                 # recent failed starts: (time, why)
         self._reclaim_at: dict[str, float] = {}                     # drained handle -> cancel its job then
         self._last_decision = float("-inf")
+        self.decisions: deque[tuple[float, str, str]] = deque(maxlen=50)  # (time, what, detail), for status
 
     # -- events --------------------------------------------------------------------
     def joined(self, w: WorkerRecord) -> None:
@@ -91,6 +93,7 @@ class PoolDriver:
             if isinstance(d, Launch):
                 self._launch(d, now)
             elif isinstance(d, Reclaim):
+                self.decisions.append((now, "drain", f"{d.worker_id}: {d.reason}"))
                 self.ledger.drain(d.worker_id, d.reason, now)
 
     def _launch(self, d: Launch, now: float) -> None:
@@ -104,10 +107,14 @@ class PoolDriver:
             return
         for h in handles:
             self.starting[h] = (d.shape, now)
+        if handles:
+            self.ledger.counters.launches += len(handles)
+            self.decisions.append((now, "launch", f"{len(handles)} x {_shape_text(d.shape)}"))
 
     def _launch_failed(self, now: float, why: str) -> None:
         self.ledger.counters.launch_failures += 1
         self.failures.append((now, why))
+        self.decisions.append((now, "launch failed", why))
         if len(self.failures) > 100:  # a crash-looping backend must not grow this forever
             del self.failures[:-50]
 
@@ -120,6 +127,8 @@ class PoolDriver:
                 self.ledger.outbox.to_workers.append(
                     (w.ident, P.STOP, {"reason": w.drain_reason or "reclaimed", "reregister": False}))
                 self.ledger.retire_worker(w.info.id, now)
+                self.ledger.counters.reclaims += 1
+                self.decisions.append((now, "reclaim", f"{w.info.id}: {w.drain_reason or 'reclaimed'}"))
                 if w.info.handle:
                     self._reclaim_at[w.info.handle] = now + self.config.drain_grace_s
         for handle, at in list(self._reclaim_at.items()):
@@ -133,4 +142,18 @@ class PoolDriver:
     def status(self) -> dict:
         return {"launch_failures": self.ledger.counters.launch_failures,
                 "recent_launch_failures": [why for _, why in self.failures[-5:]],
-                "starting_workers": len(self.starting), "pool": self.pool.explain()}
+                "starting_workers": len(self.starting), "pool": self.pool.explain(),
+                "pool_decisions": [list(d) for d in list(self.decisions)[-20:]]}
+
+
+def _shape_text(s: WorkerShape) -> str:
+    parts = [f"{s.cores} cores"]
+    if s.mem_mb:
+        parts.append(f"{s.mem_mb} MiB")
+    if s.gpus:
+        parts.append(f"{s.gpus} GPU")
+    elif s.gpu_mem_mb:
+        parts.append(f"{s.gpu_mem_mb} MiB device")
+    if s.partition:
+        parts.append(f"partition {s.partition}")
+    return ", ".join(parts)
