@@ -19,6 +19,7 @@ COMMANDS = {
     "worker": ("tangram_hpc.worker", "run a worker that joins a coordinator"),
     "submit": ("tangram_hpc.commands", "submit one action from the shell and print its result"),
     "status": ("tangram_hpc.commands", "show a coordinator's workers, queue and counters"),
+    "top": ("tangram_hpc.top", "live view of a coordinator: workers, queues, ACT percentiles, pool decisions"),
     "report": ("tangram_hpc.report", "usage report of a run: sacct records joined with the action log"),
     "bench": ("tangram_hpc.bench", "simulate a workload under tangram and the baselines; print ACT, step time, resources"),
     "fidelity": ("tangram_hpc.sim.replay", "run a small workload live on local workers and in the simulator; compare ACT"),
