@@ -33,6 +33,7 @@ from .policy.elastic import ElasticScheduler
 from .policy.fifo import FifoPolicy
 from .policy.pool import PoolConfig, PoolController
 from .policy.predict import Predictor
+from .progress import progress_reporter
 from .sim.baselines import TaskIsolatedPolicy, TrajectoryBoundPolicy, isolated_split, unconstrained_peaks
 from .sim.engine import SimResult, cluster_shapes, simulate
 from .sim.workload import Plan, Workload, WorkloadError, load_workload, preset_names
@@ -59,7 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, help="override the workload's seed")
     parser.add_argument("--no-search", action="store_true",
                         help="skip the search for the pool size matching the trajectory-bound step duration")
-    parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    parser.add_argument("--quiet", action="store_true",
+                        help="no progress on stderr (there is none when stderr is not a terminal)")
 
 
 def tangram_run(plan: Plan, *, cpu_workers: int | None = None, gpu_workers: int | None = None,
@@ -307,7 +309,6 @@ def write_plots(runs: dict[str, SimResult], out_dir: str, title: str) -> list[st
 
 
 def main(args: argparse.Namespace) -> int:
-    progress = None if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     try:
         w = load_workload(args.workload)
     except WorkloadError as e:
@@ -319,7 +320,8 @@ def main(args: argparse.Namespace) -> int:
         from dataclasses import replace
         w = replace(w, seed=args.seed)
     t0 = time.perf_counter()
-    fig, runs = run_bench(w, search=not args.no_search, progress=progress)
+    with progress_reporter(args.quiet) as progress:
+        fig, runs = run_bench(w, search=not args.no_search, progress=progress)
     fig["bench_wall_s"] = time.perf_counter() - t0
     print(f"workload {w.name} ({w.source}): {fig['trajectories']:,} trajectories, {fig['actions']:,} actions")
     print(_fmt_table(fig))

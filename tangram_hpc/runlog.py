@@ -48,12 +48,15 @@ class RunLog:
             f.write(data)
 
 
-def read_records(path: str | os.PathLike) -> Iterator[list]:
-    """Yield records; a torn last record (coordinator killed mid-write) is ignored."""
+def read_records(path: str | os.PathLike, *, progress=None) -> Iterator[list]:
+    """Yield records; a torn last record (coordinator killed mid-write) is ignored.  With a
+    :class:`~tangram_hpc.progress.Progress`, reading shows a bar by bytes."""
     try:
         f = open(path, "rb")
     except FileNotFoundError:
         return
+    if progress is not None:
+        f = progress.reading(f, os.fstat(f.fileno()).st_size, f"reading {Path(path).name}")
     with f:
         unpacker = msgpack.Unpacker(f, raw=False)
         try:

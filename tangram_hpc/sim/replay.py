@@ -25,6 +25,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..actions import ActionSpec, Demand
+from ..progress import progress_reporter
 from .workload import Plan, Workload, WorkloadError, load_workload
 
 __all__ = ["sleep_action", "replay", "ReplayResult", "fidelity", "scaled_plan"]
@@ -158,6 +159,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--workload", default="mini", help="preset name or workload TOML file (default: mini)")
     ap.add_argument("--time-scale", type=float, default=1.0, help="multiply all durations (default 1)")
     ap.add_argument("--policy", choices=("elastic", "fifo"), default="elastic")
+    ap.add_argument("--quiet", action="store_true",
+                    help="no progress on stderr (there is none when stderr is not a terminal)")
 
 
 def main(a: argparse.Namespace | list[str] | None = None) -> int:
@@ -171,8 +174,9 @@ def main(a: argparse.Namespace | list[str] | None = None) -> int:
     except WorkloadError as e:
         print(e, file=sys.stderr)
         return 2
-    res = fidelity(w, time_scale=a.time_scale, policy=a.policy,
-                   progress=lambda m: print(m, file=sys.stderr, flush=True))
+    with progress_reporter(a.quiet) as progress:
+        progress(f"{w.name}: starting local workers ...")
+        res = fidelity(w, time_scale=a.time_scale, policy=a.policy, progress=progress)
     print(f"{res['workload']} ({res['actions']} actions, policy {res['policy']}): "
           f"live mean ACT {res['live_mean_act']:.3f}s, simulated {res['sim_mean_act']:.3f}s "
           f"({res['act_error']:+.1%}); steps live {[round(x, 1) for x in res['live_step_s']]} "
