@@ -338,3 +338,28 @@ def test_serve_exports_its_request_metrics(tmp_path):
                if s.labels["code"].startswith("4")) == 1
     assert sample(f, "tangram_serve_request_duration_seconds", "_count", route="/run_code") == 4
     assert sample(f, "tangram_serve_requests_in_flight") == 0
+
+
+@pytest.mark.slow
+def test_service_residency_and_loads_come_from_the_reward_workers_heartbeats(tmp_path):
+    from tangram_hpc import reward
+
+    service = "judge=tangram_hpc.managers.rewards:hashing_similarity,max_wait_ms=2"
+    with LocalCluster(workers=0, reward_workers=1, services=[service], run_dir=tmp_path / "run",
+                      extra_args=["--metrics-port", "0"]) as cl, cl.client() as c:
+        res = c.map([reward("judge", [{"response": f"r{i}", "reference": "ref"}]) for i in range(20)], timeout=60)
+        assert all(r.ok for r in res)
+        url = c.status()["metrics_url"]
+        deadline = time.monotonic() + 10
+        while True:       # the worker reports residency in its next heartbeat (every second)
+            f = scrape(url)
+            if f["tangram_service_resident"].samples or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        [w] = c.status()["workers"]
+    assert sample(f, "tangram_service_resident", service="judge", worker=w["id"]) == 1
+    assert w["services"] == ["judge"]
+    assert sample(f, "tangram_service_loads", "_total", service="judge", worker=w["id"]) >= 1
+    assert sample(f, "tangram_service_evictions", "_total", service="judge", worker=w["id"]) == 0
+    assert sample(f, "tangram_service_queued_inputs", service="judge", worker=w["id"]) == 0
+    assert sample(f, "tangram_actions_finished", "_total", kind="reward", status="ok") == 20
