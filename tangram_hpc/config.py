@@ -120,6 +120,9 @@ class CoordinatorSettings:
                                    "unset: no endpoint; needs the metrics extra)", env="TANGRAM_METRICS_PORT",
                                    minimum=0)
     metrics_host: str | None = key(None, "interface of the metrics endpoint (default: the coordinator's host)")
+    metrics_targets_dir: Path | None = key(None, "directory where the coordinator writes its Prometheus file_sd "
+                                           "target (tangram-RUN.json), shared by runs so that one file_sd glob finds "
+                                           "them all (default: the run directory)")
 
     def resolved(self) -> "CoordinatorSettings":
         """A copy with the run directory, connection file and host filled in."""

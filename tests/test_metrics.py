@@ -266,10 +266,14 @@ def sample(fams: dict, name: str, suffix: str = "", **labels) -> float:
 
 @pytest.mark.slow
 def test_the_coordinator_endpoint_agrees_with_status_under_load_and_survives_junk(tmp_path):
-    with LocalCluster(workers=2, cores=1, run_dir=tmp_path / "run", extra_args=["--metrics-port", "0"]) as cl, \
+    with LocalCluster(workers=2, cores=1, run_dir=tmp_path / "run",
+                      extra_args=["--metrics-port", "0", "--metrics-targets-dir", str(tmp_path / "targets")]) as cl, \
             cl.client() as c:
         url = c.status()["metrics_url"]
         assert url.startswith("http://127.0.0.1:") and url.endswith("/metrics")
+        import json
+        [target] = json.loads((tmp_path / "targets" / "tangram-run.json").read_text())
+        assert f"http://{target['targets'][0]}/metrics" == url and target["labels"]["run"] == "run"
         errors: list = []
         stop = threading.Event()
 
@@ -307,6 +311,7 @@ def test_the_coordinator_endpoint_agrees_with_status_under_load_and_survives_jun
         assert sample(f, "tangram_worker_launches", "_total") == 2 == st["launches"]
         assert sample(f, "tangram_metrics_age_seconds") < 1.0
         assert sum(s.value for s in f["tangram_worker_cores"].samples) == 2
+    assert not list((tmp_path / "targets").iterdir())                    # gone with the coordinator
 
 
 def test_a_metrics_port_in_use_stops_the_coordinator_with_a_clear_error(tmp_path):

@@ -10,10 +10,13 @@ decode, a dict insert, a policy call and an encode.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
 import time
+from pathlib import Path
+
 import zmq
 
 from .. import protocol as P
@@ -105,6 +108,24 @@ class Coordinator:
             raise ConfigError(f"cannot serve metrics on {host}:{port} (metrics_host, metrics_port): "
                               f"{e.strerror or e}") from None
         log.info("Prometheus metrics at %s", self._metrics_server.url)
+        self._write_scrape_target()
+
+    @property
+    def _scrape_target_file(self) -> Path:
+        run = self.config.run_dir.name
+        return Path(self.config.metrics_targets_dir or self.config.run_dir) / f"tangram-{run}.json"
+
+    def _write_scrape_target(self) -> None:
+        """The endpoint in Prometheus's file_sd format, so that a Prometheus watching the targets
+        directory finds a coordinator whose port was picked at start (metrics_port 0)."""
+        m = self._metrics_server
+        target = [{"targets": [f"{m.host}:{m.port}"], "labels": {"coordinator": self.id,
+                                                                 "run": self.config.run_dir.name}}]
+        path = self._scrape_target_file
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")   # file_sd ignores it; the rename is atomic
+        tmp.write_text(json.dumps(target) + "\n")
+        os.replace(tmp, path)
 
     @property
     def metrics_url(self) -> str | None:
@@ -187,6 +208,7 @@ class Coordinator:
         if self._metrics_server is not None:
             self._metrics_server.close()
             self._metrics_server = None
+            self._scrape_target_file.unlink(missing_ok=True)
         if self._ctx is None:
             return
         bye = P.encode(P.STOP, {"reason": "coordinator shutting down", "reregister": False})
