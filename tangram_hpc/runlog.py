@@ -8,8 +8,8 @@
 
     [time, event, worker_id, handle, cores, gpus]     event: register | lost | drain | reclaimed | exit
 
-Records are buffered in memory and written at each tick of the coordinator (twice a second), so logging costs
-the dispatch path one list append per action.
+Records are buffered in memory and written at each tick of the coordinator
+(twice a second), so logging costs the dispatch path one list append per action.
 """
 from __future__ import annotations
 
