@@ -14,26 +14,11 @@ import pytest
 from tangram_hpc.progress import Progress, progress_reporter
 from tangram_hpc.runlog import read_records
 
-from test_top import ANSI
+from pty_support import ANSI, read_for
 
 BENCH = [sys.executable, "-m", "tangram_hpc.cli", "bench", "--workload", "math", "--scale", "0.1", "--steps", "2",
          "--no-search"]
 ROOT = os.path.join(os.path.dirname(__file__), "..")
-
-
-def _drain(fd: int, until: float) -> bytes:
-    out = b""
-    while time.monotonic() < until:
-        if not select.select([fd], [], [], 0.1)[0]:
-            continue
-        try:
-            chunk = os.read(fd, 65536)
-        except OSError:
-            break
-        if not chunk:
-            break
-        out += chunk
-    return out
 
 
 def test_nothing_is_drawn_in_a_pipe_or_when_quiet():
@@ -68,7 +53,7 @@ def test_a_terminal_gets_the_status_line_and_bars_and_they_are_cleared_at_the_en
                 time.sleep(0.3)          # rich redraws ten times a second
                 p("simulating tangram ...")
                 time.sleep(0.3)
-            out = _drain(master, time.monotonic() + 0.5).decode("utf-8", "replace")
+            out = read_for(master, 0.5).decode("utf-8", "replace")
         text = ANSI.sub("", out)
         assert "simulating fifo" in text and "simulating tangram" in text and "replaying steps" in text
         assert "50%" in text
@@ -87,7 +72,7 @@ def test_reading_a_log_through_a_bar_gives_the_same_records(tmp_path):
         with open(slave, "w", closefd=False) as tty, progress_reporter(stream=tty) as p:
             got = list(read_records(path, progress=p))
         assert got == recs == list(read_records(path)) == list(read_records(path, progress=Progress()))
-        assert "reading actions.log" in ANSI.sub("", _drain(master, time.monotonic() + 0.5).decode("utf-8", "replace"))
+        assert "reading actions.log" in ANSI.sub("", read_for(master, 0.5).decode("utf-8", "replace"))
     finally:
         os.close(master)
         os.close(slave)
@@ -100,7 +85,7 @@ def test_bench_draws_progress_on_a_terminal_stderr_and_its_results_stay_on_stdou
         p = subprocess.Popen(BENCH + (["--quiet"] if quiet else []), stdout=subprocess.PIPE, stderr=slave,
                              stdin=subprocess.DEVNULL, cwd=ROOT, env=os.environ | {"TERM": "xterm-256color"})
         stdout, _ = p.communicate(timeout=120)
-        err = ANSI.sub("", _drain(master, time.monotonic() + 0.5).decode("utf-8", "replace"))
+        err = ANSI.sub("", read_for(master, 0.5).decode("utf-8", "replace"))
     finally:
         os.close(master)
         os.close(slave)

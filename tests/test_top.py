@@ -7,13 +7,9 @@ screen, presses ``q`` and checks the terminal is given back as it was.
 """
 from __future__ import annotations
 
-import fcntl
 import io
 import os
-import re
-import select
 import signal
-import struct
 import subprocess
 import sys
 import termios
@@ -27,7 +23,7 @@ from tangram_hpc import LocalCluster, function, sandbox
 from tangram_hpc.metrics import Histogram
 from tangram_hpc.top import TopView
 
-ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[()][A-Z0-9]|\x1b[=>]")
+from pty_support import press_and_drain, read_screen_until, run_in_pty
 
 
 def text_of(view: TopView, now: float, width: int = 160) -> str:
@@ -133,54 +129,6 @@ def test_a_silent_coordinator_is_shown_over_the_last_answer_and_empty_sections_s
 
 # -- the real command ------------------------------------------------------------------------
 
-def _pty_run(cmd: list[str], rows: int = 50, cols: int = 150) -> tuple[subprocess.Popen, int, int]:
-    master, slave = os.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
-    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES", "NO_COLOR")} | {"TERM": "xterm-256color"}
-    proc = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave, start_new_session=True, env=env,
-                            cwd=os.path.join(os.path.dirname(__file__), ".."))
-    return proc, master, slave
-
-
-def _read_until(master: int, pred, timeout: float) -> str:
-    buf = b""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if select.select([master], [], [], 0.2)[0]:
-            try:
-                buf += os.read(master, 65536)
-            except OSError:
-                break
-            # The latest full frame: what follows the last cursor-home of the live screen.
-            screen = ANSI.sub("", buf.decode("utf-8", "replace").rsplit("\x1b[H", 1)[-1])
-            if pred(screen):
-                return screen
-    raise AssertionError(f"the screen never showed what was expected; last output:\n"
-                         f"{ANSI.sub('', buf.decode('utf-8', 'replace'))[-3000:]}")
-
-
-def _press_and_drain(proc: subprocess.Popen, master: int, key: bytes, timeout: float) -> bytes:
-    """Press ``key``; read the terminal until the process exits (a full pty would block its writes)."""
-    os.write(master, key)
-    out = b""
-    deadline = time.monotonic() + timeout
-    while proc.poll() is None and time.monotonic() < deadline:
-        if select.select([master], [], [], 0.1)[0]:
-            try:
-                out += os.read(master, 65536)
-            except OSError:
-                break
-    while select.select([master], [], [], 0.1)[0]:
-        try:
-            chunk = os.read(master, 65536)
-        except OSError:
-            break
-        if not chunk:
-            break
-        out += chunk
-    return out
-
-
 @pytest.mark.slow
 @pytest.mark.sandbox
 def test_top_in_a_terminal_shows_the_cluster_live_and_q_gives_the_terminal_back(tmp_path):
@@ -190,13 +138,13 @@ def test_top_in_a_terminal_shows_the_cluster_live_and_q_gives_the_terminal_back(
         # Two 2-core commands on one 2-core worker: one runs, one waits in its queue.
         slow = [sandbox("sleep 20", cores=(2, 2)) for _ in range(2)]
         c.submit_many(slow)
-        proc, master, slave = _pty_run([sys.executable, "-m", "tangram_hpc.cli", "top", "-c", str(cl.connection_file),
+        proc, master, slave = run_in_pty([sys.executable, "-m", "tangram_hpc.cli", "top", "-c", str(cl.connection_file),
                                         "--interval", "0.5"])
         before = termios.tcgetattr(slave)
         try:
             st = c.status()
             [w] = st["workers"]
-            screen = _read_until(master, lambda s: "sandbox" in s and "function" in s and w["id"] in s
+            screen = read_screen_until(master, lambda s: "sandbox" in s and "function" in s and w["id"] in s
                                  and "(nothing waiting)" not in s and "2/2" in s, timeout=30)
             row = next(line for line in screen.splitlines() if line.startswith(w["id"]))
             assert w["handle"] in row and " 1 " in row                   # its handle; one environment
@@ -206,7 +154,7 @@ def test_top_in_a_terminal_shows_the_cluster_live_and_q_gives_the_terminal_back(
             assert "ms" in act_row                                        # percentiles of the 50 functions
             assert "launch" in screen and "2 cores" in screen            # the pool's decision
             assert "completed 51" in screen and "running 1" in screen and "pending 1" in screen
-            out = _press_and_drain(proc, master, b"q", timeout=15)
+            out = press_and_drain(proc, master, b"q", timeout=15)
             assert proc.wait(timeout=1) == 0
             assert b"\x1b[?1049l" in out                                  # left the alternate screen
             assert termios.tcgetattr(slave)[3] == before[3]               # line mode restored
