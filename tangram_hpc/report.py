@@ -176,6 +176,8 @@ def load_run(run_dir: str | os.PathLike | None, *, since: float | None = None, u
         jobs = [_clip(j, lo, hi, now) for j in jobs]
         jobs = [j for j in jobs if j is not None]
     rep = Report(str(rd) if rd else None, source, (since, until), jobs, actions, worker_gpus)
+    if progress is not None:
+        progress(f"summarising {len(actions):,} actions and {len(jobs):,} jobs ...")
     rep.summary = summarise(rep)
     return rep
 
