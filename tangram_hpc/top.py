@@ -306,7 +306,12 @@ def main(args: argparse.Namespace) -> int:
         return 2
     console = Console()
     view = TopView()
-    with _client(args) as client:
+    try:
+        client = _client(args)
+    except (ValueError, OSError) as e:      # no connection file given, or none there
+        print(f"tangram-hpc top: {e}", file=sys.stderr)
+        return 2
+    with client:
         if args.once or not console.is_terminal:
             _poll(client, view, args.interval)
             console.print(view.frame())

@@ -184,3 +184,8 @@ def test_top_once_without_a_terminal_prints_one_frame_or_says_the_coordinator_is
                         "--interval", "1"], capture_output=True, text=True, timeout=60)
     assert p.returncode == 1 and "no status from the coordinator" in p.stdout, (p.stdout, p.stderr)
     assert time.monotonic() - t0 < 30
+    # No connection file: one line saying so.
+    p = subprocess.run([sys.executable, "-m", "tangram_hpc.cli", "top", "-c", str(tmp_path / "none.json")],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and p.stderr.strip() == \
+        f"tangram-hpc top: no connection file at {tmp_path / 'none.json'}: is the coordinator running?"
