@@ -182,8 +182,8 @@ class TopView:
         for col in ("kind", "service", "cores", "mem", "GPU mem", "pending", "in an env", "oldest wait"):
             table.add_column(col, justify="left" if col in ("kind", "service") else "right")
         for q in queues[:10]:
-            table.add_row(Text(q["kind"]), Text(q["service"] or "-"), str(q["min_cores"]), _mb(q["mem_mb"]), _mb(q["gpu_mem_mb"]),
-                          f"{q['pending']:,}", f"{q['env_bound']:,}", _dur(q["oldest_s"]))
+            table.add_row(Text(q["kind"]), Text(q["service"] or "-"), str(q["min_cores"]), _mb(q["mem_mb"]),
+                          _mb(q["gpu_mem_mb"]), f"{q['pending']:,}", f"{q['env_bound']:,}", _dur(q["oldest_s"]))
         if len(queues) > 10:
             table.add_row(f"... {len(queues) - 10} more classes", *[""] * 7)
         return table

@@ -259,7 +259,8 @@ def scrape(url: str) -> dict:
 
 def sample(fams: dict, name: str, suffix: str = "", **labels) -> float:
     fam = fams[name]
-    hits = [s.value for s in fam.samples if s.name == name + suffix and all(s.labels.get(k) == v for k, v in labels.items())]
+    hits = [s.value for s in fam.samples
+            if s.name == name + suffix and all(s.labels.get(k) == v for k, v in labels.items())]
     assert len(hits) == 1, (name, labels, fam.samples)
     return hits[0]
 
@@ -329,7 +330,8 @@ def test_a_metrics_port_in_use_stops_the_coordinator_with_a_clear_error(tmp_path
 
 @pytest.mark.sandbox
 def test_serve_exports_its_request_metrics(tmp_path):
-    with LocalCluster(workers=1, cores=1, run_dir=tmp_path / "run") as cl, running_serve(cl.connection_file) as (_, url):
+    with LocalCluster(workers=1, cores=1, run_dir=tmp_path / "run") as cl, \
+            running_serve(cl.connection_file) as (_, url):
         for code in ("print(1)", "print(2)", "raise SystemExit(3)"):
             requests.post(f"{url}/run_code", json={"code": code, "language": "python"}, timeout=60)
         requests.post(f"{url}/run_code", json={"code": "x", "language": "cobol"}, timeout=60)

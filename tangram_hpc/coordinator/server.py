@@ -23,8 +23,8 @@ from .. import protocol as P
 from ..actions import ValidationError, new_action_id
 from ..backends.base import WorkerBackend
 from ..config import CoordinatorSettings
-from ..errors import ConfigError
 from ..connection import ConnectionInfo
+from ..errors import ConfigError
 from ..policy.base import PoolPolicy, SchedulingPolicy
 from ..runlog import RunLog
 from ..security import CurveKeys
@@ -101,7 +101,8 @@ class Coordinator:
     def _start_metrics(self, host: str, port: int) -> None:
         from .exporter import MetricsServer
         try:
-            self._metrics_server = MetricsServer(host, port, self._families, advertise_host=self.config.advertise_host)
+            self._metrics_server = MetricsServer(host, port, self._families,
+                                                 advertise_host=self.config.advertise_host)
         except ImportError as e:
             raise ConfigError(f"metrics_port is set, but {e}") from None
         except OSError as e:
