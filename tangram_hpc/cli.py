@@ -22,7 +22,7 @@ COMMANDS = {
     "top": ("tangram_hpc.top", "live view of a coordinator: workers, queues, ACT percentiles, pool decisions"),
     "report": ("tangram_hpc.report", "usage report of a run: sacct records joined with the action log"),
     "bench": ("tangram_hpc.bench", "simulate a workload under tangram and the baselines; print ACT, step time, resources"),
-    "fidelity": ("tangram_hpc.sim.replay", "run a small workload live on local workers and in the simulator; compare ACT"),
+    "fidelity": ("tangram_hpc.fidelity", "run a small workload live on local workers and in the simulator; compare ACT"),
     "demo": ("tangram_hpc.demo", "run a synthetic agentic-RL step on a local coordinator and print ACT statistics"),
     "config": ("tangram_hpc.config_cli", "show the effective configuration (defaults, file, environment) and its sources"),
     "serve": ("tangram_hpc.serve.command", "SandboxFusion-compatible HTTP service (/run_code) in front of a coordinator"),

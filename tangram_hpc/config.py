@@ -42,6 +42,8 @@ from .backends.base import HANDLE_ENV
 from .connection import CONNECTION_FILE_ENV
 from .errors import ConfigError
 from .managers.devices import CPU_BUDGET_ENV, DEFAULT_CPU_BUDGET_MB
+from .managers.limits import Limits
+from .policy.placement import PlacementPolicy
 from .protocol import MAX_FRAME_BYTES
 
 if sys.version_info >= (3, 11):
@@ -79,6 +81,9 @@ def key(default: Any, help: str, *, env: str | None = None, flag: str | None = N
     return field(default=default, metadata=meta)
 
 
+_LIMITS = Limits()
+
+
 # -- the sections ----------------------------------------------------------------
 
 @dataclass
@@ -102,6 +107,8 @@ class CoordinatorSettings:
     backend: str = key("local", "who starts workers: processes on this machine, Slurm jobs, or nobody (workers "
                        "started by hand with 'tangram-hpc worker')", choices=("local", "slurm", "none"))
     policy: str = key("elastic", "placement policy", env="TANGRAM_POLICY", choices=("elastic", "fifo"))
+    pipeline_below_s: float = key(PlacementPolicy.PIPELINE_BELOW_S, "core-bound actions whose class is learned to "
+                                  "take less than this run pipelined, binding no core (0: never)", minimum=0)
     max_attempts: int = key(3, "attempts per action across worker losses", minimum=1)
     worker_timeout_s: float = key(5.0, "seconds of silence before a worker is lost", flag="--worker-timeout",
                                   minimum=0.1)
@@ -191,6 +198,16 @@ class SandboxSettings:
     env_ttl_s: float = key(3600.0, "seconds an idle environment is kept", flag="--sandbox-env-ttl", minimum=0)
     snapshot_dir: Path | None = key(None, "shared directory for environment snapshots (default RUN_DIR/snapshots)",
                                     flag="--snapshot-dir")
+    seccomp: bool = key(True, "syscall filter in every sandbox: no nested user namespaces, keyrings, bpf, "
+                        "io_uring, perf events, userfaultfd or fallocate")
+    # 0 turns a limit off; the defaults are Limits' own (managers/limits.py), stated there once.
+    timeout_s: float = key(_LIMITS.timeout_s, "seconds an action may run when it names no timeout (0: none)",
+                           flag="--sandbox-timeout", minimum=0)
+    memory_mb: int = key(_LIMITS.memory_mb, "memory of an action that declares no mem_mb, in MiB (0: none)",
+                         flag="--sandbox-memory-mb", minimum=0)
+    disk_mb: int = key(_LIMITS.disk_mb, "disk space of one environment, in MiB (0: none)", minimum=0)
+    disk_files: int = key(_LIMITS.disk_files, "files and directories one environment may hold (0: none)",
+                          minimum=0)
 
 
 @dataclass

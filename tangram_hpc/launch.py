@@ -25,20 +25,21 @@ from .config import ConfigError, CoordinatorSettings, Settings, default_run_dir
 from .config_cli import add_arguments, settings_from_args, worker_flags
 from .connection import ConnectionInfo, wait_for_file
 from .coordinator import Coordinator
-from .policy.base import SchedulingPolicy, StaticPool
-from .resources import WorkerShape
+from .policy.base import SchedulingPolicy
+from .policy.static import StaticPool
+from .resources import ServiceInfo, WorkerShape
 from .security import CurveKeys, is_loopback
 
 log = logging.getLogger("tangram.launch")
 
 
-def make_policy(name: str) -> SchedulingPolicy:
+def make_policy(name: str, pipeline_below_s: float | None = None) -> SchedulingPolicy:
     if name == "fifo":
         from .policy.fifo import FifoPolicy
-        return FifoPolicy()
+        return FifoPolicy(pipeline_below_s=pipeline_below_s)
     if name == "elastic":
         from .policy.elastic import ElasticScheduler
-        return ElasticScheduler()
+        return ElasticScheduler(pipeline_below_s=pipeline_below_s)
     raise ConfigError(f"unknown policy {name!r} (choose elastic or fifo)")
 
 
@@ -65,7 +66,7 @@ def build_coordinator(settings: Settings, *, reuse_ports: bool = True) -> Coordi
     common = ["--config", str(settings.file)] if settings.file else []
     service_args = common + worker_flags(settings, "services") + ["--kinds", "reward"]
     backend = pool = None
-    policy = make_policy(cfg.policy)
+    policy = make_policy(cfg.policy, cfg.pipeline_below_s)
     if cfg.backend == "local":
         from .backends.local import LocalBackend
         backend = LocalBackend(cfg.run_dir / "workers")
@@ -78,12 +79,28 @@ def build_coordinator(settings: Settings, *, reuse_ports: bool = True) -> Coordi
         backend = backend_from_settings(settings.slurm, run_dir=cfg.run_dir)
         # The pool sizes itself with the durations the scheduler learns.
         pool = pool_from_settings(settings.slurm, getattr(policy, "predictor", None))
+    services = _declared_services(settings)
+    if services:
+        policy.set_services(services)   # so the scheduler knows sizes and batch limits before any call
     if pool is not None:
         # An action larger than every shape the pool can provide fails at once with the reason
         # instead of waiting forever (with backend none any size of worker may still join).
         policy.set_shapes(pool.shapes)
     return Coordinator(cfg, policy, pool=pool, backend=backend, curve=curve, cpu_worker_args=tuple(common),
                        service_worker_args=tuple(service_args))
+
+
+def _declared_services(settings: Settings) -> dict[str, ServiceInfo]:
+    """The reward services of [services], as the scheduler sees them (those whose size is known).
+
+    Only the size: a spec's ``max_batch`` counts inputs per model call, the scheduler's requests.
+    """
+    sv = settings.services
+    if not (sv.file or sv.service):
+        return {}
+    from .managers.service_spec import specs_from_cli
+    return {s.name: ServiceInfo(int(s.memory_mb))
+            for s in specs_from_cli(sv.file, sv.service) if s.memory_mb}
 
 
 def _reuse_ports(cfg: CoordinatorSettings) -> CoordinatorSettings:

@@ -2,9 +2,26 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Mapping
 
 from .actions import BUILTIN_KINDS
+
+
+class ResourceClass(str, Enum):
+    """The class of resource a worker offers: plain cores, or GPUs hosting reward-model services.
+
+    A ``str`` enum, so ``{"cpu": 4}`` style mappings (configuration, JSON)
+    look members up by their value.
+    """
+
+    CPU = "cpu"
+    GPU = "gpu"
+
+    __hash__ = str.__hash__    # hash like the value, on every Python version
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass(slots=True, frozen=True)
@@ -22,9 +39,23 @@ class WorkerShape:
     partition: str | None = None
 
     @property
-    def kind(self) -> str:
-        """``gpu`` for workers that host reward-model services (GPUs, or a memory budget standing in)."""
-        return "gpu" if self.gpus or self.gpu_mem_mb else "cpu"
+    def resource(self) -> ResourceClass:
+        """GPU for workers that host reward-model services (GPUs, or a memory budget standing in)."""
+        return ResourceClass.GPU if self.gpus or self.gpu_mem_mb else ResourceClass.CPU
+
+
+@dataclass(slots=True, frozen=True)
+class ServiceInfo:
+    """A reward-model service as the scheduler sees it.
+
+    ``gpu_mem_mb``: its resident size; ``max_batch``: requests one replica
+    serves at once (0: as many as the worker's slots); ``load_s``: seconds to
+    make it resident, when known (the scheduler learns it anyway).
+    """
+
+    gpu_mem_mb: int
+    max_batch: int = 0
+    load_s: float | None = None
 
 
 @dataclass(slots=True)

@@ -644,7 +644,15 @@ def config_from_settings(settings: Settings) -> WorkerConfig:
                         max_output_bytes=ws.max_output_bytes, unsafe_sandbox=ss.unsafe,
                         snapshot_dir=str(ss.snapshot_dir) if ss.snapshot_dir else None,
                         sandbox_options={"allow_network": ss.allow_network, "warm_pool": ss.warm_pool,
-                                         "env_ttl": ss.env_ttl_s})
+                                         "env_ttl": ss.env_ttl_s, "seccomp": ss.seccomp,
+                                         "default_limits": sandbox_limits(ss)})
+
+
+def sandbox_limits(ss) -> "Limits":
+    """The per-action limits of a worker's [sandbox] settings (0 turns one off)."""
+    from .managers.limits import Limits
+    return Limits(timeout_s=ss.timeout_s or None, memory_mb=ss.memory_mb or None, disk_mb=ss.disk_mb or None,
+                  disk_files=ss.disk_files or None)
 
 
 def run_worker(cfg: WorkerConfig) -> int:

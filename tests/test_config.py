@@ -164,3 +164,13 @@ def test_workers_a_coordinator_launches_read_its_config_file(tmp_path):
         big = c.submit(function("builtins:str", "x" * 5000)).result(30)
     assert small.ok and small.output == "x" * 100
     assert big.status == Status.FAILED and "exceeds the limit of 2000" in big.error
+
+
+def test_sandbox_limits_come_from_the_sandbox_section(tmp_path):
+    from tangram_hpc.managers.limits import Limits
+    from tangram_hpc.worker import sandbox_limits
+    path = write(tmp_path, "[sandbox]\nmemory_mb = 0\ndisk_mb = 512\nseccomp = false\n")
+    s = parse("worker", "--config", str(path), "--sandbox-disk-files", "77")
+    limits = sandbox_limits(s.sandbox)
+    assert limits.memory_mb is None and limits.disk_mb == 512 and limits.disk_files == 77
+    assert s.sandbox.seccomp is False and limits.timeout_s == Limits().timeout_s

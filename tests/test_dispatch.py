@@ -78,6 +78,7 @@ def test_timeout_kills_the_action(client):
 
 def test_cancel_pending_and_running(client):
     blockers = client.submit_many([sandbox("sleep 1.5", cores=2) for _ in range(2)])
+    time.sleep(0.3)   # the blockers hold every core (a known-short command would otherwise go first)
     spec = sandbox("echo never")
     victim = client.submit(spec)
     time.sleep(0.3)

@@ -26,7 +26,7 @@ from tangram_hpc.coordinator import ActionLedger, PoolDriver
 from tangram_hpc.coordinator.metrics import CoordinatorMetrics
 from tangram_hpc.coordinator.exporter import LoopHandoff
 from tangram_hpc.metrics import ACT_BUCKETS_S, Family, Histogram, render
-from tangram_hpc.policy.base import StaticPool
+from tangram_hpc.policy.static import StaticPool
 from tangram_hpc.policy.fifo import FifoPolicy
 from tangram_hpc.resources import WorkerInfo, WorkerShape
 

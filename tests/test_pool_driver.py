@@ -17,7 +17,7 @@ from tangram_hpc.backends.local import LocalBackend
 from tangram_hpc.config import CoordinatorSettings
 from tangram_hpc.connection import ConnectionInfo
 from tangram_hpc.coordinator import ActionLedger, PoolDriver, WorkerState
-from tangram_hpc.policy.base import StaticPool
+from tangram_hpc.policy.static import StaticPool
 from tangram_hpc.policy.fifo import FifoPolicy
 from tangram_hpc.resources import WorkerInfo, WorkerShape
 

@@ -10,7 +10,7 @@ from tangram_hpc.policy.elastic import ElasticScheduler
 from tangram_hpc.policy.fifo import FifoPolicy
 from tangram_hpc.policy.predict import Predictor
 from tangram_hpc.policy.base import light_capacity
-from tangram_hpc.resources import WorkerInfo, WorkerShape
+from tangram_hpc.resources import ServiceInfo, WorkerInfo, WorkerShape
 
 CPU = frozenset({"sandbox", "function"})
 GPU = frozenset({"reward"})
@@ -305,3 +305,159 @@ def test_zero_core_actions_run_beside_busy_cores_up_to_the_light_capacity(policy
     assert p.pending_count == 5
     p.finished("l0", 1, run_time=0.001)
     assert [a.action_id for a in p.schedule(1)] == ["l%d" % cap]
+
+
+def test_reward_actions_with_gpu_memory_are_placeable_while_reward_workers_are_scaled_to_zero():
+    # the local reward shape stands in a memory budget for a GPU (gpus=0); a Slurm GPU shape asks
+    # for whole GPUs without saying their memory: neither makes a GPU-memory demand unplaceable
+    local = ElasticScheduler(shapes=[WorkerShape(8, 16000), WorkerShape(1, 0, 0, 4096)])
+    slurm = ElasticScheduler(shapes=[WorkerShape(8, 16000), WorkerShape(8, 0, 2, 0)])
+    cpu_only = ElasticScheduler(shapes=[WorkerShape(8, 16000)])
+    for p in (local, slurm, cpu_only):
+        p.submit(ActionSpec("reward", id="r", demand=Demand(1, 1, 0, 2000, "judge")), 0)
+    assert local.unplaceable(0) == [] and slurm.unplaceable(0) == []
+    assert [a for a, _ in cpu_only.unplaceable(0)] == ["r"]
+    assert local.pending_count == 1 and local.schedule(0) == []
+    # a budget too small for the service still says so
+    small = ElasticScheduler(shapes=[WorkerShape(1, 0, 0, 1000)])
+    small.submit(ActionSpec("reward", id="r", demand=Demand(1, 1, 0, 2000, "judge")), 0)
+    assert "gpu_mem_mb=2000" in dict(small.unplaceable(0))["r"]
+    # the worker arrives (scale from zero): the waiting call runs there
+    local.add_worker(WorkerInfo("g1", 1, 0, 0, 4096, kinds=GPU), 30)
+    assert [(a.action_id, a.worker_id) for a in local.schedule(30)] == [("r", "g1")]
+
+
+def test_grants_shrink_under_a_standing_queue_but_not_for_a_moment():
+    # 64 cores; a long parallel action starts while 2 short rigid ones wait elsewhere: it still grows
+    p = ElasticScheduler(Predictor(prior_parallel=0.9))
+    p.add_worker(WorkerInfo("w", 64, kinds=CPU), 0)
+    p.add_worker(WorkerInfo("full", 1, kinds=CPU), 0)
+    p.submit(ActionSpec("sandbox", id="long", demand=Demand(1, 16), duration_hint=100, label="t"), 0)
+    assert p.schedule(0)[0].cores == 16
+    # a standing queue of many: each new elastic start keeps (close to) its minimum
+    q = ElasticScheduler(Predictor(prior_parallel=0.9))
+    q.add_worker(WorkerInfo("w", 16, kinds=CPU), 0)
+    for i in range(16):
+        q.submit(ActionSpec("sandbox", id=f"r{i}", duration_hint=5, label="rigid"), 0)
+    q.schedule(0)
+    for i in range(300):        # waiting rigid work that cannot start anywhere now
+        q.submit(ActionSpec("sandbox", id=f"wait{i}", duration_hint=5, label="rigid"), 0)
+    q.finished("r0", 1, run_time=1)
+    q.finished("r1", 1, run_time=1)
+    q.submit(ActionSpec("sandbox", id="el", demand=Demand(1, 16), duration_hint=1, label="t", priority=16), 1)
+    out = {a.action_id: a.cores for a in q.schedule(1)}
+    assert out.get("el") == 1
+
+
+def test_free_cores_go_to_the_start_they_help_most():
+    p = ElasticScheduler(Predictor(prior_parallel=0.9), min_gain=0.0)
+    p.add_worker(WorkerInfo("w", 64, kinds=CPU), 0)
+    p.add_worker(WorkerInfo("other", 64, kinds=CPU), 0)
+    for i in range(54):       # fixed-size work leaves 10 cores free on w
+        p.submit(ActionSpec("sandbox", id=f"busy{i}", env="E", duration_hint=1, label="busy"), 0)
+    assert {a.worker_id for a in p.schedule(0)} == {"w"}
+    p.update_worker("w", envs=frozenset({"E", "S", "L"}))     # both trajectories live on w
+    p.submit(ActionSpec("sandbox", id="short", env="S", demand=Demand(1, 8), duration_hint=1, label="s"), 0)
+    p.submit(ActionSpec("sandbox", id="long", env="L", demand=Demand(1, 8), duration_hint=100, label="l"), 0)
+    out = {a.action_id: a.cores for a in p.schedule(0)}
+    # both start (shortest first), but the long one, which each core helps far more, gets the cores
+    assert out == {"short": 2, "long": 8}
+
+
+def test_a_long_elastic_action_waits_for_cores_instead_of_starting_on_crumbs():
+    p = ElasticScheduler(Predictor(prior_parallel=0.9))
+    p.add_worker(WorkerInfo("w", 16, kinds=CPU), 0)
+    for i in range(15):
+        p.submit(ActionSpec("sandbox", id=f"s{i}", duration_hint=2, label="short"), 0)
+    assert len(p.schedule(0)) == 15
+    p.submit(ActionSpec("sandbox", id="long", demand=Demand(1, 16), duration_hint=1000, label="long"), 0)
+    assert p.schedule(0) == []               # 1 core now, or 16 in about 2 s: it waits
+    assert p.pending_count == 1
+    for i in range(15):
+        p.finished(f"s{i}", 2, run_time=2)
+    [a] = p.schedule(2)
+    assert a.action_id == "long" and a.cores == 16
+    # a short elastic action does not wait: the wait would cost more than the cores save
+    q = ElasticScheduler(Predictor(prior_parallel=0.9))
+    q.add_worker(WorkerInfo("w", 16, kinds=CPU), 0)
+    for i in range(14):
+        q.submit(ActionSpec("sandbox", id=f"s{i}", duration_hint=50, label="slow"), 0)
+    q.schedule(0)
+    q.submit(ActionSpec("sandbox", id="quick", demand=Demand(1, 16), duration_hint=1, label="quick"), 0)
+    assert [(a.action_id, a.cores) for a in q.schedule(0)] == [("quick", 2)]
+
+
+def _stream(gap: float, until: float) -> ElasticScheduler:
+    """Requests for a 4-slot service arriving every ``gap`` seconds, each predicted and taking 8 s."""
+    p = ElasticScheduler(services={"rm": ServiceInfo(500, max_batch=4, load_s=60.0)})
+    p.add_worker(WorkerInfo("g1", 8, 0, 1, 1000, kinds=GPU), 0)
+    p.add_worker(WorkerInfo("g2", 8, 0, 1, 1000, kinds=GPU), 0)
+    running: list[tuple[float, str]] = []
+    t, i = 0.0, 0
+    while t < until:
+        for end, aid in [x for x in running if x[0] <= t]:
+            p.finished(aid, end, run_time=8.0)
+            running.remove((end, aid))
+        p.submit(ActionSpec("reward", id=f"r{i}", demand=Demand(1, 1, 0, 500, "rm"), duration_hint=8.0), t)
+        i += 1
+        for a in p.schedule(t):
+            running.append((t + 8.0, a.action_id))
+        t += gap
+    return p
+
+
+def test_throughput_rule_loads_another_replica_before_the_queue_outgrows_the_load_time():
+    # one per second x 8 s = 8 busy slots on average against 4 per replica: a second replica,
+    # although never more than a few wait (8 s each) -- far below a 60 s load worth of waiting
+    busy = _stream(1.0, 40.0)
+    assert "rm" in busy.resident_services("g1") and "rm" in busy.resident_services("g2")
+    # one every 4 s needs two slots: one replica
+    calm = _stream(4.0, 80.0)
+    assert ["rm" in calm.resident_services(w) for w in ("g1", "g2")].count(True) == 1
+
+
+@pytest.mark.parametrize("policy_cls", [ElasticScheduler, FifoPolicy])
+def test_core_bound_actions_known_to_take_microseconds_are_pipelined(policy_cls):
+    p = policy_cls(shapes=[WorkerShape(2)])
+    p.add_worker(WorkerInfo("w", 2, kinds=CPU), 0.0)
+    t = 0.0
+
+    def run(n: int, seconds: float, **kw) -> list:
+        nonlocal t
+        specs = [ActionSpec("function", label="noop", demand=Demand(1, 1), **kw) for _ in range(n)]
+        for s in specs:
+            p.submit(s, t)
+        started = p.schedule(t)
+        for a in started:
+            t += seconds
+            p.finished(a.action_id, t, run_time=seconds)
+        return started
+
+    # unknown at first: each binds its core, so only the worker's two cores' worth start at once
+    first = run(40, 50e-6)
+    assert len(first) == 2 and all(a.cores == 1 for a in first)
+    while p.pending_count:
+        run(0, 50e-6)
+    for _ in range(10):                       # 20 runs seen: the class is known to take microseconds
+        run(2, 50e-6)
+    burst = run(100, 50e-6)
+    assert len(burst) == 100 and all(a.cores == 0 for a in burst)
+    # a hint at or above the limit keeps an action core-bound whatever its class did
+    [hinted] = run(1, 50e-6, duration_hint=1.0)
+    assert hinted.cores == 1
+    # slow runs bring the class over the limit: its actions bind cores again
+    for _ in range(10):
+        run(1, 0.05)
+    again = run(5, 50e-6)
+    assert len(again) == 2 and all(a.cores == 1 for a in again)
+
+
+def test_pipelining_can_be_turned_off():
+    p = ElasticScheduler(pipeline_below_s=0)
+    p.add_worker(WorkerInfo("w", 1, kinds=CPU), 0.0)
+    for i in range(30):
+        s = ActionSpec("function", label="noop")
+        p.submit(s, float(i))
+        [a] = p.schedule(float(i))
+        p.finished(a.action_id, float(i), run_time=1e-5)
+        assert a.cores == 1

@@ -4,11 +4,12 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 
 from tangram_hpc.actions import ActionSpec, Demand
 from tangram_hpc.policy.base import Launch, PoolView, Reclaim, WorkerStatus
 from tangram_hpc.policy.pool import ClusterCapacity, PartitionFree, PoolConfig, PoolController
-from tangram_hpc.policy.predict import Predictor, amdahl_time
+from tangram_hpc.policy.predict import Predictor, amdahl_time, feature_key
 from tangram_hpc.resources import WorkerInfo, WorkerShape
 
 CPU_SHAPE = WorkerShape(16, 32000)
@@ -159,7 +160,7 @@ def test_drains_workers_near_their_time_limit_and_replaces_them():
 
 
 def test_static_pool_replaces_backs_off_and_gives_back_extras():
-    from tangram_hpc.policy.base import StaticPool
+    from tangram_hpc.policy.static import StaticPool
     shape = WorkerShape(2)
     pool = StaticPool([shape, shape])
     assert pool.decide(PoolView(0.0, [], [])) == [Launch(shape, 2)]
@@ -177,3 +178,158 @@ def test_static_pool_replaces_backs_off_and_gives_back_extras():
     out = pool.decide(PoolView(30.0, [], [one, b, c], failures=failures))
     assert [d.worker_id for d in out if isinstance(d, Reclaim)] == ["a"]
     assert not any(isinstance(d, Launch) for d in out)
+
+
+def test_parallel_fraction_stays_at_the_prior_until_the_evidence_is_strong():
+    rng = np.random.default_rng(3)
+    s = ActionSpec("sandbox", label="t", demand=Demand(1, 16))
+    # 7 and 8 cores only, run times spread 2.7x: they say next to nothing about p
+    weak = Predictor(prior_parallel=0.7)
+    for i in range(2000):
+        c = 7 + i % 2
+        weak.observe(s, amdahl_time(60.0, 0.9, c) * math.exp(rng.normal(0, 1.0)), c)
+    assert abs(weak.parallel_fraction(s) - 0.7) < 0.12
+    # a handful of runs at two counts do not move it either
+    few = Predictor(prior_parallel=0.7)
+    for c in (1, 16) * 5:
+        few.observe(s, amdahl_time(60.0, 0.1, c), c)
+    assert few.parallel_fraction(s) == 0.7
+    # many runs at 1 and 16 cores do
+    strong = Predictor(prior_parallel=0.7)
+    for i in range(400):
+        c = (1, 16)[i % 2]
+        strong.observe(s, amdahl_time(60.0, 0.9, c) * math.exp(rng.normal(0, 0.3)), c)
+    assert abs(strong.parallel_fraction(s) - 0.9) < 0.06
+
+
+def test_speedup_evidence_counts_in_start_order_not_completion_order():
+    # runs at 8 cores start first; at 1 core later.  The 1-core runs that end early are the short
+    # ones; counted as they end they would make one core look as fast as eight.
+    rng = np.random.default_rng(5)
+    s = ActionSpec("sandbox", label="t", demand=Demand(1, 8))
+    p = Predictor(prior_parallel=0.5, prior_parallel_sd=0.3, min_fit_runs=20)
+    runs = []
+    for i in range(300):
+        c = 8 if i < 150 else 1
+        d1 = 30.0 * math.exp(rng.normal(0, 1.0))
+        start = i * 0.1
+        spec = ActionSpec("sandbox", label="t", demand=Demand(1, 8), id=f"a{i}")
+        p.started(spec, c, start)
+        runs.append((start + amdahl_time(d1, 0.8, c), spec, c, start))
+    for end, spec, c, start in sorted(runs, key=lambda r: r[0])[:200]:     # stop while long ones still run
+        p.observe(spec, end - start, c, end)
+    # what has been counted is a complete prefix by start time: no short-only 1-core sample
+    st = p.stats(s.action_class)
+    assert st.p is None or st.p > 0.5
+    for end, spec, c, start in sorted(runs, key=lambda r: r[0])[200:]:
+        p.observe(spec, end - start, c, end)
+    assert abs(p.parallel_fraction(s) - 0.8) < 0.1
+
+
+def test_young_classes_count_their_running_actions():
+    # 100 runs of a class start together; 30 s later only the short ones have ended
+    rng = np.random.default_rng(7)
+    d = 100.0 * np.exp(rng.normal(0, 1.0, 100))
+    p = Predictor()
+    specs = [ActionSpec("sandbox", label="long", id=f"x{i}") for i in range(100)]
+    for spec in specs:
+        p.started(spec, 1, 0.0)
+    for di, i in sorted((float(di), i) for i, di in enumerate(d) if di < 30):
+        p.observe(specs[i], di, 1, di)
+    naive = float(np.exp(np.mean(np.log(d[d < 30]))))
+    assert p.predict(specs[0]) > 2.5 * naive             # the running 70 % pull it up
+    assert p.predict(specs[0]) < 200
+
+
+def test_hints_are_calibrated_per_class_and_rank_inside_it():
+    p = Predictor()
+    rng = np.random.default_rng(2)
+    for i in range(50):          # this client's hints are twice the truth
+        true = float(np.exp(rng.normal(2, 1)))
+        p.observe(ActionSpec("sandbox", label="t", duration_hint=2 * true), true, 1)
+    assert p.predict(ActionSpec("sandbox", label="t", duration_hint=40.0)) == pytest.approx(20.0, rel=0.25)
+    assert p.predict(ActionSpec("sandbox", label="t", duration_hint=4.0)) < \
+        p.predict(ActionSpec("sandbox", label="t", duration_hint=40.0))
+
+
+def test_unlabelled_commands_are_learned_per_program():
+    assert feature_key(ActionSpec("sandbox", {"cmd": "pytest -x tests/a.py"})) == "sandbox:pytest"
+    assert feature_key(ActionSpec("sandbox", {"cmd": "/usr/bin/python3 setup.py build"})) == \
+        "sandbox:python3 setup.py"
+    assert feature_key(ActionSpec("sandbox", {"cmd": "ls"}, label="x")) == "sandbox:x"
+    assert feature_key(ActionSpec("function", {"fn": "m:f"})) == "function:m:f"
+    p = Predictor()
+    for _ in range(5):
+        p.observe(ActionSpec("sandbox", {"cmd": "pytest -q"}), 30.0, 1)
+        p.observe(ActionSpec("sandbox", {"cmd": "ls -l"}), 0.1, 1)
+    assert p.predict(ActionSpec("sandbox", {"cmd": "pytest tests/b.py"})) == pytest.approx(30.0)
+    assert p.predict(ActionSpec("sandbox", {"cmd": "ls"})) == pytest.approx(0.1)
+
+
+def _cpu(n, busy=0, idle_since=None):
+    return [_ws(f"w{i}", busy=busy, running=1 if busy else 0, idle_since=idle_since) for i in range(n)]
+
+
+def test_pool_grows_in_proportion_to_demand_in_one_wave():
+    pc = PoolController(PoolConfig([CPU_SHAPE], startup_s=60, target_util=0.8, max_launch_rate=1 << 20))
+    # 2 workers of 16 cores, 1000 cores' worth of work arriving per second
+    view = PoolView(0.0, [], _cpu(2, busy=16), offered_load={"cpu": 1000.0})
+    [launch] = pc.decide(view)
+    assert launch.count == math.ceil((1000 / 0.8 - 32) / 16)
+    # starting workers count: no second wave
+    view = PoolView(5.0, [], _cpu(2, busy=16), starting=[(CPU_SHAPE, 0.0)] * launch.count,
+                    offered_load={"cpu": 1000.0})
+    assert pc.decide(view) == []
+
+
+def test_pool_holds_the_step_peak_across_the_boundary_and_prescales():
+    cfg = PoolConfig([CPU_SHAPE], startup_s=60, idle_ttl_s=100, max_launch_rate=1 << 20)
+    pc = PoolController(cfg)
+    # step 0 at its peak: 10 workers busy, demand for 150 cores
+    pc.decide(PoolView(0.0, [], _cpu(10, busy=16), step=0, offered_load={"cpu": 150 * 0.75}))
+    # its tail: one worker busy, nine idle long past the TTL: all are kept for the next step
+    tail = [_ws("w0", busy=4, running=1)] + [_ws(f"w{i}", idle_since=10.0) for i in range(1, 10)]
+    out = pc.decide(PoolView(400.0, [], tail, step=0, offered_load={"cpu": 4.0}))
+    assert not any(isinstance(d, Reclaim) for d in out)
+    assert pc.held("cpu", 400.0) >= 150
+    # a new step that finds less capacity (workers lost meanwhile) pre-scales to the last peak at once
+    out = pc.decide(PoolView(410.0, [], [_ws("w0", idle_since=405.0)], step=1, offered_load={"cpu": 0.0}))
+    assert sum(d.count for d in out if isinstance(d, Launch)) == math.ceil(150 / 16) - 1
+    # the run goes quiet (no action ran or waited for longer than the hold): capacity is let go
+    quiet = [_ws(f"w{i}", idle_since=410.0) for i in range(10)]
+    assert pc.held("cpu", 410.0 + 101) == 0
+    out = pc.decide(PoolView(410.0 + 101 + 100, [], quiet, step=1, offered_load={"cpu": 0.0}))
+    assert len([d for d in out if isinstance(d, Reclaim)]) == 10
+
+
+def test_reward_workers_scale_from_zero():
+    pc = PoolController(PoolConfig([CPU_SHAPE, WorkerShape(1, 0, 0, 4096)], startup_s=30))
+    reward = [ActionSpec("reward", demand=Demand(1, 1, 0, 2000, "judge"))]
+    out = pc.decide(PoolView(0.0, reward, [_ws("c", idle_since=0.0)]))
+    assert out == [Launch(WorkerShape(1, 0, 0, 4096), 1)]
+
+
+def test_startup_time_is_learned_from_the_workers_that_joined():
+    cfg = PoolConfig([CPU_SHAPE], startup_s=120, max_launch_rate=1 << 20, max_workers={"cpu": 100})
+    pc = PoolController(cfg)
+    backlog = _backlog(64, secs=30.0)        # 64 x 30 core-seconds waiting
+    joined = [WorkerStatus(WorkerInfo("w0", 16), busy_cores=16, running=16, started_at=12.0, launched_at=10.0,
+                           shape=CPU_SHAPE)]
+    assert pc.startup_s(PoolView(0.0, [], [_ws("w1")])) == 120       # nothing seen yet: the guess
+    assert pc.startup_s(PoolView(20.0, [], joined)) == 2.0
+    # 1920 core-seconds to clear in a 2 s start-up rather than 120 s: many more workers at once
+    def launched(controller, workers):
+        view = PoolView(20.0, backlog, workers, offered_load={"cpu": 0.0})
+        return sum(d.count for d in controller.decide(view) if isinstance(d, Launch))
+    guessed = [WorkerStatus(WorkerInfo("w0", 16), busy_cores=16, running=16, shape=CPU_SHAPE)]
+    assert launched(pc, joined) >= 1920 / 2 / 16 - 1 > launched(PoolController(cfg), guessed)
+
+
+def test_a_decaying_offered_load_does_not_keep_an_idle_pool():
+    cfg = PoolConfig([CPU_SHAPE], idle_ttl_s=4, max_launch_rate=1 << 20)
+    pc = PoolController(cfg)
+    pc.decide(PoolView(0.0, [], [_ws("w0", busy=2, running=2)], offered_load={"cpu": 2.0}))
+    # the burst ended at t=1; the policy's estimate of the offered load decays but never reaches 0
+    idle = [_ws("w0", idle_since=1.0)]
+    assert pc.decide(PoolView(3.0, [], idle, offered_load={"cpu": 1.5})) == []          # within the TTL
+    assert pc.decide(PoolView(30.0, [], idle, offered_load={"cpu": 0.9})) == [Reclaim("w0", "idle")]

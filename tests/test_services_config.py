@@ -5,7 +5,7 @@ import pytest
 
 from tangram_hpc.actions import ActionSpec
 from tangram_hpc.managers.devices import Device, discover_devices, visible_gpu_ids
-from tangram_hpc.managers.residency import Resident, choose_victims, eviction_value
+from tangram_hpc.policy.residency import Resident, choose_victims, eviction_value
 from tangram_hpc.managers.rewards import (HashingEmbeddingModel, compute_score_action, exact_match_score,
                                           run_compute_score)
 from tangram_hpc.managers.service_spec import (ServiceSpec, ServiceSpecError, load_service_specs,

@@ -48,7 +48,7 @@ class PoolDriver:
         if handle:
             started = self.starting.pop(handle, None)
             if started is not None:
-                w.launched_shape = started[0]
+                w.launched_shape, w.launched_at = started
 
     def tick(self, now: float) -> None:
         self.poll(now)
@@ -85,10 +85,11 @@ class PoolDriver:
                                   draining=w.state is WorkerState.DRAINING,
                                   started_at=w.registered_at,
                                   ends_at=backend.time_limit(w.info.handle) if w.info.handle else None,
-                                  shape=w.launched_shape)
+                                  shape=w.launched_shape, launched_at=w.launched_at)
                      for w in self.ledger.workers],
             starting=list(self.starting.values()),
-            failures=self.failures[-50:], cluster=backend.capacity())
+            failures=self.failures[-50:], cluster=backend.capacity(),
+            step=self.ledger.policy.current_step, offered_load=self.ledger.policy.offered_load(now))
         for d in self.pool.decide(view):
             if isinstance(d, Launch):
                 self._launch(d, now)

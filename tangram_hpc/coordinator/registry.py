@@ -35,7 +35,8 @@ class WorkerRecord:
     """
 
     __slots__ = ("info", "ident", "last_seen", "running", "busy_cores", "zombies", "state", "drain_reason",
-                 "idle_since", "services", "envs", "registered_at", "launched_shape", "service_counts")
+                 "idle_since", "services", "envs", "registered_at", "launched_shape", "launched_at",
+                 "service_counts")
 
     def __init__(self, info: WorkerInfo, ident: bytes, now: float):
         self.info = info
@@ -51,6 +52,7 @@ class WorkerRecord:
         self.envs: frozenset[str] = frozenset()
         self.registered_at = now
         self.launched_shape: WorkerShape | None = None   # set by the pool driver for workers it launched
+        self.launched_at: float | None = None            # ... and when it asked the backend for it
         # service -> (loads onto the device, evictions, queued inputs), as the worker last reported
         self.service_counts: dict[str, tuple[int, int, int]] = {}
 

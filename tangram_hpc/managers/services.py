@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable
 
 from ..actions import Status
 from .devices import HOST, Device, bind_thread, discover_devices, release_device_cache
-from .residency import Resident, choose_victims
+from ..policy.residency import Resident, choose_victims
 from .service_spec import ServiceSpec, ServiceSpecError
 
 __all__ = ["ServiceManager", "DoneCallback"]

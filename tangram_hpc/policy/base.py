@@ -18,7 +18,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 from ..actions import ActionSpec
-from ..resources import ClusterCapacity, WorkerInfo, WorkerShape
+from ..resources import ClusterCapacity, ResourceClass, WorkerInfo, WorkerShape
 
 
 @dataclass(slots=True, frozen=True)
@@ -84,6 +84,22 @@ class SchedulingPolicy(ABC):
         """Waiting actions (for the pool policy and status views); may be costly."""
         return []
 
+    def trajectory_done(self, trajectory: str, now: float) -> None:
+        """A trajectory ended (its sandbox is gone; a trajectory-level policy frees what it held)."""
+
+    @property
+    def current_step(self) -> int | None:
+        """The highest RL step (``ActionSpec.step``) submitted so far, None before any (for the pool policy)."""
+        return None
+
+    def offered_load(self, now: float) -> dict[ResourceClass, float]:
+        """Cores' worth of work submitted per second lately, per resource class (for the pool policy).
+
+        Work counts at the cores each action would run on when nothing waits,
+        so a pool this large runs every action at its best core count.
+        """
+        return {}
+
     def unplaceable(self, now: float) -> list[tuple[str, str]]:
         """Pending actions no current or future worker shape can run, with why.
 
@@ -117,6 +133,7 @@ class WorkerStatus:
     started_at: float = 0.0
     ends_at: float | None = None   # backend time limit, if any
     shape: WorkerShape | None = None  # the shape it was launched as, when a backend launched it
+    launched_at: float | None = None  # when the backend was asked for it (started_at - launched_at: its start-up)
 
     @property
     def launched_shape(self) -> WorkerShape:
@@ -133,6 +150,8 @@ class PoolView:
     starting: list[tuple[WorkerShape, float]] = field(default_factory=list)  # (shape, requested at)
     failures: list[tuple[float, str]] = field(default_factory=list)          # (time, reason) of failed starts
     cluster: ClusterCapacity | None = None   # what the batch system could start now, when the backend knows
+    step: int | None = None                  # the RL step the actions now submitted belong to (highest seen)
+    offered_load: dict[ResourceClass, float] | None = None  # SchedulingPolicy.offered_load(now)
 
 
 @dataclass(slots=True, frozen=True)
@@ -157,59 +176,3 @@ class PoolPolicy(ABC):
     def explain(self) -> str:
         """One line on the state of the policy (e.g. why it stopped launching)."""
         return ""
-
-
-class StaticPool(PoolPolicy):
-    """Keep a fixed set of workers: launch them, replace lost ones, give back extras.
-
-    After failed starts it waits before trying again, doubling the wait up to
-    ``max_backoff_s``, so a broken worker command does not spawn a process a second.
-    """
-
-    def __init__(self, shapes: list[WorkerShape], *, first_backoff_s: float = 1.0, max_backoff_s: float = 60.0):
-        self.shapes = list(shapes)
-        self.first_backoff_s = first_backoff_s
-        self.max_backoff_s = max_backoff_s
-        self._note = ""
-
-    def decide(self, view: PoolView) -> list[Launch | Reclaim]:
-        want: dict[WorkerShape, int] = {}
-        for s in self.shapes:
-            want[s] = want.get(s, 0) + 1
-        have: dict[WorkerShape, list[WorkerStatus]] = {}
-        for w in view.workers:
-            have.setdefault(w.launched_shape, []).append(w)
-        starting: dict[WorkerShape, int] = {}
-        for shape, _ in view.starting:
-            starting[shape] = starting.get(shape, 0) + 1
-        out: list[Launch | Reclaim] = []
-        # A worker declared lost that comes back (a resumed hang) makes one too many: give back an idle one.
-        for shape, ws in have.items():
-            extra = len(ws) + starting.get(shape, 0) - want.get(shape, 0)
-            for w in [w for w in ws if not w.running and not w.draining][:max(0, extra)]:
-                out.append(Reclaim(w.info.id, "more workers than the pool keeps"))
-        wait = self._backoff(view)
-        self._note = f"backing off {wait:.0f}s after {self._streak(view)} failed starts" if wait else "ok"
-        if wait:
-            return out
-        for shape, n in want.items():
-            missing = n - len(have.get(shape, [])) - starting.get(shape, 0)
-            if missing > 0:
-                out.append(Launch(shape, missing))
-        return out
-
-    def _streak(self, view: PoolView) -> int:
-        """Failed starts since the last worker registered."""
-        last_ok = max((w.started_at for w in view.workers), default=0.0)
-        return sum(1 for t, _ in view.failures if t > last_ok)
-
-    def _backoff(self, view: PoolView) -> float:
-        n = self._streak(view)
-        if not n:
-            return 0.0
-        last = max(t for t, _ in view.failures)
-        delay = min(self.max_backoff_s, self.first_backoff_s * 2 ** (n - 1))
-        return max(0.0, last + delay - view.now)
-
-    def explain(self) -> str:
-        return self._note

@@ -43,9 +43,16 @@ Cores -- heSRPT-inspired shares.
     cut back to the point where one more core would speed it up by less than
     ``min_gain`` (Amdahl with the learned parallel fraction).  With an idle pool
     the share is the whole pool, so an action alone gets all the cores it can
-    use ("grow when idle"); with a queue, shares shrink towards ``min_cores``
-    so one action does not hog cores the queue needs.  The share is below
-    ``max_cores`` only while there is competition, which is when it matters.
+    use ("grow when idle").  While work waits for cores the grant shrinks
+    further: one more core is worth giving while the time it saves the action,
+    ``d1 p / (c (c - 1))``, exceeds the delay its extra core-seconds impose on
+    the ``q`` waiting actions (``1 / capacity`` each per core-second) -- ``d1
+    (1 - p)`` of them, or only as many as the queue's drain time ``T`` when it
+    clears sooner: ``c (c - 1) < d1 p capacity / (min(d1 (1 - p), T) q)``.
+    Under a standing queue that is ``min_cores`` -- on an overloaded pool the
+    most work per core-second is done at one core each -- while a moment's
+    queue of a few short actions does not pin a long, parallel action to one
+    core for its whole run.  (Grants are final: nothing is preempted or resized.)
 
 Placement.
     Actions of an environment go to the worker that hosts it (the first of its
@@ -55,10 +62,16 @@ Placement.
     a new replica is loaded -- evicting idle services, least recently used
     first -- only when the predicted wait for a resident slot is longer than
     the learned load time of the service, since a load is pure overhead for
-    the action that triggers it.  Draining workers take only actions of the
-    environments they already host.
+    the action that triggers it, or when the service's arrival rate times
+    its service time would keep the replicas' slots busier than
+    ``service_util`` (a throughput rule: a queue that has not formed yet
+    will).  Loads evict by the rule the worker's service manager applies
+    (:mod:`tangram_hpc.policy.residency`), and the policy avoids workers where
+    that would push out a model somebody waits for, or one this or the
+    previous RL step called (it is needed again at the end of the step).
+    Draining workers take only actions of the environments they already host.
 
-Costs.  See :mod:`tangram_hpc.policy._placement`: waiting actions are kept in
+Costs.  See :mod:`tangram_hpc.policy.placement`: waiting actions are kept in
 heaps per placement class, so a :meth:`schedule` call costs
 ``O(Q + k log(Q + W))`` for Q non-empty queues, k starts and W workers.
 
@@ -67,10 +80,11 @@ same decisions (ties break by submission order and worker registration order).
 """
 from __future__ import annotations
 
-from typing import Sequence
+import math
+from typing import Mapping, Sequence
 
-from ..resources import WorkerShape
-from ._placement import PlacementPolicy, _Queue, _Rec, _Worker, water_level
+from ..resources import ServiceInfo, WorkerShape
+from .placement import ActionRecord, PlacementPolicy, PlacementQueue, WorkerRecord, water_level
 from .predict import Predictor
 
 __all__ = ["ElasticScheduler"]
@@ -87,18 +101,27 @@ class ElasticScheduler(PlacementPolicy):
     priority_weight: seconds of head start per priority level.
     priority_clamp: priority levels beyond this count as this.
     min_gain: smallest relative speedup one more core must bring to be granted.
+    services: the run's reward-model services (sizes, batch limits, load times).
+    service_util: busiest a service's replicas may run (arrival rate x
+        service time / slots) before another replica is loaded.
+    rate_window_s: time constant of the arrival-rate estimate per service.
     """
 
     def __init__(self, predictor: Predictor | None = None, *, shapes: Sequence[WorkerShape] = (),
+                 services: Mapping[str, ServiceInfo] | None = None,
                  aging: float = 0.5, priority_weight: float = 30.0, priority_clamp: int = 16,
-                 min_gain: float = 0.02):
+                 min_gain: float = 0.01, service_util: float = 0.85, rate_window_s: float = 30.0,
+                 pipeline_below_s: float | None = None):
         if aging <= 0:
             raise ValueError("aging must be positive (it bounds the wait of every action)")
         self.aging = aging
         self.priority_weight = priority_weight
         self.priority_clamp = priority_clamp
         self.min_gain = min_gain
-        super().__init__(predictor, shapes=shapes)
+        self.service_util = service_util
+        self.rate_window_s = rate_window_s
+        self._rates: dict[str, list[float]] = {}     # service -> [rate per second, at time]
+        super().__init__(predictor, shapes=shapes, services=services, pipeline_below_s=pipeline_below_s)
 
     def wait_bound(self, size: float, priority_gap: int) -> float:
         """Time after which no newly submitted action outranks one of ``size``.
@@ -108,44 +131,131 @@ class ElasticScheduler(PlacementPolicy):
         gap = min(max(priority_gap, 0), 2 * self.priority_clamp)
         return (size + self.priority_weight * gap) / self.aging
 
-    def _key(self, rec: _Rec) -> float:
+    def _key(self, rec: ActionRecord) -> float:
         spec = rec.spec
         prio = max(-self.priority_clamp, min(self.priority_clamp, spec.priority))
-        return self.predictor.predict(spec) + self.aging * rec.submit - self.priority_weight * prio
+        return rec.time_at(spec.demand.min_cores) + self.aging * rec.submit - self.priority_weight * prio
 
-    def _grant(self, rec: _Rec, w: _Worker) -> int:
+    def _grant(self, rec: ActionRecord, w: WorkerRecord) -> int:
+        hi = min(rec.spec.demand.max_cores, rec.cores + w.free_cores)
+        # an action that waited for its cores gets them
+        return max(self._cores_for(rec, w, hi), min(rec.target, hi))
+
+    def _cores_for(self, rec: ActionRecord, w: WorkerRecord, hi: int, *, later: bool = False) -> int:
+        """The grant for ``rec`` on ``w`` with at most ``hi`` cores available.
+
+        ``later``: the grant it should wait for -- the fixed-size actions running now will have
+        ended by then, so only the waiting ones count against the elastic share.
+        """
         d = rec.spec.demand
         lo = d.min_cores
-        hi = min(d.max_cores, w.free_cores)
-        if hi <= lo or not rec.elastic:
+        if hi <= lo:
             return lo
-        kl = self._kinds[rec.spec.kind]
-        share = water_level(kl.capacity - kl.rigid, kl.by_max)
+        kl = rec.load
+        rigid = kl.rigid - kl.rigid_running if later else kl.rigid
+        share = water_level(kl.capacity - rigid, kl.by_max)
         c = max(lo, min(hi, int(share) if share != float("inf") else hi))
-        if c > lo:
-            # stop where the next core buys less than min_gain (Amdahl knee)
-            p = self.predictor.parallel_fraction(rec.spec)
-            serial = 1.0 - p
-            while c > lo:
-                t_c = serial + p / c
-                t_less = serial + p / (c - 1)
-                if (t_less - t_c) / t_c >= self.min_gain:
-                    break
-                c -= 1
+        if c <= lo:
+            return lo
+        c = self._knee(rec.p, lo, c)
+        queued, drain = self.waiting_for(rec, w)
+        if queued and c > lo and rec.p < 1.0:
+            # Going from c-1 to c cores saves d1 p / (c (c-1)) seconds of this action.  It takes
+            # d1 (1-p) more core-seconds, but only while the queue lasts do they delay anyone:
+            # min(d1 (1-p), drain time) core-seconds, each delaying the `queued` waiting actions by
+            # 1/capacity.  Under a standing queue that is min_cores (the most work per
+            # core-second); a burst of short actions that drains in a second leaves long
+            # parallel ones most of their cores.
+            lost = min(rec.d1 * (1.0 - rec.p), drain)
+            if lost > 0:
+                limit = rec.d1 * rec.p * max(1, kl.capacity) / (lost * queued)
+                while c > lo and c * (c - 1) >= limit:
+                    c -= 1
         return c
 
-    def _should_load(self, rec: _Rec, q: _Queue, now: float) -> bool:
+    def _startable(self, rec: ActionRecord, w: WorkerRecord, now: float) -> bool:
+        # Grants are final, so an elastic action that would start on the leftovers of a busy worker
+        # (a long final test run on one core, on the critical path of the step) waits there for
+        # the cores it should have -- when the time they save it exceeds the expected wait.
+        free = w.free_cores
+        target = self._cores_for(rec, w, min(rec.spec.demand.max_cores, w.cores), later=True)
+        rec.target = target
+        if free >= target:
+            return True
+        # expected times, not medians: durations are heavy-tailed, and the long ones are the ones
+        # that decide a step's end
+        gain = (rec.time_at(max(free, rec.spec.demand.min_cores)) - rec.time_at(target)) * rec.tail
+        return gain <= self._wait_for_cores(w, target - free, now)
+
+    def _wait_for_cores(self, w: WorkerRecord, need: int, now: float) -> float:
+        """Expected seconds until ``need`` more cores are free on ``w`` (from its actions' predicted ends)."""
+        ends = []
+        for r in w.running.values():
+            if r.cores:
+                t = r.expect
+                ends.append((max(0.25 * t, r.started + t - now), r.cores))
+        ends.sort()
+        got = 0
+        for left, cores in ends:
+            got += cores
+            if got >= need:
+                return left
+        return float("inf")
+
+    def _best_cores(self, rec: ActionRecord) -> int:
+        d = rec.spec.demand
+        if not rec.elastic:
+            return max(1, d.min_cores)
+        return self._knee(rec.p, d.min_cores, d.max_cores)
+
+    def _knee(self, p: float, lo: int, c: int) -> int:
+        """Cut ``c`` back to where the next core buys less than ``min_gain`` (Amdahl with parallel fraction p)."""
+        serial = 1.0 - p
+        while c > lo:
+            t_c = serial + p / c
+            t_less = serial + p / (c - 1)
+            if (t_less - t_c) / t_c >= self.min_gain:
+                break
+            c -= 1
+        return c
+
+    @staticmethod
+    def _replica_rank(w: WorkerRecord, svc: str) -> tuple:
+        # the replica with the smallest batch: a request's latency grows with the batch it joins
+        st = w.services[svc]
+        return (st.ready_at, st.running, -w.free_cores, w.seq)
+
+    def _arrived(self, service: str, now: float) -> None:
+        r = self._rates.get(service)
+        if r is None:
+            self._rates[service] = [1.0 / self.rate_window_s, now]
+            return
+        r[0] = r[0] * math.exp(-(now - r[1]) / self.rate_window_s) + 1.0 / self.rate_window_s
+        r[1] = now
+
+    def arrival_rate(self, service: str, now: float) -> float:
+        """Requests per second for ``service`` lately (exponentially decaying count)."""
+        r = self._rates.get(service)
+        if r is None:
+            return 0.0
+        return r[0] * math.exp(-max(0.0, now - r[1]) / self.rate_window_s)
+
+    def _should_load(self, rec: ActionRecord, q: PlacementQueue, now: float) -> bool:
         svc = rec.spec.demand.service
         reps = self._svc_replicas.get(svc)
         slots = 0
         if reps:
             per = max(1, rec.spec.demand.min_cores)
+            info = self._services.get(svc)
+            batch = info.max_batch if info is not None and info.max_batch else 1 << 30
             for w in reps.values():
                 if not w.draining:
-                    slots += w.cores // per
+                    slots += min(w.cores // per, batch)
         if slots == 0:
             return True
-        waiting = self._svc_pending.get(svc, 1)
+        service_s = rec.time_at(rec.spec.demand.min_cores)
+        if self.arrival_rate(svc, now) * service_s > self.service_util * slots:
+            return True        # throughput: the replicas cannot keep up with the arrivals
+        waiting = self.tally.service_pending.get(svc, 1)
         rounds = -(-waiting // slots)
-        est_wait = rounds * self.predictor.predict(rec.spec)
-        return est_wait > self.predictor.load_time(svc)
+        return rounds * service_s > self.predictor.load_time(svc)

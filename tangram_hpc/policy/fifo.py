@@ -10,17 +10,14 @@ are ignored: this is the plain action-level baseline.
 """
 from __future__ import annotations
 
-from ._placement import PlacementPolicy, _Queue, _Rec, _Worker
+from .placement import ActionRecord, PlacementPolicy, PlacementQueue
 
 __all__ = ["FifoPolicy"]
 
 
 class FifoPolicy(PlacementPolicy):
-    def _key(self, rec: _Rec) -> float:
+    def _key(self, rec: ActionRecord) -> float:
         return float(rec.seq)
 
-    def _grant(self, rec: _Rec, w: _Worker) -> int:
-        return rec.spec.demand.min_cores
-
-    def _should_load(self, rec: _Rec, q: _Queue, now: float) -> bool:
+    def _should_load(self, rec: ActionRecord, q: PlacementQueue, now: float) -> bool:
         return True

@@ -1,27 +1,36 @@
 """Pool sizing: how many workers of which shape to ask for, and which to give back.
 
 :class:`PoolController` is pure (the clock comes in the :class:`PoolView`);
-it keeps only its own history (launch times, the circuit breaker).
+it keeps only its own history (peaks per RL step, launch times, the circuit
+breaker).  ``decide()`` states the launches it *wants*; throttling the
+batch system is not its job beyond the simple limits below.
 
-Scale up.  Waiting work is split by the shape kind it needs (``gpu`` for
-actions with a GPU service or GPU memory, ``cpu`` otherwise) and turned into
-core-seconds with the predictor (mean, not median: capacity must cover the
-tail).  A new worker only helps with work still waiting when it arrives, so
-the controller asks for enough cores to clear the backlog within the start-up
-time of a worker:
+Demand.  For each resource class (``cpu``: cores, ``gpu``: request slots)
+the capacity wanted is
 
-    wanted cores = backlog core-seconds / startup_s
-    missing      = wanted - free cores now - cores of workers already starting
+    wanted = offered load / target_util + backlog core-seconds / startup_s
 
-and launches ``ceil(missing / shape.cores)`` workers, at least one when work
-waits and no worker of the kind exists or is starting.  Elastic actions
-shrink instead of waiting when the pool is busy, so a backlog alone would
-under-provision: the controller also launches when busy cores exceed
-``target_util`` of the capacity (and does not reclaim below it).  Workers already
-starting count as capacity, so a backlog does not trigger a second wave of
-launches while the first is still queued in the batch system.  Launches are
-capped by the per-kind and total maxima and by a rate limit (``max_launch_rate``
-workers per ``rate_window_s``).
+``offered load`` is the work submitted per second lately, counted at the
+cores each action would get with nothing waiting (``PoolView.offered_load``,
+from the scheduling policy): Little's law turns it into the cores that keep
+up; it counts only while the class is active (an action ran or waited within
+``hold_idle_s``), so a decaying estimate never keeps an idle pool.  The
+backlog term clears what already waits within one worker start-up:
+``startup_s`` is learned as the median start-up of the current workers
+(``WorkerStatus.launched_at`` to joining), with the configured value as the
+guess before any.
+The pool grows to ``wanted`` in one wave -- in proportion to demand, not by a
+fixed factor per start-up.  Without an offered load (a driver that does not
+provide it) the controller falls back to growing while busy cores exceed
+``target_util`` of the capacity.
+
+RL steps repeat.  The controller remembers the largest ``wanted`` (or busy
+cores, when elastic actions grew into more) of the current and of the
+previous step (``PoolView.step``) and, while the run is active (an action ran or waited within ``hold_idle_s``), never lets capacity
+fall below it: the tail of a step, when a few long trajectories keep most
+workers idle, is followed at once by the next step's burst, which a worker
+started only then would reach a start-up too late.  A new step that finds
+less capacity than the previous step's peak pre-scales to it at once.
 
 Cluster view.  With a :class:`ClusterCapacity` (free cores/GPUs per
 partition, from the batch system) the controller only asks for shapes whose
@@ -33,17 +42,19 @@ is drained (its running actions finish, its environments are snapshotted)
 and no longer counts as capacity, so a replacement is launched in time.
 
 Scale down.  A worker idle (no running action) for ``idle_ttl_s`` is
-reclaimed, down to ``min_workers`` of its kind, never while work of its kind
-waits; one that hosts sandbox environments waits ``env_idle_ttl_s`` instead
-(reclaiming drains it, and a stopping worker snapshots its environments for
-the next worker to restore).  A worker that runs actions is never reclaimed;
-a draining worker is reclaimed once it is empty.
+reclaimed, down to ``min_workers`` of its class, never while work of its
+class waits and never below the capacity wanted or held; one that hosts
+sandbox environments waits ``env_idle_ttl_s`` instead (reclaiming drains it,
+and a stopping worker snapshots its environments for the next worker to
+restore).  A worker that runs actions is never reclaimed; a draining worker
+is reclaimed once it is empty.
 
-Circuit breaker.  ``breaker_failures`` failed starts within
-``breaker_window_s`` stop all launches for ``breaker_cooldown_s`` (the batch
-system is refusing, the image is broken, the account is out of hours ...):
-retrying in a loop would flood the scheduler with doomed jobs.
-:meth:`explain` says why it stopped and until when.
+Limits.  Launches are capped by the per-class and total maxima and by a
+rate limit (``max_launch_rate`` workers per ``rate_window_s``).
+``breaker_failures`` failed starts within ``breaker_window_s`` stop all
+launches for ``breaker_cooldown_s`` (the batch system is refusing, the image
+is broken, the account is out of hours ...).  :meth:`explain` says why it
+stopped and until when.
 """
 from __future__ import annotations
 
@@ -52,11 +63,11 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ..actions import ActionSpec
-from ..resources import ClusterCapacity, PartitionFree, WorkerShape
+from ..resources import ClusterCapacity, PartitionFree, ResourceClass, WorkerShape
 from .base import Launch, PoolPolicy, PoolView, Reclaim
 from .predict import Predictor
 
-__all__ = ["PoolController", "PoolConfig", "ClusterCapacity", "PartitionFree", "shape_kind_for"]
+__all__ = ["PoolController", "PoolConfig", "ClusterCapacity", "PartitionFree", "resource_for"]
 
 
 @dataclass(slots=True)
@@ -64,9 +75,13 @@ class PoolConfig:
     """Limits and timings of the pool.
 
     shapes: the worker shapes to use, e.g. one CPU shape and one GPU shape
-        (several of a kind: alternative partitions).
-    max_workers: per kind (``cpu``/``gpu``); missing kinds are unbounded
-        except by ``max_total``.
+        (several of a class: alternative partitions).
+    max_workers / min_workers: per resource class (``cpu``/``gpu``); missing
+        classes are unbounded except by ``max_total``.
+    hold_steps: keep the current and the previous RL step's peak demand while
+        the run is active (see the module docstring).
+    hold_idle_s: how long without any action before the held capacity is let
+        go (default: ``idle_ttl_s``).
     """
 
     shapes: list[WorkerShape]
@@ -83,6 +98,8 @@ class PoolConfig:
     breaker_cooldown_s: float = 900.0
     time_limit_margin_s: float = 120.0
     target_util: float = 0.75
+    hold_steps: bool = True
+    hold_idle_s: float | None = None
 
     def __post_init__(self) -> None:
         if not self.shapes:
@@ -90,12 +107,30 @@ class PoolConfig:
         for name in ("startup_s", "idle_ttl_s", "rate_window_s", "breaker_window_s", "breaker_cooldown_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative")
+        if not 0 < self.target_util <= 1:
+            raise ValueError("target_util must be in (0, 1]")
 
 
-def shape_kind_for(spec: ActionSpec) -> str:
-    """The shape kind an action needs."""
+def resource_for(spec: ActionSpec) -> ResourceClass:
+    """The class of worker an action needs."""
     d = spec.demand
-    return "gpu" if (d.service or d.gpu_mem_mb) else "cpu"
+    return ResourceClass.GPU if (d.service or d.gpu_mem_mb) else ResourceClass.CPU
+
+
+@dataclass(slots=True)
+class _Demand:
+    """One resource class at one decision point."""
+
+    count: int = 0           # workers (draining and expiring included)
+    busy: int = 0            # busy cores
+    cap: int = 0             # cores of workers that take new work
+    free: int = 0
+    starting: int = 0        # workers starting
+    starting_cores: int = 0
+    backlog: float = 0.0     # waiting core-seconds (mean)
+    waiting: int = 0         # waiting actions
+    biggest: int = 0         # largest min_cores waiting
+    running: int = 0         # actions running
 
 
 class PoolController(PoolPolicy):
@@ -108,6 +143,10 @@ class PoolController(PoolPolicy):
         self._breaker_reason = ""
         self._last = ""
         self._seen_failures = 0.0
+        self._step: int | None = None
+        self._peak: dict[ResourceClass, float] = {}        # largest wanted capacity in this step
+        self._prev_peak: dict[ResourceClass, float] = {}   # ... in the previous step
+        self._active_at: dict[ResourceClass, float] = {}   # last time an action of the class ran or waited
 
     @property
     def shapes(self) -> list[WorkerShape]:
@@ -120,45 +159,94 @@ class PoolController(PoolPolicy):
     def explain(self) -> str:
         return self._last
 
+    def held(self, resource: ResourceClass | str, now: float) -> float:
+        """Cores the step memory keeps for ``resource`` now (0 when the run went quiet)."""
+        res = ResourceClass(resource)
+        if not self.config.hold_steps or not self._active(res, now):
+            return 0.0
+        return max(self._peak.get(res, 0.0), self._prev_peak.get(res, 0.0))
+
+    def _active(self, res: ResourceClass, now: float) -> bool:
+        """An action of the class ran or waited within ``hold_idle_s`` (the run has not gone quiet)."""
+        cfg = self.config
+        quiet = cfg.hold_idle_s if cfg.hold_idle_s is not None else cfg.idle_ttl_s
+        return now - self._active_at.get(res, -float("inf")) <= quiet
+
+    def startup_s(self, view: PoolView) -> float:
+        """Seconds from asking for a worker to its joining: the median seen among the current
+        workers, else the configured guess (a queue-less dev cluster starts in seconds, a busy
+        site's in minutes; a guess far off either way over- or under-sizes every wave)."""
+        seen = sorted(w.started_at - w.launched_at for w in view.workers if w.launched_at is not None)
+        return seen[len(seen) // 2] if seen else self.config.startup_s
+
     # -- decision ------------------------------------------------------------
+    def _tally(self, view: PoolView) -> dict[ResourceClass, _Demand]:
+        now = view.now
+        out: dict[ResourceClass, _Demand] = {}
+        for spec in view.pending:
+            k = resource_for(spec)
+            d = out.get(k) or out.setdefault(k, _Demand())
+            d.backlog += self.predictor.mean_core_seconds(spec)
+            d.waiting += 1
+            d.biggest = max(d.biggest, spec.demand.min_cores)
+        for ws in view.workers:
+            k = ws.launched_shape.resource
+            d = out.get(k) or out.setdefault(k, _Demand())
+            d.count += 1
+            d.busy += ws.busy_cores
+            d.running += ws.running
+            if not ws.draining and not self._expiring(ws, now):
+                d.free += max(0, ws.info.cores - ws.busy_cores)
+                d.cap += ws.info.cores
+        for shape, _at in view.starting:
+            d = out.get(shape.resource) or out.setdefault(shape.resource, _Demand())
+            d.starting += 1
+            d.starting_cores += shape.cores
+        return out
+
+    def _wanted(self, view: PoolView, res: ResourceClass, d: _Demand) -> float:
+        """Cores the class should have now (demand, then the step memory)."""
+        cfg = self.config
+        now = view.now
+        if d.running or d.waiting:
+            self._active_at[res] = now
+        backlog = d.backlog / max(self.startup_s(view), 1.0)
+        if view.offered_load is not None:
+            # The offered load decays slowly; once the class went quiet it no longer keeps workers.
+            load = view.offered_load.get(res, 0.0) if self._active(res, now) else 0.0
+            want = load / cfg.target_util + backlog
+        else:   # no offered load: grow while the pool runs hot
+            want = max(d.busy / cfg.target_util, d.cap + d.starting_cores - d.free + backlog)
+        # what the step used counts too: elastic actions grow into idle cores and run shorter for it
+        self._peak[res] = max(self._peak.get(res, 0.0), want, float(d.busy))
+        return max(want, self.held(res, now))
+
+    def _new_step(self, view: PoolView) -> None:
+        if view.step is None or view.step == self._step:
+            return
+        if self._step is not None and view.step > self._step:
+            self._prev_peak = dict(self._peak)
+            self._peak = {}
+        self._step = view.step
+
     def decide(self, view: PoolView) -> list[Launch | Reclaim]:
         cfg = self.config
         now = view.now
         cluster = view.cluster or self.cluster
         out: list[Launch | Reclaim] = []
-
-        # backlog per kind, in core-seconds and in actions
-        backlog: dict[str, float] = {}
-        waiting: dict[str, int] = {}
-        biggest: dict[str, int] = {}
-        for spec in view.pending:
-            k = shape_kind_for(spec)
-            backlog[k] = backlog.get(k, 0.0) + self.predictor.mean_core_seconds(spec)
-            waiting[k] = waiting.get(k, 0) + 1
-            biggest[k] = max(biggest.get(k, 0), spec.demand.min_cores)
-
-        count: dict[str, int] = {}
-        free: dict[str, int] = {}
-        busy: dict[str, int] = {}
-        cap: dict[str, int] = {}
-        for ws in view.workers:
-            k = ws.info.shape.kind
-            count[k] = count.get(k, 0) + 1
-            busy[k] = busy.get(k, 0) + ws.busy_cores
-            if not ws.draining and not self._expiring(ws, now):
-                free[k] = free.get(k, 0) + max(0, ws.info.cores - ws.busy_cores)
-                cap[k] = cap.get(k, 0) + ws.info.cores
-        starting: dict[str, int] = {}
-        starting_cores: dict[str, int] = {}
-        for shape, _at in view.starting:
-            starting[shape.kind] = starting.get(shape.kind, 0) + 1
-            starting_cores[shape.kind] = starting_cores.get(shape.kind, 0) + shape.cores
+        self._new_step(view)
+        demand = self._tally(view)
+        wanted = {k: self._wanted(view, k, d) for k, d in demand.items()}
         total = len(view.workers) + len(view.starting)
 
-        # -- scale down first (frees room under max_total for the other kind)
-        kept = dict(count)
-        for ws in sorted(view.workers, key=lambda s: (s.idle_since if s.idle_since is not None else now, s.info.id)):
-            k = ws.info.shape.kind
+        # -- scale down first (frees room under max_total for the other class)
+        kept = {k: d.count for k, d in demand.items()}
+        cap_left = {k: d.cap + d.starting_cores for k, d in demand.items()}
+        # busy workers are never reclaimed: only the others are ordered (longest idle first)
+        candidates = [ws for ws in view.workers
+                      if not (ws.running or ws.busy_cores) or (ws.ends_at is not None and not ws.draining)]
+        for ws in sorted(candidates, key=lambda s: (s.idle_since if s.idle_since is not None else now, s.info.id)):
+            k = ws.launched_shape.resource
             if self._expiring(ws, now) and not ws.draining:
                 out.append(Reclaim(ws.info.id, "time limit"))  # drained; its replacement is launched below
                 kept[k] -= 1
@@ -169,10 +257,10 @@ class PoolController(PoolPolicy):
                 out.append(Reclaim(ws.info.id, "drained"))
                 kept[k] -= 1
                 continue
-            if waiting.get(k):
+            if demand[k].waiting:
                 continue
-            if busy.get(k, 0) > cfg.target_util * (cap.get(k, 0) - ws.info.cores):
-                continue                      # the rest would run too hot without it
+            if cap_left[k] - ws.info.cores < wanted[k]:
+                continue                      # the demand, or the next step, needs it
             # Reclaiming drains: a worker snapshots its environments when it stops, and they are
             # restored where their trajectory acts next, so environments only make it wait longer.
             ttl = cfg.env_idle_ttl_s if ws.envs else cfg.idle_ttl_s
@@ -182,6 +270,7 @@ class PoolController(PoolPolicy):
                 continue
             out.append(Reclaim(ws.info.id, "idle"))
             kept[k] -= 1
+            cap_left[k] -= ws.info.cores
         total -= len(out)
 
         # -- circuit breaker
@@ -193,28 +282,19 @@ class PoolController(PoolPolicy):
             self._launches.popleft()
         budget = cfg.max_launch_rate - len(self._launches)
         reasons = []
-        kinds = sorted(set(waiting) | set(cfg.min_workers) | set(busy))
-        for k in kinds:
-            shapes = [s for s in cfg.shapes if s.kind == k and s.cores >= biggest.get(k, 0)]
+        for k in sorted(set(demand) | {ResourceClass(m) for m in cfg.min_workers}):
+            d = demand.get(k) or _Demand()
+            shapes = [s for s in cfg.shapes if s.resource == k and s.cores >= d.biggest]
             if not shapes:
-                if waiting.get(k):
+                if d.waiting:
                     reasons.append(f"no {k} shape large enough for waiting actions")
                 continue
-            have = kept.get(k, 0) + starting.get(k, 0)
+            have = kept.get(k, 0) + d.starting
             room = min(cfg.max_workers.get(k, 1 << 30) - have, cfg.max_total - total)
-            need = 0
-            if waiting.get(k):
-                shape0 = shapes[0]
-                wanted = backlog[k] / max(cfg.startup_s, 1.0)
-                missing = wanted - free.get(k, 0) - starting_cores.get(k, 0)
-                need = math.ceil(missing / shape0.cores) if missing > 0 else 0
-                if have == 0:
-                    need = max(need, 1)
-            # keep utilisation under the target: elastic actions get fewer cores
-            # (and run longer) when the pool runs hot even if nothing waits
-            hot = busy.get(k, 0) / cfg.target_util - cap.get(k, 0) - starting_cores.get(k, 0)
-            if hot > 0:
-                need = max(need, math.ceil(hot / shapes[0].cores))
+            missing = wanted.get(k, 0.0) - d.cap - d.starting_cores
+            need = math.ceil(missing / shapes[0].cores - 1e-9) if missing > 0 else 0
+            if d.waiting and have == 0:
+                need = max(need, 1)
             need = max(need, cfg.min_workers.get(k, 0) - have)
             if need <= 0:
                 continue
@@ -235,7 +315,6 @@ class PoolController(PoolPolicy):
                 reasons.append(f"partitions cannot hold {n} more {k} workers now")
         self._last = "; ".join(reasons) if reasons else "ok"
         return out
-
     def _expiring(self, ws, now: float) -> bool:
         return ws.ends_at is not None and ws.ends_at - now < self.config.time_limit_margin_s
 

@@ -1,42 +1,50 @@
-"""The resource-management baselines tangram is measured against.
+"""The resource-management setups tangram is measured against, as users deploy them.
 
 All of them are :class:`~tangram_hpc.policy.base.SchedulingPolicy` objects,
-so the simulator runs them exactly like the real schedulers on the same plan
-and the same static cluster.
+so the simulator runs them exactly like the real schedulers, on the same plan
+and the same static cluster.  On the GPU side every one of them is a *reward
+server*: the services are loaded before the run and kept loaded (the
+verl/SkyRL setup), on a fixed layout (:func:`static_service_layout`), each
+replica batching up to its ``max_batch`` requests.
 
-(a) :class:`TrajectoryBoundPolicy` -- how agentic-RL rollouts commonly use
-    external resources: a trajectory gets a sandbox of ``sandbox_cores`` cores
-    when its first action arrives and holds it, thinking or not, until it
-    ends; its actions run in it at once with ``min(max_cores, sandbox_cores)``
-    cores.  A trajectory that finds no free sandbox waits (its action's ACT
-    includes that wait).  Reward calls go to the GPU worker the trajectory was
-    bound to (round robin over the replicas of the service, for its whole
-    life), FIFO there; services are preloaded statically and never move.
-(b) :class:`TaskIsolatedPolicy` -- a fixed pool per task: CPU workers split
-    between action kinds and GPU workers between services in proportion to
-    each one's peak demand; inside a pool, FIFO, every action at its
-    ``max_cores`` (sized for its peak), services preloaded on their own GPUs.
-(c) :class:`~tangram_hpc.policy.fifo.FifoPolicy` -- action-level pooling but
-    FIFO at ``min_cores``, loading services on demand.
+* :class:`TrajectoryBoundPolicy` -- a trajectory gets a sandbox of
+  ``sandbox_cores`` cores when its first action arrives and holds it,
+  thinking or not, until it ends; its actions run in it at once with
+  ``min(max_cores, sandbox_cores)`` cores.  A trajectory that finds no free
+  sandbox waits (its action's ACT includes that wait).  Its reward calls go
+  to the GPU worker it was bound to (round robin over the replicas of the
+  service), FIFO there.  The bench runs it at the largest ``max_cores`` and at
+  the best fixed size, found by trying them.
+* :class:`PooledPolicy` -- one shared pool of CPU workers and the reward
+  server; waiting actions first come first served (``fifo``) or shortest
+  predicted first (``sjf``, with the same online predictor tangram uses), each
+  at its ``min_cores`` or at its ``max_cores`` (a rigid size: it waits until
+  that many cores are free on one worker).
+* :class:`TaskIsolatedPolicy` -- a fixed CPU pool per action kind and GPU
+  workers per service, sized in proportion to each one's peak demand in a
+  profiling run (another sample of the workload), FIFO at ``max_cores``.
 """
 from __future__ import annotations
 
 import math
 from collections import deque
+from dataclasses import replace
+from typing import Mapping
 
 import numpy as np
 
-from ..actions import ActionSpec
-from ..policy._placement import PlacementPolicy, _Queue, _Rec, _Worker
+from ..actions import ActionSpec, Demand
 from ..policy.base import Assignment, SchedulingPolicy
-from ..resources import WorkerInfo
+from ..policy.placement import ActionRecord, PlacementPolicy, PlacementQueue
+from ..policy.predict import Predictor
+from ..resources import ServiceInfo, WorkerInfo
 from .workload import Plan, Workload
 
-__all__ = ["TrajectoryBoundPolicy", "TaskIsolatedPolicy", "unconstrained_peaks", "isolated_split",
-           "static_service_layout"]
+__all__ = ["TrajectoryBoundPolicy", "PooledPolicy", "TaskIsolatedPolicy", "unconstrained_peaks",
+           "isolated_split", "static_service_layout"]
 
 
-def static_service_layout(services: dict[str, int], gpu_mem_mb: int, index: int) -> list[str]:
+def static_service_layout(services: Mapping[str, int], gpu_mem_mb: int, index: int) -> list[str]:
     """Services the ``index``-th GPU worker hosts when every worker is preloaded statically.
 
     All of them when they fit together; otherwise worker ``i`` starts at
@@ -57,13 +65,15 @@ def static_service_layout(services: dict[str, int], gpu_mem_mb: int, index: int)
 
 
 class TrajectoryBoundPolicy(SchedulingPolicy):
-    def __init__(self, sandbox_cores: int, services: dict[str, int]):
+    def __init__(self, sandbox_cores: int, services: Mapping[str, int],
+                 max_batch: Mapping[str, int] | None = None):
         if sandbox_cores < 1:
             raise ValueError("sandbox_cores must be at least 1")
         self.sandbox_cores = sandbox_cores
         self.services = dict(services)
+        self.max_batch = dict(max_batch or {})
         self._cpu: dict[str, list] = {}        # wid -> [free cores, info]
-        self._gpu: dict[str, list] = {}        # wid -> [free slots, info, deque of pending specs, services]
+        self._gpu: dict[str, list] = {}        # wid -> [free slots, info, deque of pending specs, services, running per service]
         self._gpu_order: list[str] = []
         self._sandbox: dict[str, str] = {}     # trajectory -> worker holding its sandbox
         self._waiting: deque[str] = deque()    # trajectories waiting for a sandbox
@@ -71,7 +81,7 @@ class TrajectoryBoundPolicy(SchedulingPolicy):
         self._ready: list[ActionSpec] = []
         self._bind: dict[tuple[str, str], str] = {}
         self._rr: dict[str, int] = {}
-        self._running: dict[str, tuple[str, int, bool]] = {}
+        self._running: dict[str, tuple[str, int, str | None]] = {}
         self._solo: set[str] = set()           # actions with no trajectory: release at finish
         self._dirty: set[str] = set()
         self._pending = 0
@@ -79,14 +89,15 @@ class TrajectoryBoundPolicy(SchedulingPolicy):
     def add_worker(self, info: WorkerInfo, now: float) -> None:
         if info.gpus:
             svcs = static_service_layout(self.services, info.gpu_mem_mb, len(self._gpu_order))
-            self._gpu[info.id] = [info.cores, info, deque(), svcs]
+            self._gpu[info.id] = [info.cores, info, deque(), svcs, {}]
             self._gpu_order.append(info.id)
         else:
             self._cpu[info.id] = [info.cores, info]
 
-    def resident_services(self, worker_id: str) -> frozenset[str]:
+    def preloaded_services(self, worker_id: str, info: WorkerInfo) -> list[str]:
+        """The static layout: loaded before the run, never moved."""
         g = self._gpu.get(worker_id)
-        return frozenset(g[3]) if g else frozenset()
+        return list(g[3]) if g else []
 
     def remove_worker(self, worker_id: str, now: float) -> list[str]:
         self._cpu.pop(worker_id, None)
@@ -151,9 +162,11 @@ class TrajectoryBoundPolicy(SchedulingPolicy):
         ent = self._running.pop(action_id, None)
         if ent is None:
             return
-        wid, cores, gpu = ent
-        if gpu and wid in self._gpu:
-            self._gpu[wid][0] += cores
+        wid, cores, svc = ent
+        g = self._gpu.get(wid) if svc is not None else None
+        if g is not None:
+            g[0] += cores
+            g[4][svc] -= 1
             self._dirty.add(wid)
         if action_id in self._solo:
             self._solo.discard(action_id)
@@ -173,7 +186,7 @@ class TrajectoryBoundPolicy(SchedulingPolicy):
         for a in self._ready:
             wid = self._sandbox[self._traj(a)]
             c = max(a.demand.min_cores, min(a.demand.max_cores, self.sandbox_cores))
-            self._running[a.id] = (wid, c, False)
+            self._running[a.id] = (wid, c, None)
             out.append(Assignment(a.id, wid, c))
         self._pending -= len(self._ready)
         self._ready = []
@@ -183,9 +196,13 @@ class TrajectoryBoundPolicy(SchedulingPolicy):
                 continue
             q = g[2]
             while q and g[0] >= q[0].demand.min_cores:
+                svc = q[0].demand.service
+                if g[4].get(svc, 0) >= self.max_batch.get(svc, 0) > 0:
+                    break          # FIFO: the head waits for a slot of its replica
                 a = q.popleft()
                 g[0] -= a.demand.min_cores
-                self._running[a.id] = (wid, a.demand.min_cores, True)
+                g[4][svc] = g[4].get(svc, 0) + 1
+                self._running[a.id] = (wid, a.demand.min_cores, svc)
                 self._pending -= 1
                 out.append(Assignment(a.id, wid, a.demand.min_cores))
         self._dirty.clear()
@@ -200,51 +217,74 @@ class TrajectoryBoundPolicy(SchedulingPolicy):
         return len(self._running)
 
 
-class TaskIsolatedPolicy(PlacementPolicy):
-    """Fixed per-task pools, FIFO inside, every action at ``max_cores``, services pinned."""
+class PooledPolicy(PlacementPolicy):
+    """One shared pool, FIFO or shortest-first, every action at min or at max cores; a reward server."""
 
-    def __init__(self, cpu_plan: list[str], gpu_plan: list[list[str]], services: dict[str, int]):
-        super().__init__()
-        self._cpu_plan = cpu_plan or ["sandbox"]
-        self._gpu_plan = gpu_plan
-        self._svc_sizes = dict(services)
-        self._ncpu = 0
+    def __init__(self, order: str, cores: str, services: Mapping[str, ServiceInfo],
+                 predictor: Predictor | None = None):
+        if order not in ("fifo", "sjf") or cores not in ("min", "max"):
+            raise ValueError("order is fifo or sjf, cores is min or max")
+        self.order = order
+        self.at_max = cores == "max"
+        self._sizes = {k: v.gpu_mem_mb for k, v in services.items()}
         self._ngpu = 0
+        self._layout: dict[str, list[str]] = {}
+        self._rigid: dict[Demand, Demand] = {}
+        super().__init__(predictor, services=services)
 
     def add_worker(self, info: WorkerInfo, now: float) -> None:
-        from dataclasses import replace
         if info.gpus:
-            svcs = self._gpu_plan[self._ngpu % len(self._gpu_plan)] if self._gpu_plan else []
+            self._layout[info.id] = static_service_layout(self._sizes, info.gpu_mem_mb, self._ngpu)
             self._ngpu += 1
-            super().add_worker(info, now)
-            w = self._workers[info.id]
-            for s in svcs:
-                self._svc_mem[s] = self._svc_sizes[s]
-                self._make_resident(w, s, self._svc_sizes[s], now)
+        super().add_worker(info, now)
+
+    def preloaded_services(self, worker_id: str, info: WorkerInfo) -> list[str]:
+        return self._layout.get(worker_id, [])
+
+    def submit(self, action: ActionSpec, now: float) -> None:
+        d = action.demand
+        if self.at_max and d.max_cores > d.min_cores and d.min_cores > 0:
+            rigid = self._rigid.get(d)
+            if rigid is None:
+                rigid = self._rigid[d] = replace(d, min_cores=d.max_cores)
+            action = replace(action, demand=rigid)
+        super().submit(action, now)
+
+    def _key(self, rec: ActionRecord) -> float:
+        if self.order == "fifo":
+            return float(rec.seq)
+        return rec.time_at(rec.spec.demand.min_cores)
+
+    def _should_load(self, rec: ActionRecord, q: PlacementQueue, now: float) -> bool:
+        return False             # the reward server keeps its layout
+
+
+class TaskIsolatedPolicy(PooledPolicy):
+    """Fixed per-task pools, FIFO inside, every action at ``max_cores``, services pinned per GPU worker."""
+
+    def __init__(self, cpu_plan: list[str], gpu_plan: list[list[str]], services: Mapping[str, ServiceInfo]):
+        super().__init__("fifo", "max", services)
+        self._cpu_plan = cpu_plan or ["sandbox"]
+        self._gpu_plan = gpu_plan
+        self._ncpu = 0
+
+    def add_worker(self, info: WorkerInfo, now: float) -> None:
+        if info.gpus:
+            plan = self._gpu_plan[self._ngpu % len(self._gpu_plan)] if self._gpu_plan else []
+            self._layout[info.id] = list(plan)
+            self._ngpu += 1
+            PlacementPolicy.add_worker(self, info, now)
         else:
             kind = self._cpu_plan[self._ncpu % len(self._cpu_plan)]
             self._ncpu += 1
-            super().add_worker(replace(info, kinds=frozenset({kind})), now)
-
-    def _key(self, rec: _Rec) -> float:
-        return float(rec.seq)
-
-    def _fits(self, w: _Worker, d) -> bool:
-        return (w.free_cores >= d.max_cores and w.free_mem >= d.mem_mb
-                and (d.service is not None or w.gpu_mem - w.gpu_used >= d.gpu_mem_mb))
-
-    def _grant(self, rec: _Rec, w: _Worker) -> int:
-        return rec.spec.demand.max_cores
-
-    def _should_load(self, rec: _Rec, q: _Queue, now: float) -> bool:
-        return False
+            PlacementPolicy.add_worker(self, replace(info, kinds=frozenset({kind})), now)
 
 
 def unconstrained_peaks(plan: Plan) -> dict[str, float]:
     """Peak concurrent demand per task when every action runs at once at its best core count.
 
     Keys ``cpu:<kind>`` (cores) and ``svc:<service>`` (request slots); from
-    the first step of the plan.
+    the first step of the plan (joined actions and barriers ignored: a profile).
     """
     w = plan.workload
     st, ln = plan.step_traj_start[0], plan.step_traj_len[0]
@@ -298,5 +338,4 @@ def isolated_split(w: Workload, peaks: dict[str, float]) -> tuple[list[str], lis
             mem = w.cluster.gpus * w.cluster.gpu_mem_mb
             sizes = {s: w.services[s].gpu_mem_mb for s in svc_demand}
             gpu_plan = [static_service_layout(sizes, mem, i) for i in range(w.cluster.gpu_workers)]
-    # interleave so that worker i of the cluster gets plan[i]
     return cpu_plan, gpu_plan

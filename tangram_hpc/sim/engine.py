@@ -11,64 +11,94 @@ The world it simulates:
 * RL steps run one after another; a step starts all its trajectories at once
   and ends when the last one finishes (then ``train_s`` of training).
 * A trajectory alternates think time (policy generation, not an external
-  resource) and one action, then runs its final (reward) actions.
+  resource) and one action plus its follow-ups, then runs its final (reward)
+  actions, one after another or all at once.  With ``sync_turns`` a turn
+  starts only when every trajectory of the step finished the turn before.
 * An action's run time is its one-core duration scaled by Amdahl's law at the
-  cores it was granted.  A reward call on a worker where its service is not
-  resident first waits for the load (the service is loaded when the call is
-  placed; idle services are evicted least recently used first when GPU memory
-  runs out -- the same rule the live reward manager follows).
+  cores it was granted, cut at its timeout.  A reward call on a worker where
+  its service is not resident first waits for the load; it takes longer in a
+  fuller batch (``batch_slowdown``).  Loading evicts by the rule the live
+  service manager applies (:mod:`tangram_hpc.policy.residency`).
+* GPU workers load the run's services that fit when they start, as live
+  workers preload their configured services; workers up at time 0 have them
+  loaded before the run (a reward server started before training).
 * Workers appear ``startup_s`` after the pool policy launches them.  Resources
   count as allocated from launch to reclaim (or the end of the run).
 
-Events live in one ``heapq``; finishing events sort before submissions at the
-same instant, and all events of an instant are applied before ``schedule``.
+Events live in a calendar (:class:`EventCalendar`): finishing events sort before
+submissions at the same instant, and all events of an instant are applied before
+``schedule``.
+Each event type has its handler (``_on_*``); :meth:`Simulation._dispatch`
+applies the policy's starts.
 """
 from __future__ import annotations
 
+import gc
 import heapq
 import time
+from array import array
 from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 
 from ..actions import ActionSpec, Demand
-from ..policy.base import PoolPolicy, PoolView, SchedulingPolicy, WorkerStatus, Launch, Reclaim
-from ..resources import WorkerInfo, WorkerShape
-from .workload import Plan, Workload
+from ..policy.base import Launch, PoolPolicy, PoolView, Reclaim, SchedulingPolicy, WorkerStatus
+from ..policy.residency import Resident, choose_victims
+from ..resources import ResourceClass, ServiceInfo, WorkerInfo, WorkerShape
+from .workload import Plan, Service, Workload
 
-__all__ = ["SimResult", "simulate", "cluster_shapes", "action_specs_for"]
+__all__ = ["SimResult", "Simulation", "simulate", "cluster_shapes", "action_specs_for", "service_infos",
+           "CPU_KINDS", "GPU_KINDS"]
 
 _FINISH, _SUBMIT, _UP, _STEP, _TICK = 0, 1, 2, 3, 4
 
 CPU_KINDS = frozenset({"sandbox", "function"})
 GPU_KINDS = frozenset({"reward"})
+_CPU, _GPU = ResourceClass.CPU, ResourceClass.GPU
 
 
-def cluster_shapes(w: Workload) -> dict[str, WorkerShape]:
+def cluster_shapes(w: Workload) -> dict[ResourceClass, WorkerShape]:
     c = w.cluster
-    out = {"cpu": WorkerShape(c.cpu_cores, c.cpu_mem_mb)}
-    if c.gpu_workers:
-        out["gpu"] = WorkerShape(c.gpu_slots, 0, c.gpus, c.gpu_mem_mb)
+    out = {_CPU: WorkerShape(c.cpu_cores, c.cpu_mem_mb)}
+    if c.gpu_workers or w.services:
+        out[_GPU] = WorkerShape(c.gpu_slots, 0, c.gpus, c.gpu_mem_mb)
     return out
 
 
-def _info(wid: str, shape: WorkerShape) -> WorkerInfo:
+def service_infos(w: Workload) -> dict[str, ServiceInfo]:
+    """The workload's services as the scheduler is told about them (sizes, batch limits, load times)."""
+    return {s.name: ServiceInfo(s.gpu_mem_mb, s.max_batch, s.load_s) for s in w.services.values()}
+
+
+def _info(wid: str, shape: WorkerShape, services: frozenset[str]) -> WorkerInfo:
     if shape.gpus:
         return WorkerInfo(wid, shape.cores, shape.mem_mb, shape.gpus, shape.gpus * shape.gpu_mem_mb,
-                          kinds=GPU_KINDS)
+                          kinds=GPU_KINDS, services=services)
     return WorkerInfo(wid, shape.cores, shape.mem_mb, kinds=CPU_KINDS)
 
 
-def action_specs_for(w: Workload) -> list[tuple[str, Demand, str | None, bool, float]]:
-    """Per action class: (kind, demand, label, uses_env, hint or 0)."""
+@dataclass(slots=True, frozen=True)
+class _ActionClassRow:
+    kind: str
+    demand: Demand
+    label: str
+    uses_env: bool
+    parallel_fraction: float
+    service: str | None
+    timeout_s: float
+    mem_mean_mb: int
+
+
+def action_specs_for(w: Workload) -> list[_ActionClassRow]:
+    """Per action class: what every action of it submits, and how it runs."""
     out = []
     for a in w.actions:
         lo, hi = w.action_cores(a)
         gmem = w.services[a.service].gpu_mem_mb if a.service else 0
-        d = Demand(lo, hi, a.mem_mb, gmem, a.service)
-        hint = a.duration_s.median * ((1 - a.parallel_fraction) + a.parallel_fraction / lo) if a.hint else 0.0
-        out.append((a.kind, d, a.name, a.uses_env, hint))
+        out.append(_ActionClassRow(a.kind, Demand(lo, hi, a.mem_mb, gmem, a.service), a.name, a.uses_env,
+                                   a.parallel_fraction, a.service, a.timeout_s or float("inf"),
+                                   a.mem_mean_mb))
     return out
 
 
@@ -79,7 +109,7 @@ class SimResult:
     start: np.ndarray
     finish: np.ndarray
     cores: np.ndarray
-    lower_bound: np.ndarray
+    lower_bound: np.ndarray         # per action: alone at its best core count, no wait, no load
     step_durations: list[float]
     cpu_core_s: float               # allocated CPU core-seconds
     gpu_s: float                    # allocated GPU-seconds
@@ -87,10 +117,15 @@ class SimResult:
     gpu_busy_slot_s: float
     gpu_slot_s: float
     makespan: float
+    cpu_cores_max: int = 0          # most CPU cores allocated at once
+    gpu_slots_max: int = 0
+    mem_reserved_mb_s: float = 0.0  # peak memory reserved by running actions, integrated
+    mem_used_mb_s: float = 0.0      # their mean memory, integrated
     trace: list[tuple[float, int, int, int, int]] = field(default_factory=list)
     wall_s: float = 0.0
     events: int = 0
     pool_notes: list[str] = field(default_factory=list)
+    is_gpu: np.ndarray | None = None   # per action: ran on a GPU worker
 
     @property
     def act(self) -> np.ndarray:
@@ -109,310 +144,529 @@ class SimResult:
         return self.gpu_busy_slot_s / self.gpu_slot_s if self.gpu_slot_s else 0.0
 
 
-class _SimWorker:
-    __slots__ = ("id", "shape", "info", "busy", "running", "idle_since", "envs", "alloc_start",
-                 "alloc_end", "services", "gpu_used", "gone")
+class _Replica:
+    """A service on a simulated GPU worker (the ground truth the policy's belief follows)."""
 
-    def __init__(self, wid: str, shape: WorkerShape, now: float, requested: float):
+    __slots__ = ("ready_at", "running", "last_used", "mem")
+
+    def __init__(self, ready_at: float, mem: int):
+        self.ready_at = ready_at
+        self.running = 0
+        self.last_used = ready_at
+        self.mem = mem
+
+
+class EventCalendar:
+    """Pending events in ``(time, type, seq)`` order.
+
+    A single heap of every pending event costs ``log2`` of a few hundred
+    thousand comparisons per pop at 100,000 trajectories.  Events here sit in
+    buckets of ``width`` simulated seconds; only the current bucket is a heap,
+    later ones are plain lists until their turn comes.
+    """
+
+    __slots__ = ("width", "buckets", "keys", "cur", "cur_key", "seq")
+
+    def __init__(self, width: float = 0.25):
+        self.width = width
+        self.buckets: dict[int, list] = {}
+        self.keys: list[int] = []        # heap of the indices of later, non-empty buckets
+        self.cur: list = []              # heap of the current bucket's events
+        self.cur_key = -1
+        self.seq = 0
+
+    def push(self, t: float, typ: int, arg) -> None:
+        self.seq += 1
+        e = (t, typ, self.seq, arg)
+        k = int(t / self.width)
+        if k <= self.cur_key:
+            heapq.heappush(self.cur, e)
+            return
+        b = self.buckets.get(k)
+        if b is None:
+            self.buckets[k] = [e]
+            heapq.heappush(self.keys, k)
+        else:
+            b.append(e)
+
+    def pop(self) -> tuple:
+        if not self.cur:
+            k = heapq.heappop(self.keys)
+            cur = self.buckets.pop(k)
+            heapq.heapify(cur)
+            self.cur, self.cur_key = cur, k
+        return heapq.heappop(self.cur)
+
+    def more_at(self, t: float) -> bool:
+        """Another event at time ``t`` (the time of the last pop): later buckets start after it."""
+        return bool(self.cur) and self.cur[0][0] == t
+
+    def __bool__(self) -> bool:
+        return bool(self.cur) or bool(self.keys)
+
+
+class SimWorker:
+    """A simulated worker.
+
+    ``status`` is the very :class:`WorkerStatus` record the pool policy reads,
+    kept current in place.  The rest is what the simulated machine does and the
+    policy only learns through events: which services are loaded (and when
+    they are ready), and how long the worker's resources were allocated.
+    """
+
+    __slots__ = ("id", "shape", "resource", "status", "alloc_start", "alloc_end", "services", "gpu_used",
+                 "slots")
+
+    def __init__(self, wid: str, shape: WorkerShape, services: frozenset[str], now: float, requested: float):
         self.id = wid
         self.shape = shape
-        self.info = _info(wid, shape)
-        self.busy = 0
-        self.running = 0
-        self.idle_since = now
-        self.envs = 0
+        self.resource = shape.resource
+        self.status = WorkerStatus(_info(wid, shape, services), idle_since=now, started_at=now, shape=shape,
+                                   launched_at=requested if requested < now else None)
         self.alloc_start = requested
         self.alloc_end: float | None = None
-        self.services: dict[str, list] = {}     # name -> [ready_at, running, last_used, mem]
+        self.services: dict[str, _Replica] = {}
         self.gpu_used = 0
-        self.gone = False
+        self.slots = shape.cores
 
 
-def simulate(plan: Plan, policy: SchedulingPolicy, *, pool: PoolPolicy | None = None,
-             name: str = "", workers: dict[str, int] | None = None, pool_interval_s: float = 5.0,
-             trace_dt: float | None = None, progress: Callable[[str], None] | None = None,
-             start_failures: int = 0) -> SimResult:
-    """Run ``plan`` with ``policy`` (and ``pool``) and measure it.
+class Simulation:
+    """One run of a plan under a policy; :meth:`run` returns the :class:`SimResult`.
 
     ``workers``: how many CPU/GPU workers are up at time 0 (default: the
     workload's cluster); with a pool policy they are its warm start, and the
     policy launches and reclaims from there.  ``start_failures``: the first
     that many launches fail (to exercise a pool policy's circuit breaker).
     """
-    t_wall = time.perf_counter()
-    w = plan.workload
-    shapes = cluster_shapes(w)
-    if workers is None:
-        workers = {"cpu": w.cluster.cpu_workers, "gpu": w.cluster.gpu_workers}
-    classes = action_specs_for(w)
-    pf = [a.parallel_fraction for a in w.actions]
-    svc_of = [a.service for a in w.actions]
-    svc_def = w.services
-    n = plan.n_actions
-    cls = plan.cls.tolist()
-    d1 = plan.d1.tolist()
-    think = plan.think.tolist()
-    is_last = np.zeros(n, dtype=bool)
-    step_of = np.zeros(n, dtype=np.int32)
-    traj_of = np.zeros(n, dtype=np.int32)
-    for s, (st, ln) in enumerate(zip(plan.step_traj_start, plan.step_traj_len)):
-        is_last[st + ln - 1] = True
-        lo_i, hi_i = int(st[0]), int(st[-1] + ln[-1])
-        step_of[lo_i:hi_i] = s
-        traj_of[lo_i:hi_i] = np.repeat(np.arange(len(st)), ln)
-    is_last_l = is_last.tolist()
-    step_l = step_of.tolist()
-    traj_l = traj_of.tolist()
 
-    submit_t = [0.0] * n
-    start_t = [0.0] * n
-    finish_t = [0.0] * n
-    cores_of = [0] * n
-    where = [None] * n          # worker of a running action
-    attempt = [0] * n
-    env_worker: dict[str, _SimWorker] = {}
+    def __init__(self, plan: Plan, policy: SchedulingPolicy, *, pool: PoolPolicy | None = None,
+                 name: str = "", workers: dict[str, int] | None = None, pool_interval_s: float = 5.0,
+                 trace_dt: float | None = None, progress: Callable[[str], None] | None = None,
+                 start_failures: int = 0):
+        self.plan = plan
+        self.policy = policy
+        self.pool = pool
+        self.name = name
+        self.progress = progress
+        self.pool_interval_s = pool_interval_s
+        w = self.w = plan.workload
+        self.shapes = cluster_shapes(w)
+        self.warm = dict(workers) if workers is not None else {_CPU: w.cluster.cpu_workers,
+                                                              _GPU: w.cluster.gpu_workers}
+        self.classes = action_specs_for(w)
+        self.svc_defs: dict[str, Service] = w.services
+        self.svc_names = frozenset(w.services)
+        n = plan.n_actions
+        # per action, compact (a 100,000-trajectory plan has millions of actions)
+        self.cls = array("i", plan.cls.astype(np.int32).tobytes())
+        self.d1 = array("d", plan.d1.astype(np.float64).tobytes())
+        self.think = array("d", plan.think.astype(np.float64).tobytes())
+        self.hint = array("d", plan.hint.astype(np.float64).tobytes())
+        self.joined = bytes(plan.joined.astype(np.uint8))
+        self.turn = array("i", plan.turn.astype(np.int32).tobytes())
+        self.submit_t = array("d", bytes(8 * n))
+        self.start_t = array("d", bytes(8 * n))
+        self.finish_t = array("d", bytes(8 * n))
+        self.cores_of = array("i", bytes(4 * n))
+        # per trajectory
+        starts = np.concatenate(plan.step_traj_start) if plan.step_traj_start else np.zeros(0, np.int64)
+        lens = np.concatenate(plan.step_traj_len) if plan.step_traj_len else np.zeros(0, np.int64)
+        self.traj_of = array("i", np.repeat(np.arange(len(starts), dtype=np.int32), lens).tobytes())
+        self.traj_end = array("q", (starts + lens).astype(np.int64).tobytes())
+        self.traj_next = array("q", bytes(8 * len(starts)))
+        self.traj_left = array("i", bytes(4 * len(starts)))
+        self.traj_names: list[str] = []
+        self.traj_step = array("i")
+        for s, st in enumerate(plan.step_traj_start):
+            self.traj_names.extend(f"s{s}t{j}" for j in range(len(st)))
+            self.traj_step.extend([s] * len(st))
+        self.env_worker: dict[int, SimWorker] = {}
+        self.attempt: dict[int, int] = {}       # actions resubmitted after their worker was reclaimed
+        # workers
+        self.workers: dict[str, SimWorker] = {}
+        self.statuses: list[WorkerStatus] = []
+        self.retired: list[SimWorker] = []
+        self.counters = {_CPU: 0, _GPU: 0}
+        self.starting: list[tuple[WorkerShape, float]] = []
+        self.failures: list[tuple[float, str]] = []
+        self.fail_left = start_failures
+        # accounting
+        self.busy = {_CPU: 0, _GPU: 0}
+        self.alloc_units = {_CPU: 0, _GPU: 0}
+        self.alloc_max = {_CPU: 0, _GPU: 0}
+        self.cpu_busy_cs = 0.0
+        self.gpu_busy_ss = 0.0
+        self.mem_reserved = 0.0
+        self.mem_used = 0.0
+        self.trace: list[tuple[float, int, int, int, int]] = []
+        self.trace_dt = trace_dt or max(1.0, w.rollout.think_s.median)
+        self.next_trace = 0.0
+        self.notes: list[str] = []
+        # steps
+        self.step = 0
+        self.step_started = 0.0
+        self.step_active = 0
+        self.barrier: list[int] = []            # trajectories waiting for the others to finish the turn
+        self.step_durations: list[float] = []
+        self.sync_turns = w.rollout.sync_turns
+        self.done = False
+        self.now = 0.0
+        self.events_q = EventCalendar()
+        self.events = 0
+        # optional policy hooks
+        self._close_env = getattr(policy, "close_env", None)
+        self._traj_done = getattr(policy, "trajectory_done", None)
+        self._preloaded = getattr(policy, "preloaded_services", None)
+        self._offered = getattr(policy, "offered_load", None)
 
-    wk: dict[str, _SimWorker] = {}
-    counters = {"cpu": 0, "gpu": 0}
-    starting: list[tuple[WorkerShape, float]] = []
-    failures: list[tuple[float, str]] = []
-    heap: list = []
-    seq = 0
-    fail_left = start_failures
-    busy = {"cpu": 0, "gpu": 0}
-    alloc_units = {"cpu": 0, "gpu": 0}
-    cpu_busy_cs = 0.0
-    gpu_busy_ss = 0.0
-    trace: list[tuple[float, int, int, int, int]] = []
-    close_env = getattr(policy, "close_env", None)
-    traj_done = getattr(policy, "trajectory_done", None)
-    resident = getattr(policy, "resident_services", None)
-    notes: list[str] = []
-    retired: list[_SimWorker] = []
+    # -- events ------------------------------------------------------------------
+    def _push(self, t: float, typ: int, arg) -> None:
+        self.events_q.push(t, typ, arg)
 
-    def add_worker(kind: str, now: float, requested: float) -> None:
-        counters[kind] += 1
-        wid = f"{kind}{counters[kind]}"
-        sw = _SimWorker(wid, shapes[kind], now, requested)
-        wk[wid] = sw
-        alloc_units[kind] += sw.shape.cores
-        policy.add_worker(sw.info, now)
-        if resident is not None:
-            for sname in resident(wid):      # services a static policy preloads
-                mem = svc_def[sname].gpu_mem_mb if sname in svc_def else 0
-                sw.services[sname] = [now, 0, now, mem]
-                sw.gpu_used += mem
+    def run(self) -> SimResult:
+        # Millions of short-lived objects and no cycles worth collecting on the way: the cyclic
+        # collector's passes over a live set that grows with the plan only cost time (10-20 %).
+        gc_on = gc.isenabled()
+        gc.disable()
+        try:
+            return self._run()
+        finally:
+            if gc_on:
+                gc.enable()
 
-    for kind in ("cpu", "gpu"):
-        for _ in range(workers.get(kind, 0)):
-            if kind in shapes:
-                add_worker(kind, 0.0, 0.0)
-
-    steps = w.rollout.steps
-    step_started = 0.0
-    step_left = 0
-    step_durations: list[float] = []
-    heapq.heappush(heap, (0.0, _STEP, seq, 0))
-    seq += 1
-    if pool is not None:
-        heapq.heappush(heap, (0.0, _TICK, seq, 0))
-        seq += 1
-    trace_dt = trace_dt or max(1.0, w.rollout.think_s.median)
-    next_trace = 0.0
-    events = 0
-    done = False
-    now = 0.0
-    next_report = time.perf_counter() + 2.0
-
-    def run_time(i: int, c: int) -> float:
-        p = pf[cls[i]]
-        return d1[i] * ((1.0 - p) + p / c)
-
-    while heap and not done:
-        now, typ, _, arg = heapq.heappop(heap)
-        events += 1
-        if typ == _FINISH:
-            i, att = arg
-            if att != attempt[i]:
+    def _run(self) -> SimResult:
+        t_wall = time.perf_counter()
+        for res in (_CPU, _GPU):
+            for _ in range(self.warm.get(res, 0)):
+                if res in self.shapes:
+                    self._add_worker(res, 0.0, 0.0, warm=True)
+        self._push(0.0, _STEP, 0)
+        if self.pool is not None:
+            self._push(0.0, _TICK, 0)
+        handlers = (self._on_finish, self._on_submit, self._on_worker_up, self._on_step, self._on_pool_tick)
+        q = self.events_q
+        pop = q.pop
+        more_at = q.more_at
+        policy = self.policy
+        next_report = time.perf_counter() + 2.0
+        events = 0
+        now = 0.0
+        while q and not self.done:
+            now, typ, _, arg = pop()
+            self.now = now
+            events += 1
+            handlers[typ](arg)
+            if more_at(now):
                 continue
-            sw = where[i]
-            where[i] = None
-            finish_t[i] = now
-            c = cores_of[i]
-            sw.busy -= c
-            sw.running -= 1
-            if sw.running == 0:
-                sw.idle_since = now
-            kind = sw.shape.kind
-            busy[kind] -= c
-            sv = svc_of[cls[i]]
-            if sv is not None:
-                ent = sw.services[sv]
-                ent[1] -= 1
-                ent[2] = now
-                gpu_busy_ss += c * (now - start_t[i])
-            else:
-                cpu_busy_cs += c * (now - start_t[i])
-            policy.finished(str(i), now, run_time=now - start_t[i])
-            if not is_last_l[i]:
-                j = i + 1
-                heapq.heappush(heap, (now + think[j], _SUBMIT, seq, j))
-                seq += 1
-            else:
-                tid = f"s{step_l[i]}t{traj_l[i]}"
-                ew = env_worker.pop(tid, None)
-                if ew is not None:
-                    ew.envs -= 1
-                if close_env is not None:
-                    close_env(tid)
-                if traj_done is not None:
-                    traj_done(tid, now)
-                step_left -= 1
-                if step_left == 0:
-                    step_durations.append(now - step_started)
-                    if len(step_durations) == steps:
-                        done = True
-                    else:
-                        heapq.heappush(heap, (now + w.rollout.train_s, _STEP, seq, len(step_durations)))
-                        seq += 1
-        elif typ == _SUBMIT:
-            i = arg
-            kind_, demand, label, uses_env, hint = classes[cls[i]]
-            tid = f"s{step_l[i]}t{traj_l[i]}"
-            spec = ActionSpec(kind_, None, tid if uses_env else None, demand, hint or None, None, 0,
-                              tid, step_l[i], label, None, str(i))
-            submit_t[i] = now
-            policy.submit(spec, now)
-        elif typ == _STEP:
-            s = arg
-            step_started = now
-            st = plan.step_traj_start[s].tolist()
-            step_left = len(st)
-            for i in st:
-                heapq.heappush(heap, (now + think[i], _SUBMIT, seq, i))
-                seq += 1
-        elif typ == _UP:
-            kind, requested = arg
-            starting.remove((shapes[kind], requested))
-            add_worker(kind, now, requested)
-        elif typ == _TICK:
-            ws = []
-            for sw in wk.values():
-                ws.append(WorkerStatus(sw.info, sw.busy, sw.running,
-                                       sw.idle_since if sw.running == 0 else None, sw.envs, False,
-                                       sw.alloc_start))
-            view = PoolView(now, policy.pending_actions(), ws, list(starting), list(failures))
-            for dec in pool.decide(view):
-                if isinstance(dec, Launch):
-                    kind = dec.shape.kind
-                    for _ in range(dec.count):
-                        if fail_left > 0:
-                            fail_left -= 1
-                            failures.append((now, "simulated start failure"))
-                            continue
-                        starting.append((shapes[kind], now))
-                        heapq.heappush(heap, (now + w.cluster.startup_s, _UP, seq, (kind, now)))
-                        seq += 1
-                elif isinstance(dec, Reclaim):
-                    sw = wk.pop(dec.worker_id, None)
-                    if sw is None:
-                        continue
-                    lost = policy.remove_worker(sw.id, now)
-                    sw.alloc_end = now
-                    sw.gone = True
-                    alloc_units[sw.shape.kind] -= sw.shape.cores
-                    retired.append(sw)
-                    for aid in lost:     # the pool should never reclaim a busy worker; resubmit
-                        i = int(aid)
-                        attempt[i] += 1
-                        busy[sw.shape.kind] -= cores_of[i]
-                        where[i] = None
-                        heapq.heappush(heap, (now, _SUBMIT, seq, i))
-                        seq += 1
-                        notes.append(f"action {aid} lost on reclaimed worker {sw.id}")
-            ex = pool.explain()
-            if ex and ex != "ok" and (not notes or notes[-1] != ex):
-                notes.append(f"t={now:.0f}: {ex}")
-            heapq.heappush(heap, (now + pool_interval_s, _TICK, seq, 0))
-            seq += 1
+            if now >= self.next_trace:
+                self.trace.append((now, self.busy[_CPU], self.alloc_units[_CPU], self.busy[_GPU],
+                                   self.alloc_units[_GPU]))
+                self.next_trace = now + self.trace_dt
+            self._dispatch(now)
+            if self.progress is not None and events & 0x3FFF == 0 and time.perf_counter() > next_report:
+                next_report = time.perf_counter() + 2.0
+                self.progress(f"{self.name}: t={now:,.0f}s step {len(self.step_durations) + 1}/"
+                              f"{self.w.rollout.steps}, {events:,} events, {policy.pending_count} waiting, "
+                              f"{policy.running_count} running")
+        self.events = events
+        if not self.done:
+            raise RuntimeError(f"{self.name}: simulation stalled at t={now:.0f} with {policy.pending_count} "
+                               f"waiting and {policy.running_count} running actions "
+                               f"(an action that fits no worker?)")
+        return self._result(now, time.perf_counter() - t_wall)
 
-        if heap and heap[0][0] == now:
-            continue
-        if now >= next_trace:
-            trace.append((now, busy["cpu"], alloc_units["cpu"], busy["gpu"], alloc_units["gpu"]))
-            next_trace = now + trace_dt
-        for a in policy.schedule(now):
+    def _on_step(self, s: int) -> None:
+        now = self.now
+        self.step = s
+        self.step_started = now
+        st = self.plan.step_traj_start[s]
+        base = sum(len(x) for x in self.plan.step_traj_start[:s])
+        self.step_active = len(st)
+        self.barrier = []
+        think = self.think
+        for j, i in enumerate(st.tolist()):
+            self._push(now + think[i], _SUBMIT, (i, base + j, False))
+
+    def _on_submit(self, arg) -> None:
+        """Submit a group: an action and the ones joined to it (``again``: one lost action, alone)."""
+        i, g, again = arg
+        now = self.now
+        if again:
+            self._submit_one(i, g, now)
+            return
+        end = self.traj_end[g]
+        joined = self.joined
+        k = i
+        self._submit_one(k, g, now)
+        while k + 1 < end and joined[k + 1]:
+            k += 1
+            self._submit_one(k, g, now)
+        self.traj_next[g] = k + 1
+        self.traj_left[g] = k - i + 1
+
+    def _submit_one(self, i: int, g: int, now: float) -> None:
+        row = self.classes[self.cls[i]]
+        tid = self.traj_names[g]
+        hint = self.hint[i]
+        spec = ActionSpec(row.kind, None, tid if row.uses_env else None, row.demand, hint or None, None, 0,
+                          tid, self.traj_step[g], row.label, None, str(i))
+        self.submit_t[i] = now
+        self.policy.submit(spec, now)
+
+    def _on_finish(self, arg) -> None:
+        i, att, sw = arg
+        if self.attempt and att != self.attempt.get(i, 0):
+            return                      # an attempt lost with its worker
+        now = self.now
+        self.finish_t[i] = now
+        c = self.cores_of[i]
+        st = sw.status
+        st.busy_cores -= c
+        st.running -= 1
+        if st.running == 0:
+            st.idle_since = now
+        self.busy[sw.resource] -= c
+        row = self.classes[self.cls[i]]
+        ran = now - self.start_t[i]
+        if row.service is not None:
+            rep = sw.services.get(row.service)
+            if rep is not None:
+                rep.running -= 1
+                rep.last_used = now
+            self.gpu_busy_ss += c * ran
+        else:
+            self.cpu_busy_cs += c * ran
+            self.mem_reserved += row.demand.mem_mb * ran
+            self.mem_used += row.mem_mean_mb * ran
+        self.policy.finished(str(i), now, run_time=ran)
+        g = self.traj_of[i]
+        left = self.traj_left[g] - 1
+        self.traj_left[g] = left
+        if left:
+            return                      # others of its group still run
+        nxt = self.traj_next[g]
+        if nxt < self.traj_end[g]:
+            if self.sync_turns and self.turn[nxt] != self.turn[i]:
+                self.barrier.append(g)
+                if len(self.barrier) >= self.step_active:
+                    self._release_barrier()
+            else:
+                self._push(now + self.think[nxt], _SUBMIT, (nxt, g, False))
+            return
+        self._trajectory_done(g, now)
+
+    def _release_barrier(self) -> None:
+        now = self.now
+        waiting, self.barrier = self.barrier, []
+        for g in waiting:
+            nxt = self.traj_next[g]
+            self._push(now + self.think[nxt], _SUBMIT, (nxt, g, False))
+
+    def _trajectory_done(self, g: int, now: float) -> None:
+        tid = self.traj_names[g]
+        ew = self.env_worker.pop(g, None)
+        if ew is not None:
+            ew.status.envs -= 1
+        if self._close_env is not None:
+            self._close_env(tid)
+        if self._traj_done is not None:
+            self._traj_done(tid, now)
+        self.step_active -= 1
+        if self.barrier and len(self.barrier) >= self.step_active:
+            self._release_barrier()
+        if self.step_active == 0:
+            self.step_durations.append(now - self.step_started)
+            if len(self.step_durations) == self.w.rollout.steps:
+                self.done = True
+            else:
+                self._push(now + self.w.rollout.train_s, _STEP, len(self.step_durations))
+
+    def _on_worker_up(self, arg) -> None:
+        res, requested = arg
+        self.starting.remove((self.shapes[res], requested))
+        self._add_worker(res, self.now, requested)
+
+    def _on_pool_tick(self, _arg) -> None:
+        now = self.now
+        offered = self._offered(now) if self._offered is not None else None
+        view = PoolView(now, self.policy.pending_actions(), list(self.statuses), list(self.starting),
+                        list(self.failures), step=self.step, offered_load=offered)
+        for dec in self.pool.decide(view):
+            if isinstance(dec, Launch):
+                self._launch(dec, now)
+            elif isinstance(dec, Reclaim):
+                self._reclaim(dec, now)
+        ex = self.pool.explain()
+        if ex and ex != "ok" and (not self.notes or self.notes[-1].split(": ", 1)[-1] != ex):
+            self.notes.append(f"t={now:.0f}: {ex}")
+        self._push(now + self.pool_interval_s, _TICK, 0)
+
+    # -- workers -----------------------------------------------------------------
+    def _add_worker(self, res: ResourceClass, now: float, requested: float, warm: bool = False) -> None:
+        self.counters[res] += 1
+        wid = f"{res.value}{self.counters[res]}"
+        sw = SimWorker(wid, self.shapes[res], self.svc_names if res is _GPU else frozenset(), now, requested)
+        self.workers[wid] = sw
+        self.statuses.append(sw.status)
+        self.alloc_units[res] += sw.shape.cores
+        self.alloc_max[res] = max(self.alloc_max[res], self.alloc_units[res])
+        self.policy.add_worker(sw.status.info, now)
+        if res is _GPU:
+            self._preload(sw, now, warm)
+            if warm:     # the worker reports them resident, as a live one does in its heartbeats
+                self.policy.update_worker(wid, services=frozenset(sw.services), now=now)
+
+    def _preload(self, sw: SimWorker, now: float, warm: bool) -> None:
+        """Services the worker loads at start: a static policy's layout, else the run's that fit, in order."""
+        if self._preloaded is not None:
+            names = list(self._preloaded(sw.id, sw.status.info))
+            warm = True                  # a static layout is loaded before the run
+        else:
+            names = list(self.svc_defs)
+        cap = sw.status.info.gpu_mem_mb
+        for name in names:
+            svc = self.svc_defs.get(name)
+            if svc is None or sw.gpu_used + svc.gpu_mem_mb > cap:
+                continue
+            sw.services[name] = _Replica(now if warm else now + svc.load_s, svc.gpu_mem_mb)
+            sw.gpu_used += svc.gpu_mem_mb
+
+    def _launch(self, dec: Launch, now: float) -> None:
+        res = dec.shape.resource
+        for _ in range(dec.count):
+            if self.fail_left > 0:
+                self.fail_left -= 1
+                self.failures.append((now, "simulated start failure"))
+                continue
+            self.starting.append((self.shapes[res], now))
+            self._push(now + self.w.cluster.startup_s, _UP, (res, now))
+
+    def _reclaim(self, dec: Reclaim, now: float) -> None:
+        sw = self.workers.pop(dec.worker_id, None)
+        if sw is None:
+            return
+        self.statuses.remove(sw.status)
+        lost = self.policy.remove_worker(sw.id, now)
+        sw.alloc_end = now
+        self.alloc_units[sw.resource] -= sw.shape.cores
+        self.retired.append(sw)
+        for g in [g for g, ew in self.env_worker.items() if ew is sw]:
+            del self.env_worker[g]
+        for aid in lost:     # the pool should never reclaim a busy worker; resubmit
+            i = int(aid)
+            self.attempt[i] = self.attempt.get(i, 0) + 1
+            self.busy[sw.resource] -= self.cores_of[i]
+            self._push(now, _SUBMIT, (i, self.traj_of[i], True))
+            self.notes.append(f"action {aid} lost on reclaimed worker {sw.id}")
+
+    # -- starts ------------------------------------------------------------------
+    def _dispatch(self, now: float) -> None:
+        starts = self.policy.schedule(now)
+        if not starts:
+            return
+        workers = self.workers
+        classes = self.classes
+        cls = self.cls
+        d1 = self.d1
+        push = self.events_q.push
+        for a in starts:
             i = int(a.action_id)
-            sw = wk[a.worker_id]
+            sw = workers[a.worker_id]
             c = a.cores
+            row = classes[cls[i]]
             start = now
-            sv = svc_of[cls[i]]
-            if sv is not None:
-                ent = sw.services.get(sv)
-                if ent is None:
-                    ent = _sim_load(sw, sv, svc_def[sv], now)
-                    policy.update_worker(sw.id, services=frozenset(sw.services), now=now)
-                start = max(now, ent[0])
-                ent[1] += 1
-                ent[2] = now
-            env = classes[cls[i]][3]
-            if env:
-                tid = f"s{step_l[i]}t{traj_l[i]}"
-                if tid not in env_worker:
-                    env_worker[tid] = sw
-                    sw.envs += 1
-            start_t[i] = now
-            cores_of[i] = c
-            where[i] = sw
-            sw.busy += c
-            sw.running += 1
-            busy[sw.shape.kind] += c
-            heapq.heappush(heap, (start + run_time(i, max(1, c)), _FINISH, seq, (i, attempt[i])))
-            seq += 1
-        if progress is not None and events & 0x3FFF == 0 and time.perf_counter() > next_report:
-            next_report = time.perf_counter() + 2.0
-            progress(f"{name}: t={now:,.0f}s step {len(step_durations) + 1}/{steps}, "
-                     f"{events:,} events, {policy.pending_count} waiting, {policy.running_count} running")
-    if not done:
-        raise RuntimeError(f"{name}: simulation stalled at t={now:.0f} with {policy.pending_count} "
-                           f"waiting and {policy.running_count} running actions "
-                           f"(an action that fits no worker?)")
-    end = now
-    cpu_cs = gpu_s = gpu_ss = 0.0
-    for sw in list(wk.values()) + retired:
-        life = (sw.alloc_end if sw.alloc_end is not None else end) - sw.alloc_start
-        if sw.shape.gpus:
-            gpu_s += life * sw.shape.gpus
-            gpu_ss += life * sw.shape.cores
-        else:
-            cpu_cs += life * sw.shape.cores
-    for shape, at in starting:
-        if shape.gpus:
-            gpu_s += (end - at) * shape.gpus
-            gpu_ss += (end - at) * shape.cores
-        else:
-            cpu_cs += (end - at) * shape.cores
-    pfa = np.array(pf)[plan.cls]
-    maxc = np.array([cl[1].max_cores for cl in classes])[plan.cls]
-    lb = plan.d1 * ((1.0 - pfa) + pfa / np.maximum(1, maxc))
-    return SimResult(name=name, submit=np.array(submit_t), start=np.array(start_t),
-                     finish=np.array(finish_t), cores=np.array(cores_of), lower_bound=lb,
-                     step_durations=step_durations, cpu_core_s=cpu_cs, gpu_s=gpu_s,
-                     cpu_busy_core_s=cpu_busy_cs, gpu_busy_slot_s=gpu_busy_ss, gpu_slot_s=gpu_ss,
-                     makespan=end, trace=trace, wall_s=time.perf_counter() - t_wall, events=events,
-                     pool_notes=notes)
+            factor = 1.0
+            if row.service is not None:
+                rep = sw.services.get(row.service)
+                if rep is None:
+                    rep = self._sim_load(sw, row.service, now)
+                    ready = frozenset(k for k, r in sw.services.items() if r.ready_at <= now)
+                    self.policy.update_worker(sw.id, services=ready, now=now)
+                start = rep.ready_at if rep.ready_at > now else now
+                rep.running += 1
+                rep.last_used = now
+                factor = self._batch_factor(sw, row.service, rep.running)
+            elif row.uses_env:
+                g = self.traj_of[i]
+                if g not in self.env_worker:
+                    self.env_worker[g] = sw
+                    sw.status.envs += 1
+            self.start_t[i] = now
+            self.cores_of[i] = c
+            st = sw.status
+            st.busy_cores += c
+            st.running += 1
+            st.idle_since = None
+            self.busy[sw.resource] += c
+            p = row.parallel_fraction
+            run = d1[i] * ((1.0 - p) + p / (c if c > 1 else 1)) * factor
+            if run > row.timeout_s:
+                run = row.timeout_s
+            push(start + run, _FINISH, (i, self.attempt.get(i, 0) if self.attempt else 0, sw))
+
+    def _batch_factor(self, sw: SimWorker, name: str, in_batch: int) -> float:
+        svc = self.svc_defs[name]
+        if not svc.batch_slowdown or in_batch <= 1:
+            return 1.0
+        full = svc.max_batch or sw.slots
+        return 1.0 + svc.batch_slowdown * min(1.0, (in_batch - 1) / max(1, full - 1))
+
+    def _sim_load(self, sw: SimWorker, name: str, now: float) -> _Replica:
+        """Load a service on a simulated worker, evicting by the service manager's rule."""
+        svc = self.svc_defs[name]
+        cap = sw.status.info.gpu_mem_mb
+        free = cap - sw.gpu_used
+        residents = [Resident(s, r.mem, 0, now - r.last_used, self.svc_defs[s].load_s, 0.0)
+                     for s, r in sw.services.items() if r.running == 0 and r.ready_at <= now]
+        victims = choose_victims(residents, svc.gpu_mem_mb, free)
+        if victims is None:          # residents in use hold the memory: the policy should not ask
+            victims = [r.name for r in residents]
+            self.notes.append(f"t={now:.0f}: {sw.id} loads {name} over its GPU memory")
+        for s in victims:
+            sw.gpu_used -= sw.services.pop(s).mem
+        rep = _Replica(now + svc.load_s, svc.gpu_mem_mb)
+        sw.services[name] = rep
+        sw.gpu_used += svc.gpu_mem_mb
+        return rep
+
+    # -- result ------------------------------------------------------------------
+    def _result(self, end: float, wall: float) -> SimResult:
+        cpu_cs = gpu_s = gpu_ss = 0.0
+        for sw in list(self.workers.values()) + self.retired:
+            life = (sw.alloc_end if sw.alloc_end is not None else end) - sw.alloc_start
+            if sw.shape.gpus:
+                gpu_s += life * sw.shape.gpus
+                gpu_ss += life * sw.shape.cores
+            else:
+                cpu_cs += life * sw.shape.cores
+        for shape, at in self.starting:
+            if shape.gpus:
+                gpu_s += (end - at) * shape.gpus
+                gpu_ss += (end - at) * shape.cores
+            else:
+                cpu_cs += (end - at) * shape.cores
+        plan = self.plan
+        pfa = np.array([r.parallel_fraction for r in self.classes])[plan.cls]
+        maxc = np.array([r.demand.max_cores for r in self.classes])[plan.cls]
+        tmo = np.array([r.timeout_s for r in self.classes])[plan.cls]
+        lb = np.minimum(plan.d1 * ((1.0 - pfa) + pfa / np.maximum(1, maxc)), tmo)
+        is_gpu = np.array([r.service is not None for r in self.classes])[plan.cls]
+        return SimResult(
+            name=self.name, submit=np.frombuffer(self.submit_t, dtype=np.float64).copy(),
+            start=np.frombuffer(self.start_t, dtype=np.float64).copy(),
+            finish=np.frombuffer(self.finish_t, dtype=np.float64).copy(),
+            cores=np.frombuffer(self.cores_of, dtype=np.int32).copy(), lower_bound=lb,
+            step_durations=self.step_durations, cpu_core_s=cpu_cs, gpu_s=gpu_s,
+            cpu_busy_core_s=self.cpu_busy_cs, gpu_busy_slot_s=self.gpu_busy_ss, gpu_slot_s=gpu_ss,
+            makespan=end, cpu_cores_max=self.alloc_max[_CPU], gpu_slots_max=self.alloc_max[_GPU],
+            mem_reserved_mb_s=self.mem_reserved, mem_used_mb_s=self.mem_used, trace=self.trace,
+            wall_s=wall, events=self.events, pool_notes=self.notes, is_gpu=is_gpu)
 
 
-def _sim_load(sw: _SimWorker, name: str, svc, now: float) -> list:
-    """Load a service on a simulated worker, evicting idle ones least recently used first."""
-    cap = sw.info.gpu_mem_mb
-    if sw.gpu_used + svc.gpu_mem_mb > cap:
-        idle = sorted((ent[2], s) for s, ent in sw.services.items() if ent[1] == 0)
-        for _, s in idle:
-            sw.gpu_used -= sw.services.pop(s)[3]
-            if sw.gpu_used + svc.gpu_mem_mb <= cap:
-                break
-    ent = [now + svc.load_s, 0, now, svc.gpu_mem_mb]
-    sw.services[name] = ent
-    sw.gpu_used += svc.gpu_mem_mb
-    return ent
+def simulate(plan: Plan, policy: SchedulingPolicy, *, pool: PoolPolicy | None = None, name: str = "",
+             workers: dict[str, int] | None = None, pool_interval_s: float = 5.0,
+             trace_dt: float | None = None, progress: Callable[[str], None] | None = None,
+             start_failures: int = 0) -> SimResult:
+    """Run ``plan`` with ``policy`` (and ``pool``) and measure it (see :class:`Simulation`)."""
+    return Simulation(plan, policy, pool=pool, name=name, workers=workers, pool_interval_s=pool_interval_s,
+                      trace_dt=trace_dt, progress=progress, start_failures=start_failures).run()

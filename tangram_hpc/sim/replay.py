@@ -1,23 +1,23 @@
-"""Replaying a sampled workload on a live coordinator, to check the simulator's fidelity.
+"""Replaying a sampled workload through any client, to check the simulator's fidelity.
 
-:func:`replay` drives a :class:`tangram_hpc.client.Client` through the same
+:func:`replay` drives a client (``submit(spec) -> Future``, e.g. a
+:class:`tangram_hpc.client.Client`) through the same
 :class:`~tangram_hpc.sim.workload.Plan` the simulator plays: steps one after
 another, trajectories in parallel, think time then one action per turn, each
 action a ``function`` action running :func:`sleep_action` for the planned run
-time (Amdahl-scaled on the cores the worker pinned it to).  :func:`fidelity`
-runs a small workload both ways and returns both mean ACTs::
+time (Amdahl-scaled on the cores the worker pinned it to).  The client is
+passed in, so the simulator package stays free of the live launch code;
+:mod:`tangram_hpc.fidelity` (``tangram-hpc fidelity``) starts a local cluster
+and compares both.
 
-    python3 -m tangram_hpc.sim.replay --workload mini
-
-Only CPU actions can be replayed this way (reward services need real models).
+Only CPU actions without joined groups or per-turn barriers can be replayed
+this way (reward services need real models).
 """
 from __future__ import annotations
 
-import argparse
 import heapq
 import os
 import queue
-import sys
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable
@@ -25,10 +25,9 @@ from typing import Any, Callable
 import numpy as np
 
 from ..actions import ActionSpec, Demand
-from ..progress import progress_reporter
-from .workload import Plan, Workload, WorkloadError, load_workload
+from .workload import Plan, WorkloadError
 
-__all__ = ["sleep_action", "replay", "ReplayResult", "fidelity", "scaled_plan"]
+__all__ = ["sleep_action", "replay", "ReplayResult", "scaled_plan", "check_replayable"]
 
 SLEEP_TARGET = "tangram_hpc.sim.replay:sleep_action"
 
@@ -71,14 +70,26 @@ def _spec_for(plan: Plan, i: int, traj: str, step: int) -> ActionSpec:
         raise WorkloadError(f"action class {a.name!r} uses GPU service {a.service!r}: "
                             f"the live replay runs CPU actions only")
     lo, hi = w.action_cores(a)
+    hint = float(plan.hint[i])
     return ActionSpec("function", {"fn": SLEEP_TARGET, "args": [float(plan.d1[i]), a.parallel_fraction]},
-                      demand=Demand(lo, hi, a.mem_mb), trajectory=traj, step=step, label=a.name,
-                      id=f"r{os.getpid()}-{i}")
+                      demand=Demand(lo, hi, a.mem_mb), duration_hint=hint or None, timeout=a.timeout_s,
+                      trajectory=traj, step=step, label=a.name, id=f"r{os.getpid()}-{i}")
+
+
+def check_replayable(plan: Plan) -> None:
+    """Raise :class:`WorkloadError` for what the live replay cannot play."""
+    w = plan.workload
+    if w.cluster.gpu_workers or any(a.service for a in w.actions):
+        raise WorkloadError("the live replay runs CPU-only workloads (reward services need real models)")
+    if w.rollout.sync_turns or bool(plan.joined.any()):
+        raise WorkloadError("the live replay plays one action at a time per trajectory: no per-turn "
+                            "barriers (sync_turns) or parallel final calls")
 
 
 def replay(plan: Plan, client: Any, *, progress: Callable[[str], None] | None = None,
            timeout_s: float = 3600.0) -> ReplayResult:
     """Play ``plan`` against a live coordinator through ``client`` (``submit(spec) -> Future``)."""
+    check_replayable(plan)
     n = plan.n_actions
     submit = np.zeros(n)
     finish = np.zeros(n)
@@ -125,65 +136,3 @@ def replay(plan: Plan, client: Any, *, progress: Callable[[str], None] | None = 
         if progress:
             progress(f"replay: step {s + 1}/{len(plan.step_traj_start)} took {steps[-1]:.1f}s")
     return ReplayResult(submit, finish, cores, steps, failed)
-
-
-def fidelity(workload: Workload, *, time_scale: float = 1.0, policy: str = "elastic",
-             progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Run ``workload`` on a local live cluster and in the simulator; return both mean ACTs."""
-    from ..launch import LocalCluster
-    from ..policy.elastic import ElasticScheduler
-    from ..policy.fifo import FifoPolicy
-    from .engine import simulate
-
-    if workload.cluster.gpu_workers:
-        raise WorkloadError("the live fidelity check runs CPU-only workloads")
-    plan = scaled_plan(workload.sample(), time_scale)
-    c = workload.cluster
-    with LocalCluster(workers=c.cpu_workers, cores=c.cpu_cores, policy=policy) as cluster, \
-            cluster.client() as client:
-        live = replay(plan, client, progress=progress)
-    sim_policy = ElasticScheduler() if policy == "elastic" else FifoPolicy()
-    sim_w = replace(workload, actions=tuple(replace(a, kind="function", uses_env=False)
-                                            for a in workload.actions))
-    sim = simulate(replace(plan, workload=sim_w), sim_policy, name=f"sim-{policy}")
-    out = {"workload": workload.name, "policy": policy, "actions": plan.n_actions,
-           "live_mean_act": float(live.act.mean()), "sim_mean_act": float(sim.act.mean()),
-           "live_step_s": live.step_durations, "sim_step_s": sim.step_durations,
-           "live_failed": live.failed, "live_mean_cores": float(live.cores.mean()),
-           "sim_mean_cores": float(sim.cores.mean())}
-    out["act_error"] = out["live_mean_act"] / out["sim_mean_act"] - 1.0
-    return out
-
-
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--workload", default="mini", help="preset name or workload TOML file (default: mini)")
-    ap.add_argument("--time-scale", type=float, default=1.0, help="multiply all durations (default 1)")
-    ap.add_argument("--policy", choices=("elastic", "fifo"), default="elastic")
-    ap.add_argument("--quiet", action="store_true",
-                    help="no progress on stderr (there is none when stderr is not a terminal)")
-
-
-def main(a: argparse.Namespace | list[str] | None = None) -> int:
-    if not isinstance(a, argparse.Namespace):
-        ap = argparse.ArgumentParser(prog="tangram-hpc fidelity",
-                                     description="Run a small CPU workload live and in the simulator; compare mean ACT.")
-        add_arguments(ap)
-        a = ap.parse_args(a)
-    try:
-        w = load_workload(a.workload)
-    except WorkloadError as e:
-        print(e, file=sys.stderr)
-        return 2
-    with progress_reporter(a.quiet) as progress:
-        progress(f"{w.name}: starting local workers ...")
-        res = fidelity(w, time_scale=a.time_scale, policy=a.policy, progress=progress)
-    print(f"{res['workload']} ({res['actions']} actions, policy {res['policy']}): "
-          f"live mean ACT {res['live_mean_act']:.3f}s, simulated {res['sim_mean_act']:.3f}s "
-          f"({res['act_error']:+.1%}); steps live {[round(x, 1) for x in res['live_step_s']]} "
-          f"sim {[round(x, 1) for x in res['sim_step_s']]}; mean cores live {res['live_mean_cores']:.2f} "
-          f"sim {res['sim_mean_cores']:.2f}; failed {res['live_failed']}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -16,10 +16,11 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Workload", "ActionClass", "Service", "Cluster", "Rollout", "Dist", "Plan",
+__all__ = ["Workload", "ActionClass", "Service", "Cluster", "Rollout", "Dist", "Turns", "Followup", "Plan",
            "WorkloadError", "load_workload", "parse_workload", "preset_names", "PRESET_DIR"]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+_READABLE_VERSIONS = (1, 2)     # version 2 only adds optional fields
 PRESET_DIR = Path(__file__).parent / "presets"
 
 
@@ -57,11 +58,50 @@ class Dist:
 
 
 @dataclass(slots=True, frozen=True)
+class Turns:
+    """Turns per trajectory: uniform over ``min..max``, or lognormal (``median``, ``sigma``) clipped to it."""
+
+    min: int
+    max: int
+    median: float = 0.0
+    sigma: float = 0.0
+
+    @property
+    def lognormal(self) -> bool:
+        return self.median > 0
+
+    def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        if not self.lognormal:
+            return rng.integers(self.min, self.max + 1, n)
+        t = np.rint(self.median * np.exp(rng.normal(0.0, self.sigma, n)))
+        return np.clip(t, self.min, self.max).astype(np.int64)
+
+
+@dataclass(slots=True, frozen=True)
 class Service:
+    """A GPU reward-model service.
+
+    ``max_batch``: requests one replica serves at once (0: as many as the
+    worker's slots); ``batch_slowdown``: how much longer a request takes in
+    a full batch than alone (latency grows linearly with the batch, so a
+    replica's throughput at a full batch is ``max_batch / (duration * (1 +
+    batch_slowdown))``).
+    """
+
     name: str
     gpu_mem_mb: int
     load_s: float
     batchable: bool = True
+    max_batch: int = 0
+    batch_slowdown: float = 0.0
+
+
+@dataclass(slots=True, frozen=True)
+class Followup:
+    """An optional call in the same turn: after its action, with ``probability``, ``action`` runs too."""
+
+    action: str
+    probability: float
 
 
 @dataclass(slots=True, frozen=True)
@@ -71,6 +111,12 @@ class ActionClass:
     ``weight``: relative frequency among the per-turn actions (0 for final-only).
     ``final``: how many of it every trajectory runs after its last turn (the reward).
     ``duration_s``: run time at one core; ``parallel_fraction``: Amdahl's p.
+    ``timeout_s``: the action is stopped after this long (its run time is truncated).
+    ``mem_mb``: peak memory, what the scheduler reserves; ``mem_mean_mb``: what it
+    uses on average (for the memory utilisation figures).
+    ``hint``: the client passes a ``duration_hint``: the class median, or with
+    ``hint_sigma`` > 0 a per-action guess (the true time times a lognormal error).
+    ``followups``: optional calls in the same turn, right after this one.
     """
 
     name: str
@@ -85,6 +131,10 @@ class ActionClass:
     service: str | None = None
     uses_env: bool = False
     hint: bool = False
+    hint_sigma: float = 0.0
+    timeout_s: float | None = None
+    mem_mean_mb: int = 0
+    followups: tuple[Followup, ...] = ()
 
     @property
     def label(self) -> str:
@@ -93,12 +143,17 @@ class ActionClass:
 
 @dataclass(slots=True, frozen=True)
 class Rollout:
+    """``sync_turns``: turn ``k + 1`` of any trajectory starts only after every
+    trajectory of the step finished turn ``k`` (synchronous, batched generation);
+    ``parallel_finals``: a trajectory's final calls run at the same time."""
+
     steps: int
     trajectories_per_step: int
-    turns_min: int
-    turns_max: int
+    turns: Turns
     think_s: Dist
     train_s: float = 0.0
+    sync_turns: bool = False
+    parallel_finals: bool = False
 
 
 @dataclass(slots=True, frozen=True)
@@ -159,7 +214,12 @@ class Plan:
     """A concrete, seeded rollout: per step, per trajectory, the sequence of actions.
 
     Arrays are indexed by a global action number; trajectory ``j`` of step
-    ``s`` owns actions ``start[s][j] .. start[s][j] + length[s][j] - 1``.
+    ``s`` owns actions ``start[s][j] .. start[s][j] + length[s][j] - 1``.  An
+    action with ``joined`` set is submitted together with the one before it
+    (parallel final calls); the trajectory moves on when all of a group ended.
+    ``turn`` is the action's turn in its trajectory (final calls: the number of
+    turns), for per-turn barriers; ``hint`` the client's duration hint at
+    ``min_cores`` (0: none).
     """
 
     workload: Workload
@@ -168,6 +228,18 @@ class Plan:
     think: np.ndarray          # think time before the action is submitted
     step_traj_start: list[np.ndarray] = field(default_factory=list)
     step_traj_len: list[np.ndarray] = field(default_factory=list)
+    joined: np.ndarray | None = None
+    turn: np.ndarray | None = None
+    hint: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        n = self.cls.shape[0]
+        if self.joined is None:
+            self.joined = np.zeros(n, dtype=bool)
+        if self.turn is None:
+            self.turn = np.zeros(n, dtype=np.int32)
+        if self.hint is None:
+            self.hint = np.zeros(n)
 
     @property
     def n_actions(self) -> int:
@@ -187,39 +259,79 @@ class Plan:
             weights /= weights.sum()
         else:               # reward-only rollouts (turns = 0)
             turn_classes, weights = [0], np.ones(1)
+        index = {a.name: i for i, a in enumerate(w.actions)}
+        follow = [(i, index[f.action], f.probability) for i, a in enumerate(w.actions) for f in a.followups]
         finals: list[int] = []
         for i, a in enumerate(w.actions):
             finals.extend([i] * a.final)
         F = len(finals)
-        sig = np.array([a.duration_s.sigma for a in w.actions])
-        all_cls, all_think, starts, lens = [], [], [], []
+        tc = np.asarray(turn_classes)
+        all_cls, all_think, all_joined, all_turn, starts, lens = [], [], [], [], [], []
         base = 0
         for _s in range(r.steps):
             T = r.trajectories_per_step
-            turns = rng.integers(r.turns_min, r.turns_max + 1, T)
-            L = turns + F
-            off = np.concatenate(([0], np.cumsum(L)[:-1]))
+            turns = r.turns.sample(rng, T).astype(np.int64)
+            nturn = int(turns.sum())
+            traj_of_turn = np.repeat(np.arange(T), turns)
+            first_turn = np.cumsum(turns) - turns
+            turn_no = np.arange(nturn) - first_turn[traj_of_turn]
+            prim = tc[rng.choice(len(tc), nturn, p=weights)]
+            per_turn = np.ones(nturn, dtype=np.int64)
+            extra = []
+            for pc, fc, prob in follow:
+                m = (prim == pc) & (rng.random(nturn) < prob)
+                extra.append((fc, m))
+                per_turn += m
+            turn_actions = np.bincount(traj_of_turn, weights=per_turn, minlength=T).astype(np.int64)
+            L = turn_actions + F
+            toff = np.cumsum(L) - L
             n = int(L.sum())
-            traj = np.repeat(np.arange(T), L)
-            pos = np.arange(n) - off[traj]
-            is_final = pos >= turns[traj]
-            c = np.asarray(turn_classes)[rng.choice(len(turn_classes), n, p=weights)]
+            c = np.empty(n, dtype=np.int32)
+            think = np.zeros(n)
+            joined = np.zeros(n, dtype=bool)
+            turn = np.empty(n, dtype=np.int32)
+            cc = np.concatenate(([0], np.cumsum(per_turn)))     # actions before each turn (and after the last)
+            ppos = toff[traj_of_turn] + cc[:-1] - cc[first_turn][traj_of_turn]
+            c[ppos] = prim
+            think[ppos] = r.think_s.sample(rng, nturn)
+            turn[ppos] = turn_no
+            used = np.zeros(nturn, dtype=np.int64)
+            for fc, m in extra:            # follow-ups right after their turn's action, no think between
+                pos = ppos[m] + 1 + used[m]
+                c[pos] = fc
+                turn[pos] = turn_no[m]
+                used += m
             if F:
-                fidx = np.clip(pos - turns[traj], 0, F - 1)
-                c = np.where(is_final, np.asarray(finals)[fidx], c)
-            think = r.think_s.sample(rng, n)
-            if F:
-                # reward calls follow the last turn directly: no generation in between
-                think = np.where(is_final & (pos > turns[traj]), 0.0, think)
+                fpos = (toff + turn_actions)[:, None] + np.arange(F)[None, :]
+                c[fpos] = np.asarray(finals, dtype=np.int32)[None, :]
+                turn[fpos] = turns[:, None]
+                # the final answer is generated once, then the reward calls follow directly
+                think[fpos[:, 0]] = r.think_s.sample(rng, T)
+                if r.parallel_finals and F > 1:
+                    joined[fpos[:, 1:]] = True
             all_cls.append(c)
             all_think.append(think)
-            starts.append(off + base)
+            all_joined.append(joined)
+            all_turn.append(turn)
+            starts.append(toff + base)
             lens.append(L)
             base += n
         c = np.concatenate(all_cls)
         med = np.array([a.duration_s.median for a in w.actions])
+        sig = np.array([a.duration_s.sigma for a in w.actions])
         d1 = med[c] * np.exp(sig[c] * rng.normal(0.0, 1.0, c.shape[0]))
-        return cls(w, c.astype(np.int32), d1, np.concatenate(all_think), starts, lens)
+        hint = np.zeros(c.shape[0])
+        for i, a in enumerate(w.actions):
+            if not a.hint:
+                continue
+            m = c == i
+            lo, _ = w.action_cores(a)
+            at_min = (1 - a.parallel_fraction) + a.parallel_fraction / max(1, lo)
+            h1 = d1[m] * np.exp(a.hint_sigma * rng.normal(0.0, 1.0, int(m.sum()))) if a.hint_sigma \
+                else np.full(int(m.sum()), a.duration_s.median)
+            hint[m] = h1 * at_min
+        return cls(w, c, d1, np.concatenate(all_think), starts, lens, np.concatenate(all_joined),
+                   np.concatenate(all_turn), hint)
 
 
 # -- parsing ------------------------------------------------------------------
@@ -260,6 +372,76 @@ def _dist(tbl: dict, key: str, where: str) -> Dist:
     return Dist(med, sig)
 
 
+def _turns(v: Any) -> Turns:
+    where = "rollout.turns"
+    if isinstance(v, int) and not isinstance(v, bool):
+        if v < 0:
+            raise WorkloadError(f"{where}: must not be negative, got {v}")
+        return Turns(v, v)
+    if not isinstance(v, dict):
+        raise WorkloadError(f"{where}: expected an integer, {{ min = ..., max = ... }} or "
+                            f"{{ median = ..., sigma = ..., max = ... }}")
+    if "median" in v:
+        _check_keys(v, {"median", "sigma", "min", "max"}, where)
+        med = _get(v, "median", where, float, positive=True)
+        sig = _get(v, "sigma", where, float, 0.0, nonneg=True)
+        lo = _get(v, "min", where, int, 1, nonneg=True)
+        if "max" not in v:
+            raise WorkloadError(f"{where}: a lognormal turn count needs a cap 'max'")
+        hi = _get(v, "max", where, int, positive=True)
+    else:
+        _check_keys(v, {"min", "max"}, where)
+        lo = _get(v, "min", where, int, nonneg=True)
+        hi = _get(v, "max", where, int, nonneg=True)
+        med = sig = 0.0
+    if hi < lo:
+        raise WorkloadError(f"{where}: max ({hi}) is below min ({lo})")
+    return Turns(lo, hi, med, sig)
+
+
+def _memory(a: dict, where: str) -> tuple[int, int]:
+    """``mem_mb``: a number (peak and mean alike) or ``{ peak = ..., mean = ... }``."""
+    v = a.get("mem_mb", 0)
+    if isinstance(v, dict):
+        _check_keys(v, {"peak", "mean"}, f"{where}.mem_mb")
+        peak = _get(v, "peak", f"{where}.mem_mb", int, nonneg=True)
+        mean = _get(v, "mean", f"{where}.mem_mb", int, peak, nonneg=True)
+        if mean > peak:
+            raise WorkloadError(f"{where}.mem_mb: mean ({mean}) is above peak ({peak})")
+        return peak, mean
+    peak = _get(a, "mem_mb", where, int, 0, nonneg=True)
+    return peak, peak
+
+
+def _followups(v: Any, where: str) -> tuple[Followup, ...]:
+    if not isinstance(v, list):
+        raise WorkloadError(f"{where}.followups: expected a list of {{ action = ..., probability = ... }}")
+    out = []
+    for k, f in enumerate(v):
+        w = f"{where}.followups[{k}]"
+        if not isinstance(f, dict):
+            raise WorkloadError(f"{w}: expected {{ action = ..., probability = ... }}")
+        _check_keys(f, {"action", "probability"}, w)
+        prob = _get(f, "probability", w, float, positive=True)
+        if prob > 1:
+            raise WorkloadError(f"{w}.probability: must be within 0..1, got {prob}")
+        out.append(Followup(_get(f, "action", w, str), prob))
+    return tuple(out)
+
+
+def _check_followups(actions: list[ActionClass]) -> None:
+    names = {a.name for a in actions}
+    for a in actions:
+        for f in a.followups:
+            if f.action not in names:
+                raise WorkloadError(f"actions ({a.name}).followups: unknown action {f.action!r}")
+            if f.action == a.name:
+                raise WorkloadError(f"actions ({a.name}).followups: an action cannot follow itself")
+            if any(g.followups for g in actions if g.name == f.action):
+                raise WorkloadError(f"actions ({a.name}).followups: {f.action!r} has follow-ups of its own "
+                                    f"(one level only)")
+
+
 def _check_keys(tbl: dict, allowed: set[str], where: str) -> None:
     extra = set(tbl) - allowed
     if extra:
@@ -274,8 +456,9 @@ def parse_workload(data: dict, source: str = "<memory>") -> Workload:
     ver = data.get("format_version")
     if ver is None:
         raise WorkloadError(f"{source}: missing 'format_version' (this reader knows version {FORMAT_VERSION})")
-    if ver != FORMAT_VERSION:
-        raise WorkloadError(f"{source}: format_version {ver!r} is not supported (this reader knows {FORMAT_VERSION})")
+    if ver not in _READABLE_VERSIONS:
+        raise WorkloadError(f"{source}: format_version {ver!r} is not supported (this reader knows "
+                            f"{', '.join(map(str, _READABLE_VERSIONS))})")
     name = _get(data, "name", source, str)
     desc = _get(data, "description", source, str, "")
     seed = _get(data, "seed", source, int, 0, nonneg=True)
@@ -283,23 +466,15 @@ def parse_workload(data: dict, source: str = "<memory>") -> Workload:
     ro = data.get("rollout")
     if not isinstance(ro, dict):
         raise WorkloadError(f"{source}: missing [rollout] table")
-    _check_keys(ro, {"steps", "trajectories_per_step", "turns", "think_s", "train_s"}, "rollout")
-    turns = ro.get("turns")
-    if isinstance(turns, int) and not isinstance(turns, bool):
-        tmin = tmax = turns
-    elif isinstance(turns, dict):
-        _check_keys(turns, {"min", "max"}, "rollout.turns")
-        tmin = _get(turns, "min", "rollout.turns", int, nonneg=True)
-        tmax = _get(turns, "max", "rollout.turns", int, nonneg=True)
-    else:
-        raise WorkloadError("rollout.turns: expected an integer or { min = ..., max = ... }")
-    if tmax < tmin:
-        raise WorkloadError(f"rollout.turns: max ({tmax}) is below min ({tmin})")
+    _check_keys(ro, {"steps", "trajectories_per_step", "turns", "think_s", "train_s", "sync_turns",
+                     "parallel_finals"}, "rollout")
     rollout = Rollout(
         steps=_get(ro, "steps", "rollout", int, positive=True),
         trajectories_per_step=_get(ro, "trajectories_per_step", "rollout", int, positive=True),
-        turns_min=tmin, turns_max=tmax, think_s=_dist(ro, "think_s", "rollout"),
-        train_s=_get(ro, "train_s", "rollout", float, 0.0, nonneg=True))
+        turns=_turns(ro.get("turns")), think_s=_dist(ro, "think_s", "rollout"),
+        train_s=_get(ro, "train_s", "rollout", float, 0.0, nonneg=True),
+        sync_turns=_get(ro, "sync_turns", "rollout", bool, False),
+        parallel_finals=_get(ro, "parallel_finals", "rollout", bool, False))
 
     cl = data.get("cluster")
     if not isinstance(cl, dict):
@@ -324,9 +499,13 @@ def parse_workload(data: dict, source: str = "<memory>") -> Workload:
         where = f"services[{i}]"
         if not isinstance(s, dict):
             raise WorkloadError(f"{where}: expected a table")
-        _check_keys(s, {"name", "gpu_mem_mb", "load_s", "batchable"}, where)
+        _check_keys(s, {"name", "gpu_mem_mb", "load_s", "batchable", "max_batch", "batch_slowdown"}, where)
         svc = Service(_get(s, "name", where, str), _get(s, "gpu_mem_mb", where, int, positive=True),
-                      _get(s, "load_s", where, float, nonneg=True), _get(s, "batchable", where, bool, True))
+                      _get(s, "load_s", where, float, nonneg=True), _get(s, "batchable", where, bool, True),
+                      _get(s, "max_batch", where, int, 0, nonneg=True),
+                      _get(s, "batch_slowdown", where, float, 0.0, nonneg=True))
+        if not svc.batchable and svc.max_batch > 1:
+            raise WorkloadError(f"{where}: a service that is not batchable cannot have max_batch {svc.max_batch}")
         if svc.name in services:
             raise WorkloadError(f"{where}: duplicate service name {svc.name!r}")
         if cluster.gpu_workers and svc.gpu_mem_mb > cluster.gpus * cluster.gpu_mem_mb:
@@ -344,7 +523,8 @@ def parse_workload(data: dict, source: str = "<memory>") -> Workload:
         if not isinstance(a, dict):
             raise WorkloadError(f"{where}: expected a table")
         _check_keys(a, {"name", "kind", "weight", "final", "duration_s", "parallel_fraction", "min_cores",
-                        "max_cores", "mem_mb", "service", "uses_env", "hint"}, where)
+                        "max_cores", "mem_mb", "service", "uses_env", "hint", "hint_sigma", "timeout_s",
+                        "followups"}, where)
         nm = _get(a, "name", where, str)
         where = f"actions[{i}] ({nm})"
         if nm in names:
@@ -370,17 +550,27 @@ def parse_workload(data: dict, source: str = "<memory>") -> Workload:
         limit = cluster.gpu_slots if svc else cluster.cpu_cores
         if mn > limit:
             raise WorkloadError(f"{where}: min_cores {mn} exceeds a worker's {limit} cores")
+        peak, mean = _memory(a, where)
+        hint_sigma = _get(a, "hint_sigma", where, float, 0.0, nonneg=True)
+        if hint_sigma > 3:
+            raise WorkloadError(f"{where}.hint_sigma: {hint_sigma} is implausibly large (at most 3)")
+        timeout = _get(a, "timeout_s", where, float, None, positive=True)
         ac = ActionClass(
             name=nm, kind=kind, duration_s=_dist(a, "duration_s", where),
             weight=_get(a, "weight", where, float, 0.0, nonneg=True),
             final=_get(a, "final", where, int, 0, nonneg=True), parallel_fraction=pf,
-            min_cores=mn, max_cores=min(mx, limit), mem_mb=_get(a, "mem_mb", where, int, 0, nonneg=True),
+            min_cores=mn, max_cores=min(mx, limit), mem_mb=peak, mem_mean_mb=mean,
             service=svc, uses_env=_get(a, "uses_env", where, bool, kind == "sandbox"),
-            hint=_get(a, "hint", where, bool, False))
-        if ac.weight == 0 and ac.final == 0:
-            raise WorkloadError(f"{where}: neither a per-turn weight nor a final count: it would never run")
+            hint=_get(a, "hint", where, bool, hint_sigma > 0), hint_sigma=hint_sigma, timeout_s=timeout,
+            followups=_followups(a.get("followups", []), where))
         actions.append(ac)
-    if rollout.turns_max > 0 and not any(a.weight > 0 for a in actions):
+    _check_followups(actions)
+    for i, ac in enumerate(actions):
+        referenced = any(f.action == ac.name for b in actions for f in b.followups)
+        if ac.weight == 0 and ac.final == 0 and not referenced:
+            raise WorkloadError(f"actions[{i}] ({ac.name}): neither a per-turn weight, a final count nor a "
+                                f"follow-up of another action: it would never run")
+    if rollout.turns.max > 0 and not any(a.weight > 0 for a in actions):
         raise WorkloadError("rollout.turns > 0 but no action has a per-turn weight")
     return Workload(name, desc, rollout, cluster, tuple(actions), services, seed, source)
 

@@ -1,5 +1,10 @@
 """Which resident service to evict when a device is full (pure; no clock, no threads).
 
+One rule for everybody: the live :class:`~tangram_hpc.managers.services.ServiceManager`
+applies it on a worker, the simulator applies it to its simulated workers, and
+the placement policy applies it to predict what a load would evict (so it can
+avoid a worker where the load would push out a model that is needed soon).
+
 The *value* of keeping a service resident is what evicting it would cost the
 actions still to come, discounted by how long it has been unused::
 

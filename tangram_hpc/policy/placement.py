@@ -1,0 +1,1146 @@
+"""Placement machinery shared by the action-level policies (elastic, FIFO, the pooled baselines).
+
+The policies place the same way -- environment affinity, memory, GPU memory,
+service residency, draining -- and differ only in the order they take waiting
+actions (:meth:`PlacementPolicy._key`), how many cores they grant
+(:meth:`PlacementPolicy._grant`) and when they load another replica of a GPU
+service (:meth:`PlacementPolicy._should_load`).
+
+Records.  The policy's state is a handful of public records, so that other
+policies (and the baselines in :mod:`tangram_hpc.sim.baselines`) build on them:
+
+* :class:`ActionRecord` -- one submitted action (:class:`ActionState`
+  ``PENDING -> RUNNING -> GONE``, or ``PENDING -> GONE`` when cancelled);
+* :class:`WorkerRecord` -- what the policy believes about one worker: free
+  cores and memory, resident service replicas, hosted environments.  It is not
+  the coordinator's record of the worker (a connection with heartbeats and
+  attempt numbers) nor the simulator's (a simulated machine whose services
+  really load): the three have different owners of the truth, and this one
+  changes only through the policy's own events, so that its decisions are a
+  pure function of them;
+* :class:`ServiceReplica` -- a service resident (or loading) on a worker;
+* :class:`PlacementQueue` -- waiting actions that need the same thing;
+* :class:`Tally` -- every count the policy keeps by hand, changed in one place
+  by the four transitions of an action (:meth:`Tally.submitted`,
+  :meth:`Tally.started`, :meth:`Tally.withdrawn`, :meth:`Tally.ended`).
+
+Cost model.  Waiting actions never get scanned one by one.  They sit in
+queues, each a heap of ``(key, seq, record)``:
+
+* a *bucket* per placement class ``(kind, min_cores, mem, per-action GPU memory)``
+  for actions that may go to any worker serving their kind;
+* a *service queue* per ``(kind, service, min_cores, mem)`` for reward calls;
+* an *env queue* per worker for actions whose environment lives there.
+
+All actions of a queue need the same thing (env queues: the same worker), so
+when a queue's head cannot be placed none of it can, and the queue is not
+looked at again until something it could use changes (a worker of its kind
+frees capacity or joins, a replica of its service frees a slot, an action
+joins it): such queues are *armed*.  :meth:`schedule` merges the heads of
+armed queues in one small heap and places them in key order, so a call costs
+``O(A + k log(A + W))`` for ``A`` armed queues, ``W`` workers and ``k``
+starts -- independent of how many actions wait.  Free capacity is a max-heap
+of workers by free cores per set of kinds served, with lazy invalidation (a
+worker's entry is valid while its version matches): capacity that rises is
+pushed at once, capacity that falls is refreshed when the entry is read, so
+the index always overstates and a search may stop at the first entry too small.
+
+Cores are granted in two phases.  Every start of a :meth:`schedule` call first
+takes ``min_cores``; once everything placeable has started, elastic starts
+grow to their grant (:meth:`_grant`), which sees what is still waiting
+(:meth:`waiting_for`).  So the cores the waiting work could use are not handed
+out before it had its chance.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Iterable, Mapping, Sequence
+
+from ..actions import ActionSpec, Demand
+from ..resources import ResourceClass, ServiceInfo, WorkerInfo, WorkerShape
+from .base import Assignment, SchedulingPolicy, light_capacity
+from .predict import Predictor
+from .residency import Resident, choose_victims
+
+__all__ = ["ActionState", "ActionRecord", "ServiceReplica", "WorkerRecord", "PlacementQueue", "ShapeLimit",
+           "KindLoad", "Tally", "PlacementPolicy", "water_level"]
+
+_INF = float("inf")
+
+
+class ActionState(Enum):
+    PENDING = "pending"
+    RUNNING = "running"
+    GONE = "gone"
+
+
+_PENDING, _RUNNING, _GONE = ActionState.PENDING, ActionState.RUNNING, ActionState.GONE
+
+
+class ActionRecord:
+    """One submitted action as the policy tracks it."""
+
+    __slots__ = ("spec", "submit", "seq", "key", "state", "worker", "cores", "started",
+                 "load_wait", "queue", "elastic", "light", "load", "expect", "d1", "p", "tail", "work",
+                 "target")
+
+    def __init__(self, spec: ActionSpec, submit: float, seq: int, load: "KindLoad"):
+        self.spec = spec
+        self.submit = submit
+        self.seq = seq
+        self.key = 0.0
+        self.state = _PENDING
+        self.worker: WorkerRecord | None = None
+        self.cores = 0
+        self.started = 0.0
+        self.load_wait = 0.0        # seconds it had to wait for its service to load
+        self.queue: PlacementQueue | None = None
+        d = spec.demand
+        # a zero-core ("light") action binds no core: it is pipelined, never grown
+        self.light = d.min_cores == 0
+        self.elastic = not self.light and d.max_cores > d.min_cores
+        self.load = load            # the counters of its kind
+        self.expect = 0.0           # predicted run time at its granted cores (set when it starts)
+        self.d1 = 1.0               # predicted one-core duration and parallel fraction, at submit
+        self.p = 0.0
+        self.tail = 1.0             # expected duration / median duration of its class
+        self.work = 0.0             # predicted core-seconds at min_cores
+        self.target = 0             # the cores an elastic action waited for (0: none)
+
+    def time_at(self, cores: int) -> float:
+        """Predicted run time at ``cores`` (Amdahl with the estimate made at submit)."""
+        p = self.p
+        return self.d1 * ((1.0 - p) + p / (cores if cores > 1 else 1))
+
+
+class ServiceReplica:
+    """A service resident, or loading until ``ready_at``, on one worker."""
+
+    __slots__ = ("mem", "running", "last_used", "ready_at")
+
+    def __init__(self, mem: int, ready_at: float):
+        self.mem = mem
+        self.running = 0
+        self.last_used = ready_at
+        self.ready_at = ready_at
+
+
+class WorkerRecord:
+    """The policy's belief about one registered worker (see the module docstring for why it is its own)."""
+
+    __slots__ = ("id", "info", "seq", "cores", "free_cores", "mem", "free_mem", "gpu_mem",
+                 "gpu_used", "services", "draining", "running", "envs", "kinds", "version", "listed",
+                 "env_queue", "light", "light_cap")
+
+    def __init__(self, info: WorkerInfo, seq: int):
+        self.id = info.id
+        self.info = info
+        self.seq = seq
+        self.cores = info.cores
+        self.free_cores = info.cores
+        self.mem = info.mem_mb if info.mem_mb > 0 else _INF
+        self.free_mem = self.mem
+        self.gpu_mem = info.gpu_mem_mb
+        self.gpu_used = 0
+        self.services: dict[str, ServiceReplica] = {}
+        self.draining = False
+        self.running: dict[str, ActionRecord] = {}
+        self.envs: set[str] = set()
+        self.kinds = info.kinds
+        self.version = 0
+        self.listed = -1                     # the version its free-capacity index entry has
+        self.env_queue: PlacementQueue | None = None
+        self.light = 0                       # zero-core actions it holds
+        self.light_cap = light_capacity(info)
+
+
+class PlacementQueue:
+    """Waiting actions that need the same thing; ``live`` of its heap entries are current."""
+
+    __slots__ = ("idx", "heap", "kind", "service", "min_cores", "mem", "gpu_mem", "worker", "live", "work")
+
+    def __init__(self, idx: int, kind: str, service: str | None, min_cores: int, mem: int,
+                 gpu_mem: int, worker: WorkerRecord | None = None):
+        self.idx = idx
+        self.heap: list = []
+        self.kind = kind
+        self.service = service
+        self.min_cores = min_cores
+        self.mem = mem
+        self.gpu_mem = gpu_mem
+        self.worker = worker
+        self.live = 0
+        self.work = 0.0             # predicted core-seconds of the live entries, at min_cores
+
+
+@dataclass(slots=True, frozen=True)
+class ShapeLimit:
+    """The largest thing one worker of some shape can give an action.
+
+    ``gpu_mem_mb`` is the total over the worker's GPUs, ``None`` when a GPU
+    shape does not say its memory (it may host any service).
+    """
+
+    cores: int
+    mem_mb: int = 0                  # 0: not limited
+    gpu_mem_mb: int | None = 0
+
+    @classmethod
+    def of(cls, shape: WorkerShape) -> "ShapeLimit":
+        if shape.gpus and shape.gpu_mem_mb:
+            gpu: int | None = shape.gpus * shape.gpu_mem_mb
+        elif shape.gpus:
+            gpu = None                   # GPUs of unknown memory (a Slurm gres request)
+        else:
+            gpu = shape.gpu_mem_mb       # a memory budget standing in for a GPU (services on the CPU)
+        return cls(shape.cores, shape.mem_mb, gpu)
+
+    def holds(self, min_cores: int, mem_mb: int, gpu_mem_mb: int) -> bool:
+        return (self.cores >= min_cores and (self.mem_mb == 0 or self.mem_mb >= mem_mb)
+                and (self.gpu_mem_mb is None or self.gpu_mem_mb >= gpu_mem_mb))
+
+
+@dataclass(slots=True)
+class KindLoad:
+    """Per action kind: capacity, demand, and the free-capacity index."""
+
+    capacity: int = 0        # cores of non-draining workers serving the kind
+    rigid: int = 0           # min cores of fixed-size actions in the system
+    rigid_running: int = 0   # ... of those running
+    elastic: int = 0         # elastic actions in the system (pending + running)
+    by_max: dict = field(default_factory=dict)    # elastic actions in the system per max_cores
+    queued: int = 0          # pending core-binding actions waiting in the kind's shared queues
+    queued_work: float = 0.0  # ... and their predicted core-seconds at min_cores
+
+
+class Tally:
+    """Every count the policy keeps by hand, changed only by an action's transitions and worker changes."""
+
+    __slots__ = ("pending", "running", "free_cores", "light_pending", "service_pending")
+
+    def __init__(self) -> None:
+        self.pending = 0            # actions waiting (placeable or not)
+        self.running = 0
+        self.free_cores = 0         # free cores on all workers (a quick "nothing to do" test)
+        self.light_pending = 0      # waiting zero-core actions (they need no free core)
+        self.service_pending: dict[str, int] = {}
+
+    def submitted(self, rec: ActionRecord) -> None:
+        self.pending += 1
+        if rec.light:
+            self.light_pending += 1
+        svc = rec.spec.demand.service
+        if svc:
+            self.service_pending[svc] = self.service_pending.get(svc, 0) + 1
+        kl = rec.load
+        if rec.elastic:
+            kl.elastic += 1
+            m = rec.spec.demand.max_cores
+            kl.by_max[m] = kl.by_max.get(m, 0) + 1
+        else:
+            kl.rigid += rec.spec.demand.min_cores
+
+    def _unpend(self, rec: ActionRecord) -> None:
+        self.pending -= 1
+        if rec.light:
+            self.light_pending -= 1
+        svc = rec.spec.demand.service
+        if svc:
+            self.service_pending[svc] -= 1
+
+    def started(self, rec: ActionRecord, w: WorkerRecord) -> None:
+        self._unpend(rec)
+        self.running += 1
+        self.free_cores -= rec.cores
+        w.free_cores -= rec.cores
+        if not rec.elastic:
+            rec.load.rigid_running += rec.spec.demand.min_cores
+
+    def regranted(self, rec: ActionRecord, w: WorkerRecord, extra: int) -> None:
+        rec.cores += extra
+        self.free_cores -= extra
+        w.free_cores -= extra
+
+    def withdrawn(self, rec: ActionRecord) -> None:
+        self._unpend(rec)
+        self._leave(rec)
+
+    def ended(self, rec: ActionRecord, w: WorkerRecord | None) -> None:
+        self.running -= 1
+        if w is not None:
+            self.free_cores += rec.cores
+            w.free_cores += rec.cores
+        if not rec.elastic:
+            rec.load.rigid_running -= rec.spec.demand.min_cores
+        self._leave(rec)
+
+    @staticmethod
+    def _leave(rec: ActionRecord) -> None:
+        kl = rec.load
+        if rec.elastic:
+            kl.elastic -= 1
+            m = rec.spec.demand.max_cores
+            left = kl.by_max[m] - 1
+            if left:
+                kl.by_max[m] = left
+            else:
+                del kl.by_max[m]
+        else:
+            kl.rigid -= rec.spec.demand.min_cores
+
+
+class PlacementPolicy(SchedulingPolicy):
+    """Common machinery; see the module docstring.  Subclasses set the order and the grant."""
+
+    #: Core-bound actions whose class is learned to take less than this run pipelined (see submit).
+    PIPELINE_BELOW_S = 0.001
+
+    def __init__(self, predictor: Predictor | None = None, *, shapes: Sequence[WorkerShape] = (),
+                 services: Mapping[str, ServiceInfo] | None = None, pipeline_below_s: float | None = None):
+        self.predictor = predictor if predictor is not None else Predictor()
+        self.pipeline_below_s = self.PIPELINE_BELOW_S if pipeline_below_s is None else pipeline_below_s
+        self.tally = Tally()
+        self._recs: dict[str, ActionRecord] = {}
+        self._waiting: dict[str, ActionRecord] = {}    # the pending ones
+        self._workers: dict[str, WorkerRecord] = {}
+        self._queues: dict[tuple, PlacementQueue] = {}
+        self._armed: dict[int, PlacementQueue] = {}     # queues whose head may be placeable now
+        self._shared: dict[str, dict[int, PlacementQueue]] = {}   # kind -> its non-env queues
+        self._kinds: dict[str, KindLoad] = {}
+        # free-capacity index: per set of kinds served, a max-heap of (-free cores, seq, version, worker)
+        self._index: dict[frozenset[str], list] = {}
+        self._kind_index: dict[str, list[list]] = {}    # kind -> the heaps of the workers serving it
+        self._env_host: dict[str, WorkerRecord] = {}
+        self._env_first: dict[str, ActionRecord] = {}         # env -> its pending first action
+        self._env_wait: dict[str, list[ActionRecord]] = {}    # later actions of an env with no host yet
+        self._services: dict[str, ServiceInfo] = {}
+        self._svc_replicas: dict[str, dict[str, WorkerRecord]] = {}
+        self._svc_step: dict[str, int] = {}          # service -> last RL step that called it
+        self._step = 0                                # highest RL step seen
+        self._step_seen = False
+        self._seq = 0
+        self._wseq = 0
+        self._qseq = 0
+        self._limits: tuple[ShapeLimit, ...] = ()
+        self._unplaceable: dict[str, tuple[ActionRecord, str]] = {}
+        self._fit_memo: dict[tuple, str | None] = {}   # (kind, demand) -> why it fits nothing (None: fits)
+        self._heads: list | None = None
+        self._grow: list[tuple[ActionRecord, WorkerRecord]] = []
+        self.load_window_s = 60.0
+        self._offered: dict[ResourceClass, list[float]] = {}   # resource -> [cores, at time]
+        if services:
+            self.set_services(services)
+        self.set_shapes(shapes)
+
+    # -- configuration ---------------------------------------------------------
+    def set_shapes(self, shapes: Iterable[WorkerShape | ShapeLimit]) -> None:
+        """The worker shapes the pool can ever provide; actions larger than all are unplaceable.
+
+        An action is unplaceable when it fits neither any of these shapes nor
+        any registered worker.  With no shapes configured nothing is declared
+        unplaceable (the driver may add workers of any size).
+        """
+        self._limits = tuple(s if isinstance(s, ShapeLimit) else ShapeLimit.of(s) for s in shapes)
+        self._fit_memo.clear()
+        for rec in list(self._recs.values()):
+            if rec.state is not _PENDING:
+                continue
+            why = self._too_big(rec.spec)
+            aid = rec.spec.id
+            if why and aid not in self._unplaceable:
+                self._set_aside(rec, why)
+            elif not why and aid in self._unplaceable:
+                del self._unplaceable[aid]
+                self._route(rec)
+
+    def set_services(self, services: Mapping[str, ServiceInfo]) -> None:
+        """The reward-model services of the run: size, batch limit, known load time.
+
+        Workers load the services they are configured with when they start
+        (``WorkerInfo.services``); knowing the sizes, the policy counts those
+        loads from the moment a worker registers.
+        """
+        self._services.update(services)
+        for name, s in services.items():
+            if s.load_s is not None:
+                self.predictor.seed_load_time(name, s.load_s)
+
+    def _set_aside(self, rec: ActionRecord, why: str) -> None:
+        """Hold a pending action outside every queue until the driver cancels it."""
+        env = rec.spec.env
+        if env is not None and self._env_first.get(env) is rec:
+            del self._env_first[env]
+            for r in self._env_wait.pop(env, ()):
+                self._route(r)
+        elif env is not None and rec.queue is None and rec in self._env_wait.get(env, ()):
+            self._env_wait[env].remove(rec)
+        self._unqueue(rec)
+        self._unplaceable[rec.spec.id] = (rec, why)
+
+    def _too_big(self, spec: ActionSpec) -> str | None:
+        if not self._limits:
+            return None
+        key = (spec.kind, spec.demand)
+        try:
+            return self._fit_memo[key]
+        except KeyError:
+            if len(self._fit_memo) >= 4096:     # clients may send any number of distinct demands
+                self._fit_memo.clear()
+            why = self._fit_memo[key] = self._too_big_now(spec)
+            return why
+
+    def _too_big_now(self, spec: ActionSpec) -> str | None:
+        d = spec.demand
+        for lim in self._limits:
+            if lim.holds(d.min_cores, d.mem_mb, d.gpu_mem_mb):
+                return None
+        for w in self._workers.values():    # a registered worker larger than the shapes counts too
+            if (w.cores >= d.min_cores and w.mem >= d.mem_mb and w.gpu_mem >= d.gpu_mem_mb
+                    and spec.kind in w.kinds):
+                return None
+        big = max(self._limits, key=lambda s: (s.cores, s.mem_mb, s.gpu_mem_mb or 0))
+        gpu = "unlimited" if big.gpu_mem_mb is None else big.gpu_mem_mb
+        return (f"demand min_cores={d.min_cores} mem_mb={d.mem_mb} gpu_mem_mb={d.gpu_mem_mb} exceeds "
+                f"every worker shape (largest: cores={big.cores} mem_mb={big.mem_mb or 'unlimited'} "
+                f"gpu_mem_mb={gpu})")
+
+    # -- hooks -------------------------------------------------------------------
+    def _key(self, rec: ActionRecord) -> float:
+        raise NotImplementedError
+
+    def _grant(self, rec: ActionRecord, w: WorkerRecord) -> int:
+        """Cores for an elastic action that starts on ``w`` when nothing else waits (``min_cores`` there)."""
+        return rec.spec.demand.min_cores
+
+    def _should_load(self, rec: ActionRecord, q: PlacementQueue, now: float) -> bool:
+        raise NotImplementedError
+
+    # -- workers -----------------------------------------------------------------
+    def _kind(self, kind: str) -> KindLoad:
+        kl = self._kinds.get(kind)
+        if kl is None:
+            kl = self._kinds[kind] = KindLoad()
+        return kl
+
+    def add_worker(self, info: WorkerInfo, now: float) -> None:
+        if info.id in self._workers:
+            raise ValueError(f"worker {info.id} already added")
+        self._wseq += 1
+        w = WorkerRecord(info, self._wseq)
+        self._workers[w.id] = w
+        self._fit_memo.clear()          # a worker larger than the shapes makes more fit
+        self.tally.free_cores += w.free_cores
+        for k in w.kinds:
+            self._kind(k).capacity += w.cores
+        for name, s in self._services.items():   # the worker preloads what it is configured with
+            if name in info.services and w.gpu_mem - w.gpu_used >= s.gpu_mem_mb:
+                self._make_resident(w, name, s.gpu_mem_mb, now + self.predictor.load_time(name))
+        self._touch(w)
+
+    def remove_worker(self, worker_id: str, now: float) -> list[str]:
+        w = self._workers.pop(worker_id, None)
+        if w is None:
+            return []
+        self._fit_memo.clear()
+        lost = list(w.running)
+        for rec in w.running.values():
+            self._end_running(rec)
+            self.predictor.observe(rec.spec, None, rec.cores, now)
+        w.running.clear()
+        self.tally.free_cores -= w.free_cores
+        if not w.draining:
+            for k in w.kinds:
+                self._kind(k).capacity -= w.cores
+        for svc in w.services:
+            reps = self._svc_replicas.get(svc)
+            if reps is not None:
+                reps.pop(w.id, None)
+        w.version += 1      # invalidates its free-capacity entries
+        for env in list(w.envs):
+            if self._env_host.get(env) is w:
+                del self._env_host[env]
+        w.envs.clear()
+        q = w.env_queue
+        if q is not None:
+            self._armed.pop(q.idx, None)
+            stranded = [e[2] for e in sorted(q.heap) if e[2].state is _PENDING and e[2].queue is q]
+            q.heap.clear()
+            for rec in stranded:    # their environment is gone: start over elsewhere
+                self._unqueue(rec)
+                self._route(rec)
+        return lost
+
+    def set_draining(self, worker_id: str, draining: bool) -> None:
+        w = self._workers.get(worker_id)
+        if w is None or w.draining == draining:
+            return
+        w.draining = draining
+        sign = -1 if draining else 1
+        for k in w.kinds:
+            self._kind(k).capacity += sign * w.cores
+        self._touch(w)
+
+    def update_worker(self, worker_id: str, *, services: frozenset[str] | None = None,
+                      envs: frozenset[str] | None = None, now: float = 0.0) -> None:
+        """Worker-reported state.
+
+        ``services``: the services resident on the worker now.  They are ready
+        from now on; a resident one not reported (and idle) was evicted; one
+        the policy counts as loading stays until its load is due.
+        """
+        w = self._workers.get(worker_id)
+        if w is None:
+            return
+        if services is not None:
+            for svc in services:
+                st = w.services.get(svc)
+                if st is None:
+                    self._make_resident(w, svc, self._service_mem(svc, 0), now)
+                elif st.ready_at > now:
+                    st.ready_at = now
+            for svc in [s for s, st in w.services.items()
+                        if s not in services and st.running == 0 and st.ready_at <= now]:
+                self._evict(w, svc)
+            self._touch(w)
+        if envs is not None:
+            for env in envs:
+                if env not in w.envs:
+                    old = self._env_host.get(env)
+                    if old is not None:
+                        old.envs.discard(env)
+                    self._env_host[env] = w
+                    w.envs.add(env)
+            for env in [e for e in w.envs if e not in envs]:
+                w.envs.discard(env)
+                if self._env_host.get(env) is w:
+                    del self._env_host[env]
+
+    def _fell(self, w: WorkerRecord) -> None:
+        """A worker's free capacity fell: its index entry is stale, refreshed lazily when read.
+
+        A stale entry overstates the free cores, so the index stays an upper
+        bound and :meth:`_best_worker` may stop early; rising capacity is pushed at once.
+        """
+        w.version += 1
+
+    def _touch(self, w: WorkerRecord) -> None:
+        """A worker gained capacity (or joined): re-index it and arm the queues it may serve."""
+        w.version += 1
+        q = w.env_queue
+        if q is not None and q.live:
+            self._armed[q.idx] = q
+        if w.draining:
+            return
+        self._list(w)
+        for k in w.kinds:
+            shared = self._shared.get(k)
+            if shared:
+                for sq in shared.values():
+                    if sq.live:
+                        self._armed[sq.idx] = sq
+
+    def _list(self, w: WorkerRecord) -> None:
+        """Push the worker's current free cores into the index of the kinds it serves."""
+        heap = self._index.get(w.kinds)
+        if heap is None:
+            heap = self._index[w.kinds] = []
+            for k in w.kinds:
+                self._kind_index.setdefault(k, []).append(heap)
+        if len(heap) > 4 * len(self._workers) + 64:      # mostly stale entries: rebuild
+            heap.clear()
+            for o in self._workers.values():
+                if o.kinds == w.kinds and not o.draining and o is not w:
+                    heap.append((-o.free_cores, o.seq, o.version, o))
+                    o.listed = o.version
+            heapq.heapify(heap)
+        heapq.heappush(heap, (-w.free_cores, w.seq, w.version, w))
+        w.listed = w.version
+
+    # -- residency ---------------------------------------------------------------
+    def _service_mem(self, svc: str, default: int) -> int:
+        s = self._services.get(svc)
+        return s.gpu_mem_mb if s is not None else default
+
+    def _make_resident(self, w: WorkerRecord, svc: str, mem: int, ready_at: float) -> ServiceReplica:
+        st = ServiceReplica(mem, ready_at)
+        w.services[svc] = st
+        w.gpu_used += mem
+        self._svc_replicas.setdefault(svc, {})[w.id] = w
+        return st
+
+    def _evict(self, w: WorkerRecord, svc: str) -> None:
+        st = w.services.pop(svc)
+        w.gpu_used -= st.mem
+        reps = self._svc_replicas.get(svc)
+        if reps is not None:
+            reps.pop(w.id, None)
+
+    def _victims(self, w: WorkerRecord, need: int, now: float) -> list[str] | None:
+        """What the worker's service manager would evict to fit ``need`` MB (the shared rule)."""
+        free = w.gpu_mem - w.gpu_used
+        if free >= need:
+            return []
+        pending = self.tally.service_pending
+        residents = [Resident(s, st.mem, pending.get(s, 0), now - st.last_used, self.predictor.load_time(s), 0.0)
+                     for s, st in w.services.items() if st.running == 0 and st.ready_at <= now]
+        return choose_victims(residents, need, free)
+
+    def _needed_soon(self, svc: str) -> bool:
+        """A service somebody waits for, or one this or the previous RL step called (its step's tail will)."""
+        return self.tally.service_pending.get(svc, 0) > 0 or self._svc_step.get(svc, -10) >= self._step - 1
+
+    # -- submission --------------------------------------------------------------
+    def submit(self, action: ActionSpec, now: float) -> None:
+        aid = action.id
+        old = self._recs.get(aid)
+        if old is not None and old.state is not _GONE:
+            raise ValueError(f"action {aid} is already pending or running")
+        self._seq += 1
+        d = action.demand
+        if (d.min_cores and self.pipeline_below_s and action.env is None and not (d.mem_mb or d.gpu_mem_mb or d.service)
+                and self.predictor.is_tiny(action, self.pipeline_below_s)):
+            action = _pipelined(action)
+        rec = ActionRecord(action, now, self._seq, self._kind(action.kind))
+        self._recs[aid] = rec
+        self._waiting[aid] = rec
+        rec.d1, rec.p, rec.tail = self.predictor.estimate(action)
+        if not rec.light:
+            rec.work = rec.time_at(action.demand.min_cores) * action.demand.min_cores
+        rec.key = self._key(rec)
+        step = action.step
+        if step is not None:
+            self._step_seen = True
+            if step > self._step:
+                self._step = step
+        if d.service:
+            if d.service not in self._services:
+                self._services[d.service] = ServiceInfo(d.gpu_mem_mb)
+            elif d.gpu_mem_mb > self._services[d.service].gpu_mem_mb:
+                self._services[d.service] = ServiceInfo(d.gpu_mem_mb, self._services[d.service].max_batch)
+            self._svc_step[d.service] = self._step if step is None else step
+            self._arrived(d.service, now)
+        self.tally.submitted(rec)
+        self._count_offered(rec, now)
+        why = self._too_big(action)
+        if why:
+            self._unplaceable[aid] = (rec, why)
+            return
+        self._route(rec)
+
+    def _arrived(self, service: str, now: float) -> None:
+        """A request for ``service`` arrived (subclasses track arrival rates)."""
+
+    def _best_cores(self, rec: ActionRecord) -> int:
+        """Cores the action would run on with nothing waiting (the elastic scheduler grows it)."""
+        return max(1, rec.spec.demand.min_cores)
+
+    def _count_offered(self, rec: ActionRecord, now: float) -> None:
+        d = rec.spec.demand
+        if rec.light:
+            return
+        res = ResourceClass.GPU if d.service or d.gpu_mem_mb else ResourceClass.CPU
+        c = self._best_cores(rec)
+        work = rec.time_at(c) * c / self.load_window_s
+        r = self._offered.get(res)
+        if r is None:
+            self._offered[res] = [work, now]
+        elif now - r[1] < 0.5:
+            r[0] += work            # decay in half-second steps: submits come in bursts
+        else:
+            r[0] = r[0] * math.exp(-(now - r[1]) / self.load_window_s) + work
+            r[1] = now
+
+    @property
+    def current_step(self) -> int | None:
+        return self._step if self._step_seen else None
+
+    def offered_load(self, now: float) -> dict[ResourceClass, float]:
+        return {res: r[0] * math.exp(-max(0.0, now - r[1]) / self.load_window_s)
+                for res, r in self._offered.items()}
+
+    def _route(self, rec: ActionRecord) -> None:
+        """Put a pending action in the queue that matches its placement constraint."""
+        env = rec.spec.env
+        if env is not None:
+            host = self._env_host.get(env)
+            if host is not None:
+                q = host.env_queue
+                if q is None:
+                    self._qseq += 1
+                    q = host.env_queue = PlacementQueue(self._qseq, rec.spec.kind, None, 0, 0, 0, host)
+                self._push(q, rec)
+                return
+            first = self._env_first.get(env)
+            if first is not None and first is not rec:
+                self._env_wait.setdefault(env, []).append(rec)
+                return
+            self._env_first[env] = rec
+        d = rec.spec.demand
+        if d.service:
+            qk = (rec.spec.kind, d.service, d.min_cores, d.mem_mb)
+            gpu = 0
+        else:
+            qk = (rec.spec.kind, None, d.min_cores, d.mem_mb, d.gpu_mem_mb)
+            gpu = d.gpu_mem_mb
+        q = self._queues.get(qk)
+        if q is None:
+            self._qseq += 1
+            q = self._queues[qk] = PlacementQueue(self._qseq, rec.spec.kind, d.service, d.min_cores,
+                                                  d.mem_mb, gpu)
+            self._shared.setdefault(rec.spec.kind, {})[q.idx] = q
+        self._push(q, rec)
+
+    def _push(self, q: PlacementQueue, rec: ActionRecord) -> None:
+        rec.queue = q
+        q.live += 1
+        q.work += rec.work
+        if q.worker is None and not rec.light:
+            rec.load.queued += 1
+            rec.load.queued_work += rec.work
+        heapq.heappush(q.heap, (rec.key, rec.seq, rec))
+        self._armed[q.idx] = q
+        if self._heads is not None:     # routed during schedule(): eligible in this same call
+            heapq.heappush(self._heads, (rec.key, rec.seq, q.idx, q))
+
+    def _unqueue(self, rec: ActionRecord) -> None:
+        """Take a record out of its queue's live count (its heap entry goes stale and is skipped)."""
+        q = rec.queue
+        if q is None:
+            return
+        q.live -= 1
+        q.work -= rec.work
+        if q.worker is None and not rec.light:
+            rec.load.queued -= 1
+            rec.load.queued_work -= rec.work
+        rec.queue = None
+
+    def cancel(self, action_id: str) -> bool:
+        rec = self._recs.get(action_id)
+        if rec is None or rec.state is not _PENDING:
+            return False
+        self._drop_pending(rec)
+        return True
+
+    def _drop_pending(self, rec: ActionRecord) -> None:
+        rec.state = _GONE
+        self._recs.pop(rec.spec.id, None)
+        del self._waiting[rec.spec.id]
+        self.tally.withdrawn(rec)
+        if self._unplaceable.pop(rec.spec.id, None) is not None:
+            return
+        self._unqueue(rec)
+        env = rec.spec.env
+        if env is not None:
+            waiting = self._env_wait.get(env)
+            if waiting and rec in waiting:
+                waiting.remove(rec)
+            if self._env_first.get(env) is rec:
+                del self._env_first[env]
+                for r in self._env_wait.pop(env, ()):
+                    self._route(r)
+
+    # -- completion --------------------------------------------------------------
+    def finished(self, action_id: str, now: float, *, ok: bool = True, run_time: float | None = None) -> None:
+        rec = self._recs.pop(action_id, None)
+        if rec is None or rec.state is not _RUNNING:
+            return
+        w = rec.worker
+        self._end_running(rec)
+        if w is not None:
+            del w.running[action_id]
+            self._touch(w)
+        spec = rec.spec
+        if not ok or run_time is None:
+            self.predictor.observe(spec, None, rec.cores, now)
+        elif rec.load_wait > 0:
+            warm = self.predictor.predict(spec, rec.cores)
+            self.predictor.observe_load(spec.demand.service, max(0.0, run_time - warm))
+            self.predictor.observe(spec, None, rec.cores, now)
+        else:
+            self.predictor.observe(spec, run_time, rec.cores, now)
+
+    def _end_running(self, rec: ActionRecord) -> None:
+        rec.state = _GONE
+        w = rec.worker
+        self.tally.ended(rec, w)
+        if w is None:
+            return
+        d = rec.spec.demand
+        if rec.light:
+            w.light -= 1
+        w.free_mem += d.mem_mb
+        if d.service:
+            st = w.services.get(d.service)
+            if st is not None:
+                st.running -= 1
+                st.last_used = max(st.last_used, rec.started)
+        else:
+            w.gpu_used -= d.gpu_mem_mb
+
+    # -- scheduling --------------------------------------------------------------
+    def schedule(self, now: float) -> list[Assignment]:
+        t = self.tally
+        if t.pending == 0 or not self._armed or (t.free_cores <= 0 and t.light_pending <= 0):
+            return []
+        heads = []
+        for q in list(self._armed.values()):
+            h = q.heap
+            while h and h[0][2].queue is not q:
+                heapq.heappop(h)
+            if not h:
+                del self._armed[q.idx]
+                continue
+            w = q.worker
+            if w is not None and w.free_cores < h[0][2].spec.demand.min_cores:
+                del self._armed[q.idx]
+                continue
+            heads.append((h[0][0], h[0][1], q.idx, q))
+        if not heads:
+            return []
+        heapq.heapify(heads)
+        started: list[ActionRecord] = []
+        self._heads = heads
+        try:
+            self._drain_heads(heads, now, started)
+        finally:
+            self._heads = None
+        if self._grow:
+            self._grow_grants()
+        started_hook = self.predictor.started
+        for r in started:
+            started_hook(r.spec, r.cores, now)
+            r.expect = r.time_at(r.cores)
+        return [Assignment(r.spec.id, r.worker.id, r.cores) for r in started]
+
+    def _drain_heads(self, heads: list, now: float, started: list[ActionRecord]) -> None:
+        t = self.tally
+        while heads and (t.free_cores > 0 or t.light_pending > 0):
+            _, _, _, q = heapq.heappop(heads)
+            h = q.heap
+            while h and h[0][2].queue is not q:
+                heapq.heappop(h)
+            if not h:
+                self._armed.pop(q.idx, None)
+                continue
+            rec = h[0][2]
+            if not self._place(rec, q, now, started):
+                self._armed.pop(q.idx, None)     # until something it could use changes
+                continue
+            heapq.heappop(h)
+            while h and h[0][2].queue is not q:
+                heapq.heappop(h)
+            if h:
+                heapq.heappush(heads, (h[0][0], h[0][1], q.idx, q))
+            else:
+                self._armed.pop(q.idx, None)
+
+    def _grow_grants(self) -> None:
+        """Second phase: the elastic starts of this call grow towards their grants (:meth:`_grant`).
+
+        Per worker, the free cores go one at a time to the start whose predicted
+        run time the next core shortens most (Amdahl: ``d1 p / (c (c + 1))``), so
+        a long parallel action is not left with the crumbs of shorter ones
+        started in the same call.
+        """
+        grow, self._grow = self._grow, []
+        by_worker: dict[str, list[ActionRecord]] = {}
+        for rec, w in grow:
+            if rec.state is _RUNNING and rec.worker is w:
+                by_worker.setdefault(w.id, []).append(rec)
+        for recs in by_worker.values():
+            w = recs[0].worker
+            if len(recs) == 1:
+                rec = recs[0]
+                extra = min(self._grant(rec, w), rec.spec.demand.max_cores) - rec.cores
+                if 0 < extra <= w.free_cores:
+                    self.tally.regranted(rec, w, extra)
+                    self._fell(w)
+                continue
+            heap = []
+            for rec in recs:
+                cap = min(self._grant(rec, w), rec.spec.demand.max_cores)
+                if cap > rec.cores:
+                    # one more core than c saves d1 * p / (c (c + 1)) seconds (Amdahl)
+                    scale = rec.d1 * rec.p
+                    c = rec.cores
+                    heap.append((-scale / (c * (c + 1)), rec.seq, rec, cap, scale))
+            heapq.heapify(heap)
+            while heap and w.free_cores > 0:
+                _, _, rec, cap, scale = heapq.heappop(heap)
+                self.tally.regranted(rec, w, 1)
+                c = rec.cores
+                if c < cap:
+                    heapq.heappush(heap, (-scale / (c * (c + 1)), rec.seq, rec, cap, scale))
+            self._fell(w)
+
+    @staticmethod
+    def waiting_for(rec: ActionRecord, w: WorkerRecord) -> tuple[int, float]:
+        """Core-binding actions waiting that could use ``w``'s cores, ``rec`` aside, and the seconds they take to drain.
+
+        The kind's shared queues drain over the kind's capacity, ``w``'s own over its cores.
+        """
+        q = w.env_queue
+        kl = rec.load
+        mine = rec.queue is not None
+        n = kl.queued + (q.live if q is not None else 0) - mine
+        work = kl.queued_work + (q.work if q is not None else 0.0) - (rec.work if mine else 0.0)
+        env_work = q.work - (rec.work if mine and rec.queue is q else 0.0) if q is not None else 0.0
+        drain = (work - env_work) / max(1, kl.capacity) + env_work / max(1, w.cores)
+        return n, max(0.0, drain)
+
+    def _fits(self, w: WorkerRecord, d) -> bool:
+        return ((w.free_cores >= d.min_cores if d.min_cores else w.light < w.light_cap)
+                and w.free_mem >= d.mem_mb
+                and (d.service is not None or w.gpu_mem - w.gpu_used >= d.gpu_mem_mb))
+
+    def _has_slot(self, w: WorkerRecord, svc: str) -> bool:
+        """The service's replica on ``w`` takes another request (its batch limit)."""
+        info = self._services.get(svc)
+        return info is None or not info.max_batch or w.services[svc].running < info.max_batch
+
+    def _best_worker(self, kind: str, d) -> WorkerRecord | None:
+        """The non-draining worker serving ``kind`` with the most free cores that fits ``d``."""
+        heaps = self._kind_index.get(kind)
+        if not heaps:
+            return None
+        if len(heaps) == 1:
+            return self._top_fit(heaps[0], d)
+        best = None
+        for heap in heaps:
+            w = self._top_fit(heap, d)
+            if w is not None and (best is None or (-w.free_cores, w.seq) < (-best.free_cores, best.seq)):
+                best = w
+        return best
+
+    def _top_fit(self, heap: list, d) -> WorkerRecord | None:
+        skipped = []
+        found = None
+        workers = self._workers
+        while heap:
+            negfree, seq, ver, w = heap[0]
+            if w.version != ver:
+                heapq.heappop(heap)
+                if w.listed != w.version and not w.draining and workers.get(w.id) is w:
+                    heapq.heappush(heap, (-w.free_cores, w.seq, w.version, w))   # refresh a fallen one
+                    w.listed = w.version
+                continue
+            if w.draining or workers.get(w.id) is not w:
+                heapq.heappop(heap)
+                continue
+            if d.min_cores and -negfree < d.min_cores:
+                break            # nothing below has the cores either
+            if self._fits(w, d):
+                found = w
+                break
+            skipped.append(heapq.heappop(heap))
+        for e in skipped:
+            heapq.heappush(heap, e)
+        return found
+
+    def _place(self, rec: ActionRecord, q: PlacementQueue, now: float, started: list[ActionRecord]) -> bool:
+        d = rec.spec.demand
+        w = q.worker
+        if w is not None:                       # env queue: only that worker
+            if rec.spec.kind not in w.kinds or not self._fits(w, d):
+                return False
+            if d.service and not self._service_ready_on(w, rec, now):
+                return False
+        elif d.service:
+            w = self._service_worker(rec, q, now)
+            if w is None:
+                return False
+        else:
+            w = self._best_worker(rec.spec.kind, d)
+            if w is None:
+                return False
+        if rec.elastic and not self._startable(rec, w, now):
+            return False
+        self._start(rec, w, now, started)
+        return True
+
+    def _startable(self, rec: ActionRecord, w: WorkerRecord, now: float) -> bool:
+        """Whether an elastic action should start on ``w`` now rather than wait there for more cores."""
+        return True
+
+    @staticmethod
+    def _can_host(w: WorkerRecord, svc: str) -> bool:
+        """A worker that declares the services it can host takes only those; one that declares none, any."""
+        hostable = w.info.services
+        return not hostable or svc in hostable
+
+    def _service_ready_on(self, w: WorkerRecord, rec: ActionRecord, now: float) -> bool:
+        svc = rec.spec.demand.service
+        if svc in w.services:
+            return self._has_slot(w, svc)
+        if not self._can_host(w, svc):
+            return False
+        ev = self._victims(w, self._service_mem(svc, rec.spec.demand.gpu_mem_mb), now)
+        if ev is None:
+            return False
+        self._load(w, rec, ev, now)
+        return True
+
+    def _service_worker(self, rec: ActionRecord, q: PlacementQueue, now: float) -> WorkerRecord | None:
+        d = rec.spec.demand
+        svc = d.service
+        best = None
+        reps = self._svc_replicas.get(svc)
+        if reps:
+            rank = None
+            for w in reps.values():
+                if (not w.draining and rec.spec.kind in w.kinds and self._fits(w, d)
+                        and self._has_slot(w, svc)):
+                    r = self._replica_rank(w, svc)
+                    if best is None or r < rank:
+                        best, rank = w, r
+            if best is not None:
+                return best
+        if not self._should_load(rec, q, now):
+            return None
+        # load a new replica where it evicts nothing needed soon, then the fewest, most free memory
+        need = self._service_mem(svc, d.gpu_mem_mb)
+        choice = None
+        for w in self._workers.values():
+            if w.draining or w.gpu_mem < need or rec.spec.kind not in w.kinds:
+                continue
+            if svc in w.services or not self._fits(w, d) or not self._can_host(w, svc):
+                continue
+            ev = self._victims(w, need, now)
+            if ev is None:
+                continue
+            waited_for = sum(1 for s in ev if self.tally.service_pending.get(s, 0) > 0)
+            if waited_for:
+                continue        # somebody waits for a victim: loading here would only trade places
+            rank = (sum(1 for s in ev if self._needed_soon(s)), len(ev), -(w.gpu_mem - w.gpu_used),
+                    -w.free_cores, w.seq)
+            if choice is None or rank < choice[0]:
+                choice = (rank, w, ev)
+        if choice is None:
+            return None
+        _, w, ev = choice
+        self._load(w, rec, ev, now)
+        return w
+
+    @staticmethod
+    def _replica_rank(w: WorkerRecord, svc: str) -> tuple:
+        """Order of preference among the replicas of ``svc`` that can take a request: ready first, least busy worker."""
+        return (w.services[svc].ready_at, -w.free_cores, w.seq)
+
+    def _load(self, w: WorkerRecord, rec: ActionRecord, evict: list[str], now: float) -> None:
+        svc = rec.spec.demand.service
+        for s in evict:
+            self._evict(w, s)
+        self._make_resident(w, svc, self._service_mem(svc, rec.spec.demand.gpu_mem_mb),
+                            now + self.predictor.load_time(svc))
+
+    def _start(self, rec: ActionRecord, w: WorkerRecord, now: float, started: list[ActionRecord]) -> None:
+        spec = rec.spec
+        d = spec.demand
+        self._unqueue(rec)
+        del self._waiting[spec.id]
+        rec.state = _RUNNING
+        rec.worker = w
+        rec.cores = d.min_cores
+        rec.started = now
+        self.tally.started(rec, w)
+        if rec.light:
+            w.light += 1
+        w.free_mem -= d.mem_mb
+        if d.service:
+            st = w.services[d.service]
+            st.running += 1
+            st.last_used = now
+            if st.ready_at > now:
+                rec.load_wait = st.ready_at - now
+        else:
+            w.gpu_used += d.gpu_mem_mb
+        w.running[spec.id] = rec
+        env = spec.env
+        if env is not None and env not in self._env_host:
+            self._env_host[env] = w
+            w.envs.add(env)
+            if self._env_first.get(env) is rec:
+                del self._env_first[env]
+            for r in self._env_wait.pop(env, ()):
+                self._route(r)
+        elif env is not None and self._env_first.get(env) is rec:
+            del self._env_first[env]
+        if rec.elastic:
+            self._grow.append((rec, w))
+        self._fell(w)
+        started.append(rec)
+
+    # -- views -------------------------------------------------------------------
+    @property
+    def pending_count(self) -> int:
+        return self.tally.pending
+
+    @property
+    def running_count(self) -> int:
+        return self.tally.running
+
+    def pending_actions(self) -> list[ActionSpec]:
+        return [r.spec for r in self._waiting.values() if r.spec.id not in self._unplaceable]
+
+    def unplaceable(self, now: float) -> list[tuple[str, str]]:
+        """Pending actions larger than every configured shape; they stay pending until cancelled."""
+        return [(aid, why) for aid, (_, why) in self._unplaceable.items()]
+
+    def resident_services(self, worker_id: str) -> frozenset[str]:
+        w = self._workers.get(worker_id)
+        return frozenset(w.services) if w is not None else frozenset()
+
+    def env_host(self, env: str) -> str | None:
+        w = self._env_host.get(env)
+        return w.id if w is not None else None
+
+    def close_env(self, env: str) -> None:
+        """The environment was destroyed (its trajectory ended): stop pinning actions to it."""
+        w = self._env_host.pop(env, None)
+        if w is not None:
+            w.envs.discard(env)
+
+
+def water_level(cores: float, by_max: dict[int, int]) -> float:
+    """Fair share ``L`` with ``sum(min(max_i, L)) == cores`` over the elastic actions ``by_max``.
+
+    Actions that cannot use the level (small ``max_cores``) leave their
+    remainder to the others; ``inf`` when everybody can have its maximum.
+    """
+    if cores <= 0:
+        return 0.0
+    left = cores
+    n = sum(by_max.values())
+    for m in sorted(by_max):
+        if n <= 0:
+            break
+        if m * n <= left:
+            cnt = by_max[m]
+            left -= m * cnt
+            n -= cnt
+            continue
+        return left / n
+    return _INF
+
+
+
+_NO_CORE = Demand(0, 0)
+
+
+def _pipelined(spec: ActionSpec) -> ActionSpec:
+    """The spec as placed when its class is known to finish in well under a round trip.
+
+    Binding a core for such an action costs a coordinator round trip per action
+    (a worker holds only as many as it has cores, so frames carry one or two),
+    while the call itself takes microseconds.  Placed as a *light* action it is
+    pipelined like a zero-core one; the worker runs it on its I/O side, and the
+    result reports ``cores=0``.  Learning keeps it honest: one slow run puts the
+    class over the limit, and its next actions bind cores again.
+    """
+    return ActionSpec(kind=spec.kind, payload=spec.payload, env=None, demand=_NO_CORE,
+                      duration_hint=spec.duration_hint, timeout=spec.timeout, priority=spec.priority,
+                      trajectory=spec.trajectory, step=spec.step, label=spec.label,
+                      idempotency_key=spec.idempotency_key, id=spec.id)
