@@ -37,7 +37,7 @@ def run(preset: str, trajectories: int, steps: int, learn: bool) -> dict:
     shapes = cluster_shapes(w)
     pred = Predictor(learn_parallel=learn)
     cfg = PoolConfig(list(shapes.values()), max_workers={"cpu": w.cluster.cpu_workers, "gpu": w.cluster.gpu_workers},
-                     startup_s=w.cluster.startup_s, idle_ttl_s=w.cluster.idle_ttl_s, max_launch_rate=1 << 30)
+                     startup_s=w.cluster.startup_s, idle_ttl_s=w.cluster.idle_ttl_s)
     sched = ElasticScheduler(pred, shapes=list(shapes.values()), services=service_infos(w))
     c0 = time.process_time()
     r = simulate(plan, sched, pool=PoolController(cfg, pred),

@@ -44,7 +44,9 @@ until [[ -s $CONN ]]; do
     state=$(squeue -h -j "$job" -o %T 2>/dev/null || true)
     case $state in
         ""|COMPLETED|FAILED|CANCELLED|TIMEOUT|NODE_FAIL|PREEMPTED|OUT_OF_MEMORY)
-            echo "coordinator job $job ended (${state:-gone}) before writing $CONN; see $SHARED/tangram-coordinator-$job.out" >&2
+            out=$SHARED/tangram-coordinator-$job.out
+            echo "coordinator job $job ended (${state:-gone}) before writing $CONN; the end of $out:" >&2
+            tail -n 5 "$out" 2>/dev/null | sed 's/^/  /' >&2
             exit 1 ;;
     esac
     if ((SECONDS >= deadline)); then

@@ -79,9 +79,9 @@ def tangram_run(plan: Plan, *, cpu_workers: int | None = None, gpu_workers: int 
     gpu = w.cluster.gpu_workers if gpu_workers is None else gpu_workers
     shapes = cluster_shapes(w)
     pred = Predictor()
-    # decide() states the launches it wants; throttling submissions is the backend's business
+    # decide() states the launches it wants; throttling submissions is the pool driver's business
     cfg = PoolConfig(list(shapes.values()), max_workers={_CPU: cpu, _GPU: gpu}, startup_s=w.cluster.startup_s,
-                     idle_ttl_s=w.cluster.idle_ttl_s, max_launch_rate=1 << 30)
+                     idle_ttl_s=w.cluster.idle_ttl_s)
     sched = ElasticScheduler(pred, shapes=list(shapes.values()), services=service_infos(w))
     return simulate(plan, sched, pool=PoolController(cfg, pred), name=name,
                     workers={_CPU: cpu, _GPU: gpu}, progress=progress)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import re
 import sys
 
 from .errors import ConfigError
@@ -18,8 +19,9 @@ COMMANDS = {
     "coordinator": ("tangram_hpc.launch", "run a coordinator (and its workers, through a backend)"),
     "worker": ("tangram_hpc.worker", "run a worker that joins a coordinator"),
     "submit": ("tangram_hpc.commands", "submit one action from the shell and print its result"),
-    "status": ("tangram_hpc.commands", "show a coordinator's workers, queue and counters"),
+    "status": ("tangram_hpc.commands", "show a coordinator's workers, queue, counters and worker jobs"),
     "top": ("tangram_hpc.top", "live view of a coordinator: workers, queues, ACT percentiles, pool decisions"),
+    "pool": ("tangram_hpc.commands", "pause or resume a coordinator's worker launches"),
     "report": ("tangram_hpc.report", "usage report of a run: sacct records joined with the action log"),
     "bench": ("tangram_hpc.bench", "simulate a workload under tangram and the baselines; print ACT, step time, resources"),
     "fidelity": ("tangram_hpc.fidelity", "run a small workload live on local workers and in the simulator; compare ACT"),
@@ -31,6 +33,7 @@ COMMANDS = {
 _ENTRY = {  # modules hosting several subcommands name their functions per command
     "submit": ("add_submit_arguments", "submit_main"),
     "status": ("add_status_arguments", "status_main"),
+    "pool": ("add_pool_arguments", "pool_main"),
     "coordinator": ("add_coordinator_arguments", "coordinator_main"),
     "config": ("add_config_arguments", "config_main"),
     "worker": ("add_arguments", "worker_main"),
@@ -45,9 +48,14 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         description="Action-level elastic scheduling of sandboxes and reward models for agentic RL.",
         epilog="Run 'tangram-hpc COMMAND --help' for the options of a command.")
     p.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
+    # The global options work after the command too (tangram-hpc status -v); SUPPRESS keeps a
+    # subcommand that does not see one from resetting what was given before it.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                        help="log at debug level")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_) in COMMANDS.items():
-        sp = sub.add_parser(name, help=help_, description=help_[0].upper() + help_[1:] + ".")
+        sp = sub.add_parser(name, help=help_, description=help_[0].upper() + help_[1:] + ".", parents=[common])
         if name == chosen:
             add_name, _ = _ENTRY.get(name, ("add_arguments", "main"))
             getattr(importlib.import_module(module), add_name)(sp)
@@ -55,7 +63,23 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     return p
 
 
+#: A value such as "-30m" (thirty minutes ago) that argparse would take for an option.
+_RELATIVE_TIME = re.compile(r"-\d+(\.\d+)?[smhd]")
+
+
+def _attach_relative_times(argv: list[str]) -> list[str]:
+    """``--since -30m`` -> ``--since=-30m``, so a relative time after an option is its value."""
+    out: list[str] = []
+    for a in argv:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and _RELATIVE_TIME.fullmatch(a):
+            out[-1] += "=" + a
+        else:
+            out.append(a)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = _attach_relative_times(sys.argv[1:] if argv is None else list(argv))
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     if not getattr(args, "_module", None):

@@ -238,10 +238,17 @@ class Client(_ClientBase):
         self._session.cancel([action_ids] if isinstance(action_ids, str) else list(action_ids))
         self._kick()
 
-    def status(self, timeout: float = 10.0) -> dict:
-        """The coordinator's view: workers, queue, counters."""
+    def status(self, timeout: float = 10.0, *, allocations: bool = False) -> dict:
+        """The coordinator's view: workers, queue, counters (``allocations``: and every worker job's history)."""
+        return self._ask_status({"allocations": True} if allocations else None, P.STATUS, timeout)
+
+    def pool(self, op: str, timeout: float = 10.0) -> dict:
+        """``pause`` or ``resume`` worker launches; returns the status after it (``pool_op``, ``pool_error``)."""
+        return self._ask_status({"op": op}, P.POOL, timeout)
+
+    def _ask_status(self, body: dict | None, mtype: int, timeout: float) -> dict:
         fut = ActionFuture(self)
-        self._session.ask_status(fut)
+        self._session.ask_status(fut, body, mtype)
         self._kick()
         try:
             return fut.result(timeout)
@@ -512,9 +519,9 @@ class AsyncClient(_ClientBase):
         self._flush()
         return list(await asyncio.gather(*futs))
 
-    async def status(self, timeout: float = 10.0) -> dict:
+    async def status(self, timeout: float = 10.0, *, allocations: bool = False) -> dict:
         fut = self._start().create_future()
-        self._session.ask_status(fut)
+        self._session.ask_status(fut, {"allocations": True} if allocations else None)
         self._flush()
         try:
             return await asyncio.wait_for(fut, timeout)

@@ -68,9 +68,10 @@ class ClientSession:
     def cancel(self, ids: list[str]) -> None:
         self.outq.append((P.CANCEL, ids))
 
-    def ask_status(self, fut: Any) -> None:
+    def ask_status(self, fut: Any, body: dict | None = None, mtype: int = P.STATUS) -> None:
+        """Ask for the status map (``body``: its options); a POOL request is answered with one too."""
         self.status_waiters.append(fut)
-        self.outq.append((P.STATUS, {}))
+        self.outq.append((mtype, body or {}))
 
     @staticmethod
     def hello_frame(name: str) -> bytes:

@@ -1,4 +1,4 @@
-"""Small client commands: ``tangram-hpc submit`` and ``tangram-hpc status``."""
+"""Small client commands: ``tangram-hpc submit``, ``tangram-hpc status`` and ``tangram-hpc pool``."""
 from __future__ import annotations
 
 import argparse
@@ -70,7 +70,13 @@ def build_spec(args: argparse.Namespace) -> ActionSpec:
 def submit_main(args: argparse.Namespace) -> int:
     spec = build_spec(args)
     with _client(args) as c:
-        res = c.submit(spec).result(timeout=args.wait)
+        try:
+            res = c.submit(spec).result(timeout=args.wait)
+        except TimeoutError:
+            c.cancel(spec.id)   # nobody waits for it any more (sent before the status request below)
+            print(f"tangram-hpc submit: no result within {args.wait:g} s (--wait); action {spec.id} cancelled. "
+                  f"{_why_waiting(c)}", file=sys.stderr)
+            return 124
     if args.json:
         print(json.dumps({f: getattr(res, f) for f in res.__dataclass_fields__} | {"act": res.act},
                          default=str, indent=2))
@@ -88,10 +94,46 @@ def submit_main(args: argparse.Namespace) -> int:
     return res.output.get("returncode", 1) if isinstance(res.output, dict) and res.output.get("returncode") else 1
 
 
+def _why_waiting(c: Client) -> str:
+    """What the coordinator says about its workers, for a user whose action got no result."""
+    try:
+        st = c.status(timeout=5)
+    except TimeoutError:
+        return "The coordinator does not answer either."
+    parts = [f"The coordinator has {len(st['workers'])} workers ({st['starting_workers']} starting) and "
+             f"{st['pending']} actions waiting"]
+    launch = st.get("launch")
+    if launch and launch["state"] != "ok":
+        parts.append(_format_launch(launch))
+    if st.get("recent_launch_failures"):
+        parts.append(f"last failed worker start: {st['recent_launch_failures'][-1]}")
+    if st.get("pool") and st["pool"] != "ok":
+        parts.append(f"pool: {st['pool']}")
+    return "; ".join(parts) + ". 'tangram-hpc status --allocations' shows its worker jobs."
+
+
 def add_status_arguments(p: argparse.ArgumentParser) -> None:
     _connection_args(p)
     p.add_argument("--json", action="store_true", help="print the raw status as JSON")
+    p.add_argument("--allocations", action="store_true",
+                   help="also list every worker job launched: job id, state, reason, submitted/started/joined/ended")
     p.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS until interrupted")
+
+
+def _left(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    s = max(0, int(seconds))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def _format_launch(launch: dict) -> str:
+    text = f"launches {launch['state']}" + (f": {launch['reason']}" if launch.get("reason") else "")
+    if launch.get("retry_at"):
+        text += f"; retry at {launch['retry_at'].replace('T', ' ')} (in {launch['retry_in_s']:.0f} s)"
+    if launch["state"] in ("stopped", "backing-off", "trial"):
+        text += "; 'tangram-hpc pool resume' retries now"
+    return text
 
 
 def format_status(st: dict) -> str:
@@ -101,26 +143,71 @@ def format_status(st: dict) -> str:
     if st.get("zombie_cores"):
         lines.append(f"zombie cores: {st['zombie_cores']} (held by timed-out or cancelled actions their workers "
                      "have not yet reported ended)")
+    if st.get("launch"):
+        lines.append(_format_launch(st["launch"]))
     if st.get("pool"):
         lines.append(f"pool: {st['pool']}")
     if st.get("starting_workers"):
         lines.append(f"workers starting: {st['starting_workers']}")
-    lines.append(f"{'worker':<34} {'host':<14} {'cores':>9} {'run':>5} {'gpus':>4} {'envs':>4}  state")
+    lines.append(f"{'worker':<34} {'host':<14} {'cores':>9} {'run':>5} {'gpus':>4} {'envs':>4} {'job':>8} "
+                 f"{'time left':>9}  state")
     for w in st["workers"]:
         lines.append(f"{w['id'][:34]:<34} {w['host'][:14]:<14} {w['busy_cores']:>4}/{w['cores']:<4} "
-                     f"{w['running']:>5} {w['gpus']:>4} {w['envs']:>4}  {w['state']}"
+                     f"{w['running']:>5} {w['gpus']:>4} {w['envs']:>4} {w.get('job_id') or '-':>8} "
+                     f"{_left(w.get('time_left_s')):>9}  {w['state']}"
                      + (f", {w['zombie_cores']} zombie cores" if w.get("zombie_cores") else "")
                      + (f"  services: {','.join(w['services'])}" if w["services"] else ""))
     if not st["workers"]:
         lines.append("(no workers registered)")
+    if "allocations" in st:
+        lines.append("")
+        lines.append(format_allocations(st["allocations"]))
     return "\n".join(lines)
+
+
+def format_allocations(allocs: list[dict]) -> str:
+    """The worker jobs the coordinator launched, oldest first (like ``hq alloc info``)."""
+    counts: dict[str, int] = {}
+    for a in allocs:
+        counts[a["state"]] = counts.get(a["state"], 0) + 1
+    head = f"allocations: {len(allocs)}" + (f" ({', '.join(f'{n} {k}' for k, n in sorted(counts.items()))})"
+                                           if allocs else "")
+
+    def hms(t: str | None) -> str:
+        return t[11:] if t else "-"
+    rows = [[a["handle"], a["job_id"] or "-", f"{a['cores']}c" + (f"+{a['gpus']}g" if a["gpus"] else ""),
+             a["partition"] or "-", a["state"], a["worker"] or "-", hms(a["submitted"]), hms(a["started"]),
+             hms(a["joined"]), hms(a["ended"]), a["reason"]] for a in allocs]
+    headers = ["handle", "job", "shape", "partition", "state", "worker", "submitted", "started", "joined", "ended",
+               "reason"]
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers[:-1])]
+    out = [head, "  ".join(h.ljust(w) for h, w in zip(headers, widths)) + "  reason"]
+    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows]
+    return "\n".join(out)
 
 
 def status_main(args: argparse.Namespace) -> int:
     with _client(args) as c:
         while True:
-            st = c.status()
+            st = c.status(allocations=args.allocations)
             print(json.dumps(st, indent=2) if args.json else format_status(st), flush=True)
             if not args.watch:
                 return 0
             time.sleep(args.watch)
+
+
+def add_pool_arguments(p: argparse.ArgumentParser) -> None:
+    _connection_args(p)
+    p.add_argument("op", choices=("pause", "resume"),
+                   help="pause: launch no more workers; resume: launch again at once, forgetting the failed starts "
+                        "that stopped or slowed launches")
+
+
+def pool_main(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        st = c.pool(args.op)
+    if st.get("pool_error"):
+        print(f"tangram-hpc pool {args.op}: {st['pool_error']}", file=sys.stderr)
+        return 1
+    print(f"{st['pool_op']}; now: {_format_launch(st['launch'])}")
+    return 0

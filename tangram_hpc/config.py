@@ -51,7 +51,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-__all__ = ["CONFIG_ENV", "COMMAND_SECTIONS", "ConfigError", "CoordinatorSettings", "PoolSettings",
+__all__ = ["CONFIG_ENV", "COMMAND_SECTIONS", "ConfigError", "CoordinatorSettings", "LaunchSettings", "PoolSettings",
            "SandboxSettings", "ServicesSettings", "Settings", "SlurmSettings", "WorkerSettings", "default_run_dir",
            "key", "load"]
 
@@ -97,10 +97,12 @@ class CoordinatorSettings:
     connection_file: Path | None = key(None, "where to write the connection file (default RUN_DIR/connection.json); "
                                        "an existing one is reused, ports included, so clients and workers find "
                                        "a restarted coordinator", env=CONNECTION_FILE_ENV)
-    host: str | None = key(None, "interface to bind (default 127.0.0.1 with the local backend, all interfaces "
-                           "with Slurm)")
-    advertise_host: str | None = key(None, "host name written into the connection file (default: the bound "
-                                     "interface, or this host's name when bound to all)")
+    host: str | None = key(None, "address or network interface (e.g. ib0) to bind (default 127.0.0.1 with the local "
+                           "backend, all interfaces with Slurm)")
+    advertise_host: str | None = key(None, "host name, address or network interface (e.g. ib0: its address) written "
+                                     "into the connection file for workers and clients (default: the bound address; "
+                                     "bound to all, this host's name, or the routed interface's address when the "
+                                     "name is a loopback one)")
     insecure: bool = key(False, "plain TCP without CurveZMQ keys; only allowed when binding to loopback (tests)")
     client_port: int = key(0, "port for clients (0: any free port)", minimum=0)
     worker_port: int = key(0, "port for workers (0: any free port)", minimum=0)
@@ -133,8 +135,9 @@ class CoordinatorSettings:
 
     def resolved(self) -> "CoordinatorSettings":
         """A copy with the run directory, connection file and host filled in."""
+        from .netaddr import resolve_host
         run_dir = Path(self.run_dir).expanduser() if self.run_dir else default_run_dir(self.runs_root)
-        host = self.host or ("0.0.0.0" if self.backend == "slurm" else "127.0.0.1")
+        host = resolve_host(self.host) if self.host else ("0.0.0.0" if self.backend == "slurm" else "127.0.0.1")
         return dataclasses.replace(self, run_dir=run_dir, host=host,
                                    connection_file=Path(self.connection_file or run_dir / "connection.json"))
 
@@ -228,13 +231,6 @@ class SlurmSettings:
                             metavar="KEY=VALUE")
     setup: list[str] = key([], "shell line run in each worker job first, e.g. 'source venv/bin/activate' "
                            "(repeatable)", metavar="LINE")
-    submit_rate: float = key(30.0, "most worker jobs submitted per minute", minimum=0.001, metavar="PER_MIN")
-    submit_burst: int = key(8, "most worker jobs submitted at once", minimum=1)
-    breaker: int = key(5, "stop launching after this many failed starts within breaker_window_s", minimum=1,
-                       metavar="K")
-    breaker_window_s: float = key(300.0, "window of the circuit breaker", flag="--slurm-breaker-window", minimum=1)
-    breaker_cooldown_s: float = key(120.0, "seconds launches stay stopped once the breaker opens",
-                                    flag="--slurm-breaker-cooldown", minimum=0)
     view: str = key("auto", "how to query Slurm (auto: pyslurm when it matches the running Slurm)",
                     choices=("auto", "cli", "pyslurm"))
     worker_cores: int = key(4, "cores per CPU worker job", env="TANGRAM_WORKER_CORES", minimum=1)
@@ -257,6 +253,26 @@ class SlurmSettings:
 
 
 @dataclass
+class LaunchSettings:
+    """[launch] the one throttle on worker launches, whatever the backend (Slurm jobs or local processes)"""
+
+    rate: float = key(30.0, "most workers launched per minute", flag="--launch-rate", minimum=0.001,
+                      metavar="PER_MIN")
+    burst: int = key(8, "most workers launched at once", flag="--launch-burst", minimum=1)
+    backoff_s: float = key(1.0, "wait after a failed start, doubled after each further one (up to max_backoff_s)",
+                           flag="--launch-backoff", minimum=0)
+    max_backoff_s: float = key(60.0, "longest wait between failed starts", flag="--launch-max-backoff", minimum=0)
+    breaker: int = key(5, "stop launching after this many failed starts within breaker_window_s", minimum=1,
+                       flag="--launch-breaker", metavar="K")
+    breaker_window_s: float = key(300.0, "window of the circuit breaker", flag="--launch-breaker-window", minimum=1)
+    breaker_cooldown_s: float = key(120.0, "seconds launches stay stopped once the breaker trips (then one trial "
+                                    "launch; 'tangram-hpc pool resume' retries at once)",
+                                    flag="--launch-breaker-cooldown", minimum=0)
+    healthy_after_s: float = key(20.0, "a worker that joined and stayed this long is a good start; one whose job "
+                                 "fails sooner is a failed start", flag="--launch-healthy-after", minimum=0)
+
+
+@dataclass
 class Settings:
     """The whole configuration: one attribute per section, and where each value came from."""
 
@@ -264,6 +280,7 @@ class Settings:
     pool: PoolSettings = field(default_factory=PoolSettings)
     services: ServicesSettings = field(default_factory=ServicesSettings)
     slurm: SlurmSettings = field(default_factory=SlurmSettings)
+    launch: LaunchSettings = field(default_factory=LaunchSettings)
     worker: WorkerSettings = field(default_factory=WorkerSettings)
     sandbox: SandboxSettings = field(default_factory=SandboxSettings)
     #: (section, key) -> "file", "env NAME" or "command line"; absent: the default
@@ -281,7 +298,7 @@ class Settings:
 
 #: The sections whose keys are flags of each command (a file may hold every section).
 COMMAND_SECTIONS = {
-    "coordinator": ("coordinator", "pool", "services", "slurm"),
+    "coordinator": ("coordinator", "pool", "services", "slurm", "launch"),
     "worker": ("worker", "sandbox", "services"),
 }
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import zmq
 
+from .backends.guards import LaunchThrottle
 from .config import ConfigError, CoordinatorSettings, Settings, default_run_dir
 from .config_cli import add_arguments, settings_from_args, worker_flags
 from .connection import ConnectionInfo, wait_for_file
@@ -87,7 +88,7 @@ def build_coordinator(settings: Settings, *, reuse_ports: bool = True) -> Coordi
         # instead of waiting forever (with backend none any size of worker may still join).
         policy.set_shapes(pool.shapes)
     return Coordinator(cfg, policy, pool=pool, backend=backend, curve=curve, cpu_worker_args=tuple(common),
-                       service_worker_args=tuple(service_args))
+                       service_worker_args=tuple(service_args), throttle=LaunchThrottle(settings.launch))
 
 
 def _declared_services(settings: Settings) -> dict[str, ServiceInfo]:

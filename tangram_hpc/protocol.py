@@ -16,7 +16,9 @@ WELCOME       K->C/W     ``{"coordinator": incarnation id, "limits": {...}}``
 SUBMIT        C->K       ``[action wire map, ...]``
 CANCEL        C->K       ``[action id, ...]``
 RESULT        K->C       ``[result wire list, ...]``
-STATUS        C->K       ``{}``; reply STATUS with a status map
+STATUS        C->K       ``{}`` or ``{"allocations": true}``; reply STATUS with a status map
+POOL          C->K       ``{"op": "pause" | "resume"}`` (worker launches); reply STATUS with
+                         the status map after it, ``"pool_op"`` saying what was done
 HEARTBEAT     any        ``{"coordinator": id}`` from K; ``{}`` from C;
                          ``{"running": n, "services": [...], "envs": [...],
                          "service_counts": {service: [loads, evictions, queued]}}`` from W
@@ -40,7 +42,8 @@ import msgpack
 
 from .errors import ProtocolError, ValidationError
 
-PROTOCOL_VERSION = 1
+#: 2: POOL (pause/resume launches), STATUS may ask for the allocation history.
+PROTOCOL_VERSION = 2
 
 HELLO = 1
 WELCOME = 2
@@ -55,11 +58,12 @@ ASSIGN = 10
 DONE = 11
 KILL = 12
 STOP = 13
+POOL = 14
 
 NAMES = {v: k for k, v in dict(HELLO=HELLO, WELCOME=WELCOME, SUBMIT=SUBMIT, CANCEL=CANCEL, RESULT=RESULT,
          STATUS=STATUS, HEARTBEAT=HEARTBEAT, ERROR=ERROR, REGISTER=REGISTER, ASSIGN=ASSIGN,
-         DONE=DONE, KILL=KILL, STOP=STOP).items()}
-CLIENT_TYPES = frozenset({HELLO, SUBMIT, CANCEL, STATUS, HEARTBEAT})
+         DONE=DONE, KILL=KILL, STOP=STOP, POOL=POOL).items()}
+CLIENT_TYPES = frozenset({HELLO, SUBMIT, CANCEL, STATUS, HEARTBEAT, POOL})
 WORKER_TYPES = frozenset({REGISTER, HEARTBEAT, DONE})
 
 #: Default largest frame accepted (bytes).  Also set as ZMQ_MAXMSGSIZE so the
@@ -102,7 +106,7 @@ def decode(frame: bytes, allowed: frozenset[int], max_bytes: int = MAX_FRAME_BYT
 
 _BODY_SHAPE = {
     HELLO: dict, WELCOME: dict, SUBMIT: list, CANCEL: list, RESULT: list, STATUS: dict,
-    HEARTBEAT: dict, ERROR: dict, REGISTER: dict, ASSIGN: list, DONE: list, KILL: list, STOP: dict,
+    HEARTBEAT: dict, ERROR: dict, REGISTER: dict, ASSIGN: list, DONE: list, KILL: list, STOP: dict, POOL: dict,
 }
 
 

@@ -13,6 +13,12 @@ Joins three records of a run directory:
 and reports allocated vs busy core-seconds (utilisation), actions served, ACT,
 and an estimate of what a trajectory-bound allocation would have held for the
 same work (see :func:`trajectory_bound`).
+
+An action can have several records: after a coordinator restart the client
+resubmits what it has no result for, so an action whose result was logged but
+not delivered runs (and is logged) again.  Busy time counts every run (the
+cores were really used); actions served, ACT (from the first submission) and
+the trajectory-bound estimate count each action once.
 """
 from __future__ import annotations
 
@@ -91,20 +97,43 @@ class Report:
     source: str                               # "sacct" or "workers.log"
     window: tuple[float | None, float | None]
     jobs: list[JobUsage]
-    actions: list[ActionRow]
+    actions: list[ActionRow]                  # one per action: its last result, ACT from its first submission
     worker_gpus: dict[str, int] = field(default_factory=dict)
     summary: dict[str, Any] = field(default_factory=dict)
+    runs: list[ActionRow] | None = None       # every logged run (for busy time); None: the same as actions
+
+    @property
+    def all_runs(self) -> list[ActionRow]:
+        return self.actions if self.runs is None else self.runs
 
 
 # -- loading -------------------------------------------------------------------
 
 def _actions(run_dir: Path, progress=None) -> list[ActionRow]:
+    """Every logged run of every action, in log order."""
     out = []
     for r in read_records(run_dir / "actions.log", progress=progress):
         if len(r) < len(ACTION_FIELDS):
             continue
         out.append(ActionRow(*r[:len(ACTION_FIELDS)]))
     return out
+
+
+def once_per_action(runs: list[ActionRow]) -> list[ActionRow]:
+    """One row per action id: its last logged result, submitted at its first submission, attempts summed.
+
+    A coordinator that restarts logs again an action a client resubmits because its first
+    result never arrived.
+    """
+    by: dict[str, ActionRow] = {}
+    for r in runs:
+        first = by.get(r.id)
+        if first is None:
+            by[r.id] = r
+            continue
+        by[r.id] = ActionRow(r.id, r.kind, r.action_class, r.worker, r.cores, min(first.submitted, r.submitted),
+                             r.started, r.finished, r.status, first.attempts + r.attempts, r.trajectory)
+    return list(by.values())
 
 
 def _workers(run_dir: Path) -> list[dict]:
@@ -138,7 +167,7 @@ def load_run(run_dir: str | os.PathLike | None, *, since: float | None = None, u
     """
     now = time.time() if now is None else now
     rd = Path(run_dir) if run_dir else None
-    actions = _actions(rd, progress) if rd else []
+    runs = _actions(rd, progress) if rd else []
     workers = _workers(rd) if rd else []
     submitted = {int(r[2]): dict(zip(JOB_FIELDS, r)) for r in read_records(rd / "slurm_jobs.log")} \
         if rd else {}
@@ -170,12 +199,14 @@ def load_run(run_dir: str | os.PathLike | None, *, since: float | None = None, u
         source = "workers.log"
         jobs = _jobs_from_workers(workers, now)
     worker_gpus = {w["worker"]: int(w["gpus"] or 0) for w in workers if w["event"] == "register"}
+    actions = once_per_action(runs)
     if since is not None or until is not None:
         lo, hi = since or -math.inf, until or math.inf
         actions = [a for a in actions if lo <= (a.finished or a.submitted) <= hi]
+        runs = [a for a in runs if lo <= (a.finished or a.submitted) <= hi]
         jobs = [_clip(j, lo, hi, now) for j in jobs]
         jobs = [j for j in jobs if j is not None]
-    rep = Report(str(rd) if rd else None, source, (since, until), jobs, actions, worker_gpus)
+    rep = Report(str(rd) if rd else None, source, (since, until), jobs, actions, worker_gpus, runs=runs)
     if progress is not None:
         progress(f"summarising {len(actions):,} actions and {len(jobs):,} jobs ...")
     rep.summary = summarise(rep)
@@ -208,6 +239,27 @@ def _peak(intervals: list[tuple[float, float, int]]) -> int:
     return peak
 
 
+def _only_waiting(acts: list[ActionRow]) -> float:
+    """Seconds in which some action of the group waited in the pool's queue and none of them ran."""
+    points = []
+    for a in acts:
+        start = a.started or a.finished      # never started (cancelled, rejected): it only waited
+        points += [(a.submitted, 1, 0), (start, -1, 0)]
+        if a.started:
+            points += [(a.started, 0, 1), (a.finished, 0, -1)]
+    points.sort(key=lambda p: (p[0], -p[2]))   # at a tie the run starts before the wait ends
+    waiting = running = 0
+    total = 0.0
+    last = None
+    for t, dq, dr in points:
+        if last is not None and waiting > 0 and running == 0:
+            total += t - last
+        waiting += dq
+        running += dr
+        last = t
+    return total
+
+
 def trajectory_bound(actions: list[ActionRow]) -> dict[str, Any]:
     """What a trajectory-bound allocation of the same work would have held.
 
@@ -216,9 +268,10 @@ def trajectory_bound(actions: list[ActionRow]) -> dict[str, Any]:
     as its actions ever used at once (peak concurrent cores, at least its
     largest action), and one GPU over the same span if it made any reward
     call.  That is the allocation of the classic design in which every
-    rollout keeps its own sandbox and reward-model slot for its lifetime;
-    the queueing delay the actions saw is counted in it too, so it is the
-    footprint of the same schedule without pooling.
+    rollout keeps its own sandbox and reward-model slot for its lifetime.
+    With resources of its own a trajectory never waits in the pool's queue,
+    so the time in which its actions only waited for a worker (the pool's
+    own queueing: workers starting, a busy pool) is left out of the span.
     """
     by: dict[str, list[ActionRow]] = {}
     for a in actions:
@@ -227,7 +280,7 @@ def trajectory_bound(actions: list[ActionRow]) -> dict[str, Any]:
         by.setdefault(a.trajectory or f"action:{a.id}", []).append(a)
     core_s = gpu_s = 0.0
     for acts in by.values():
-        span = max(a.finished for a in acts) - min(a.submitted for a in acts)
+        span = max(a.finished for a in acts) - min(a.submitted for a in acts) - _only_waiting(acts)
         cores = max(_peak([(a.started or a.submitted, a.finished, a.cores) for a in acts]),
                     max(a.cores for a in acts))
         core_s += cores * max(0.0, span)
@@ -239,7 +292,7 @@ def trajectory_bound(actions: list[ActionRow]) -> dict[str, Any]:
 def summarise(rep: Report) -> dict[str, Any]:
     alloc_core_s = sum(j.cpus * j.elapsed_s for j in rep.jobs)
     alloc_gpu_s = sum(j.gpus * j.elapsed_s for j in rep.jobs)
-    busy_core_s = sum(a.busy_core_s for a in rep.actions)
+    busy_core_s = sum(a.busy_core_s for a in rep.all_runs)
     busy_gpu_s = _busy_gpu_seconds(rep)
     done = [a for a in rep.actions if a.finished]
     acts = sorted(a.act for a in done)
@@ -284,7 +337,7 @@ def _pct(sorted_vals: list[float], q: float) -> float | None:
 def _busy_gpu_intervals(rep: Report) -> list[tuple[float, float, int]]:
     """A GPU worker's GPUs count as busy while it runs at least one action."""
     per_worker: dict[str, list[tuple[float, float]]] = {}
-    for a in rep.actions:
+    for a in rep.all_runs:
         if a.started and a.finished and rep.worker_gpus.get(a.worker or ""):
             per_worker.setdefault(a.worker, []).append((a.started, a.finished))
     out = []
@@ -384,11 +437,22 @@ def format_json(rep: Report) -> str:
 
 
 def format_csv(rep: Report) -> str:
+    """One row per job, then a ``total`` row (job_id ``total``, handle the job count)."""
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=_JOB_COLUMNS)
     w.writeheader()
     for j in rep.jobs:
         w.writerow(_job_row(j))
+    starts = [j.start for j in rep.jobs if j.start is not None]
+    ends = [j.end for j in rep.jobs if j.end is not None]
+    states = rep.summary.get("job_states", {})
+    w.writerow({"job_id": "total", "handle": f"{len(rep.jobs)} jobs",
+                "state": " ".join(f"{n} {k}" for k, n in sorted(states.items())), "partition": "",
+                "elapsed_s": round(sum(j.elapsed_s for j in rep.jobs), 3), "cpus": sum(j.cpus for j in rep.jobs),
+                "gpus": sum(j.gpus for j in rep.jobs), "cpu_time_s": round(sum(j.cpu_time_s for j in rep.jobs), 3),
+                "core_hours": round(sum(j.core_hours for j in rep.jobs), 6),
+                "gpu_hours": round(sum(j.gpu_hours for j in rep.jobs), 6),
+                "start": min(starts) if starts else None, "end": max(ends) if ends else None})
     return buf.getvalue()
 
 
@@ -413,18 +477,20 @@ def write_plots(rep: Report, out_dir: str | os.PathLike, now: float | None = Non
     out.mkdir(parents=True, exist_ok=True)
     alloc_c = [(j.start, j.end or now, j.cpus) for j in rep.jobs if j.start is not None]
     alloc_g = [(j.start, j.end or now, j.gpus) for j in rep.jobs if j.start is not None and j.gpus]
-    busy_c = [(a.started, a.finished, a.cores) for a in rep.actions if a.started and a.finished]
+    busy_c = [(a.started, a.finished, a.cores) for a in rep.all_runs if a.started and a.finished]
     busy_g = _busy_gpu_intervals(rep)
     t0 = min([s for s, _, _ in alloc_c + busy_c] or [now])
-    fig, axes = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
-    for ax, alloc, busy, unit in ((axes[0], alloc_c, busy_c, "cores"), (axes[1], alloc_g, busy_g, "GPUs")):
+    panels = [(alloc_c, busy_c, "cores")] + ([(alloc_g, busy_g, "GPUs")] if alloc_g or busy_g else [])
+    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 3 + 3 * len(panels)), sharex=True, squeeze=False)
+    axes = axes[:, 0]
+    for ax, (alloc, busy, unit) in zip(axes, panels):
         for data, label, style in ((alloc, f"allocated {unit}", "-"), (busy, f"busy {unit}", "--")):
             xs, ys = _step(data)
             ax.step([x - t0 for x in xs], ys, style, where="post", label=label)
         ax.set_ylabel(unit)
         ax.legend(loc="upper right")
         ax.grid(alpha=0.3)
-    axes[1].set_xlabel("seconds since run start")
+    axes[-1].set_xlabel("seconds since run start")
     axes[0].set_title("tangram-hpc: allocated vs busy")
     fig.tight_layout()
     p1 = out / "allocation.png"

@@ -215,23 +215,35 @@ class TopView:
         return table
 
     def _decisions(self, st: dict):
+        from rich.console import Group
         from rich.table import Table
         from rich.text import Text
 
+        head = Text("pool", style=_TABLE["title_style"])
+        if st.get("pool"):
+            head.append(f": {st['pool']}")
+        launch = st.get("launch") or {}
+        if launch.get("state") not in (None, "ok"):        # the launch throttle holds launches back
+            head.append(f"\nlaunches {launch['state']}" + (f": {launch['reason']}" if launch.get("reason") else "")
+                        + (f" (again at {launch['retry_at']})" if launch.get("retry_at") else ""), style="yellow")
+        jobs = st.get("allocation_states") or {}
+        if jobs:
+            head.append("\nworker jobs " + ", ".join(f"{n} {s}" for s, n in sorted(jobs.items())))
         decisions = st.get("pool_decisions") or []
-        table = Table(title="pool" + (f": {st['pool']}" if st.get("pool") else ""), title_justify="left", **_TABLE)
+        table = Table(**_TABLE)
         table.add_column("time", no_wrap=True)
         table.add_column("decision", no_wrap=True)
         table.add_column("detail", overflow="fold")
         for t, what, detail in decisions[-8:]:
-            style = "red" if "fail" in what else ("yellow" if what in ("drain", "reclaim") else "")
+            style = "red" if "fail" in what else ("yellow" if what in ("drain", "reclaim", "withdraw") else "")
             table.add_row(datetime.fromtimestamp(t).strftime("%H:%M:%S"), Text(what, style=style), Text(detail))
         for why in st.get("recent_launch_failures") or []:
             if not any(why in d for _, _, d in decisions):
                 table.add_row("", Text("launch failed", style="red"), Text(why))
         if not table.row_count:
-            return _empty(table.title, "(no decisions yet)")
-        return table
+            head.append("\n(no decisions yet)", style="dim")
+            return head
+        return Group(head, table)
 
 
 # -- small formatters ------------------------------------------------------------------

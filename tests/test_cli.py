@@ -80,3 +80,32 @@ def test_one_variable_names_the_connection_file(cluster, monkeypatch, tmp_path):
         assert c.submit(function("math:sqrt", 9)).result(10).output == 3.0
     r = cli("submit", "--kind", "function", "--fn", "math:sqrt", "--args", "[16]")   # the CLI reads it too
     assert r.returncode == 0 and r.stdout == "4.0\n", r.stderr
+
+
+@pytest.mark.parametrize("argv,verbose", [(["status"], False), (["status", "-v"], True), (["-v", "status"], True),
+                                          (["report", "--since", "-1h", "--verbose"], True)])
+def test_global_options_work_after_the_command_too(argv, verbose):
+    from tangram_hpc.cli import _attach_relative_times, build_parser
+    argv = _attach_relative_times(argv)
+    assert build_parser(argv).parse_args(argv).verbose is verbose
+
+
+def test_status_shows_launches_and_allocations_and_pool_control(cluster):
+    conn = str(cluster.connection_file)
+    r = cli("status", "-c", conn, "--allocations", "-v")
+    assert r.returncode == 0, r.stderr
+    assert "launches ok" in r.stdout and "allocations: 2 (2 running)" in r.stdout
+    r = cli("pool", "pause", "-c", conn)
+    assert r.returncode == 0 and r.stdout.startswith("launches paused; now: launches paused"), r.stdout + r.stderr
+    st = json.loads(cli("status", "-c", conn, "--json").stdout)
+    assert st["launch"]["state"] == "paused" and st["launch"]["retry_at"] is None
+    r = cli("pool", "resume", "-c", conn)
+    assert r.returncode == 0 and "now: launches ok" in r.stdout
+    r = cli("pool", "reboot", "-c", conn)
+    assert r.returncode == 2 and "invalid choice" in r.stderr
+
+
+def test_submit_wait_timeout_is_a_message_not_a_traceback(cluster):
+    r = cli("submit", "-c", str(cluster.connection_file), "--wait", "0.5", "sleep 30")
+    assert r.returncode == 124 and "no result within 0.5 s (--wait)" in r.stderr and "cancelled" in r.stderr
+    assert "Traceback" not in r.stderr and "The coordinator has 2 workers" in r.stderr

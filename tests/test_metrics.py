@@ -191,8 +191,8 @@ def test_the_pool_driver_counts_launches_and_reclaims_and_keeps_its_recent_decis
     backend = LocalBackend(tmp_path / "workers")
     try:
         ledger = ActionLedger(CoordinatorSettings(), FifoPolicy())
-        driver = PoolDriver(ledger.config, StaticPool([WorkerShape(cores=1)], first_backoff_s=60.0), backend,
-                            ledger, connection_file=str(tmp_path / "none.json"))
+        driver = PoolDriver(ledger.config, StaticPool([WorkerShape(cores=1)]), backend, ledger,
+                            connection_file=str(tmp_path / "none.json"))
         driver.decide(100.0)
         [handle] = driver.starting
         deadline = time.monotonic() + 20
@@ -205,11 +205,12 @@ def test_the_pool_driver_counts_launches_and_reclaims_and_keeps_its_recent_decis
             ledger.add_worker(WorkerInfo(id=wid, cores=1), wid.encode(), 102.0).launched_shape = WorkerShape(cores=1)
         driver.decide(102.0)
         driver.finish_drains(102.0)
-        st = driver.status()
+        st = driver.status(103.0)
         assert ledger.counters.launches == 1 and ledger.counters.reclaims == 1
         assert [(t, what) for t, what, _ in st["pool_decisions"]] == \
             [(100.0, "launch"), (101.0, "launch failed"), (102.0, "drain"), (102.0, "reclaim")]
-        assert st["pool_decisions"][0][2] == "1 x 1 cores" and handle in st["pool_decisions"][1][2]
+        assert st["pool_decisions"][0][2] == f"1 x 1 cores ({handle}): 0 actions waiting, 0 workers, 0 starting"
+        assert handle in st["pool_decisions"][1][2]
         [left] = [w.info.id for w in ledger.workers]
         gone = "b" if left == "a" else "a"
         assert st["pool_decisions"][2][2].startswith(f"{gone}: ") and st["pool_decisions"][3][2].startswith(gone)

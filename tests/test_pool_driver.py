@@ -13,8 +13,9 @@ import pytest
 from tangram_hpc import protocol as P
 from tangram_hpc.actions import function
 from tangram_hpc.backends.base import JobState
+from tangram_hpc.backends.guards import LaunchThrottle, local_time
 from tangram_hpc.backends.local import LocalBackend
-from tangram_hpc.config import CoordinatorSettings
+from tangram_hpc.config import CoordinatorSettings, LaunchSettings
 from tangram_hpc.connection import ConnectionInfo
 from tangram_hpc.coordinator import ActionLedger, PoolDriver, WorkerState
 from tangram_hpc.policy.static import StaticPool
@@ -31,10 +32,11 @@ def backend(tmp_path):
     be.shutdown()
 
 
-def driver_for(tmp_path: Path, backend: LocalBackend, connection_file: Path, **settings) -> PoolDriver:
+def driver_for(tmp_path: Path, backend: LocalBackend, connection_file: Path, launch: LaunchSettings | None = None,
+               **settings) -> PoolDriver:
     ledger = ActionLedger(CoordinatorSettings(**settings), FifoPolicy())
-    return PoolDriver(ledger.config, StaticPool([ONE_CORE], first_backoff_s=2.0), backend, ledger,
-                      connection_file=str(connection_file))
+    return PoolDriver(ledger.config, StaticPool([ONE_CORE]), backend, ledger, connection_file=str(connection_file),
+                      throttle=LaunchThrottle(launch or LaunchSettings(backoff_s=2.0)))
 
 
 def poll_until(driver: PoolDriver, now: float, pred, what: str, timeout: float = 20.0) -> None:
@@ -45,7 +47,7 @@ def poll_until(driver: PoolDriver, now: float, pred, what: str, timeout: float =
         driver.poll(now)
 
 
-def test_failed_starts_are_counted_and_the_static_pool_backs_off(tmp_path, backend):
+def test_failed_starts_are_counted_and_the_launch_throttle_backs_off(tmp_path, backend):
     driver = driver_for(tmp_path, backend, tmp_path / "no-such-connection.json")
     driver.decide(100.0)
     assert list(driver.starting.values()) == [(ONE_CORE, 100.0)]
@@ -54,9 +56,34 @@ def test_failed_starts_are_counted_and_the_static_pool_backs_off(tmp_path, backe
     assert not driver.starting and "failed exit status 2" in driver.failures[-1][1]
     assert "no connection file" in next((tmp_path / "workers").glob("*.log")).read_text()
     driver.decide(101.0)                       # within the 2 s back-off: nothing launched
-    assert not driver.starting and "backing off" in driver.status()["pool"]
+    launch = driver.status(101.0)["launch"]
+    assert not driver.starting and launch["state"] == "backing-off" and launch["retry_in_s"] == 1.5
+    assert launch["retry_at"] == local_time(102.5) and "failed exit status 2" in launch["reason"]
     driver.decide(102.6)                       # past it: tried again
     assert len(driver.starting) == 1
+    [first, second] = driver.status(102.6, allocations=True)["allocations"]
+    assert first["state"] == "failed" and "exit status 2" in first["reason"] and first["ended"]
+    assert second["state"] == "submitted" and second["job_id"] is None
+
+
+def test_the_breaker_stops_local_launches_too_until_resumed(tmp_path, backend):
+    driver = driver_for(tmp_path, backend, tmp_path / "no-such-connection.json",
+                        LaunchSettings(backoff_s=0, breaker=2, breaker_cooldown_s=600))
+    for now in (0.0, 1.0):
+        driver.decide(now)
+        poll_until(driver, now + 0.5, lambda: not driver.starting, "the failed start")
+    driver.decide(2.0)
+    st = driver.status(2.0)["launch"]
+    assert not driver.starting and st["state"] == "stopped" and st["retry_at"] == local_time(601.0)
+    assert driver.control("resume", 3.0) == "launches resumed"
+    driver.decide(3.0)
+    assert len(driver.starting) == 1
+    driver.control("pause", 4.0)
+    poll_until(driver, 4.5, lambda: not driver.starting, "the failed start")
+    driver.decide(1000.0)
+    assert not driver.starting and driver.status(1000.0)["launch"]["state"] == "paused"
+    with pytest.raises(ValueError, match="pause or resume"):
+        driver.control("reboot", 1000.0)
 
 
 def test_a_job_that_ends_loses_its_worker_and_retries_its_actions(tmp_path, backend):
@@ -73,10 +100,35 @@ def test_a_job_that_ends_loses_its_worker_and_retries_its_actions(tmp_path, back
     ledger.dispatch(0.5)
     poll_until(driver, 1.0, lambda: ledger.workers.get("w1") is None, "the worker to be lost")
     assert ledger.counters.workers_lost == 1 and ledger.counters.retried == 1
-    assert ledger.counters.launch_failures == 0            # it had started: not a failed start
     assert ledger.policy.pending_count == 1 and ledger.attempt_of(spec.id) == (1, None)
     lost = [r for r in ledger.workers.log if r[1] == "lost"]
     assert lost and lost[0][2:4] == ["w1", handle]
+    # It died 0.5 s after joining, well within healthy_after_s: for the launch throttle a failed start.
+    assert ledger.counters.launch_failures == 1 and "after its worker joined" in driver.failures[-1][1]
+
+
+def test_a_worker_that_stayed_is_a_good_start(tmp_path, backend):
+    # A connection file whose coordinator never answers: the worker process runs, registering in vain.
+    conn = tmp_path / "connection.json"
+    ConnectionInfo("tcp://127.0.0.1:9", "tcp://127.0.0.1:9", run_dir=str(tmp_path)).write(conn)
+    driver = driver_for(tmp_path, backend, conn, LaunchSettings(backoff_s=60, healthy_after_s=5))
+    driver.throttle.failed(0.0, "an earlier failure")
+    assert driver.status(0.0)["launch"]["state"] == "backing-off"
+    driver.throttle.resume(0.0)
+    driver.decide(0.0)
+    [handle] = driver.starting
+    driver.throttle.failed(0.1, "an earlier failure")      # backing off again ...
+    w = driver.ledger.add_worker(WorkerInfo(id="w1", cores=1, handle=handle), b"w1", 0.5)
+    driver.joined(w)
+    driver.tick(5.4)
+    assert driver.status(5.4)["launch"]["state"] == "backing-off"
+    driver.tick(5.5)                                         # ... until the worker has stayed 5 s
+    assert driver.status(5.5)["launch"]["state"] == "ok"
+    [rec] = driver.status(5.5, allocations=True)["allocations"]
+    assert rec["worker"] == "w1" and rec["state"] == "running" and rec["joined"] == local_time(0.5)
+    backend.reclaim(handle)
+    poll_until(driver, 6.0, lambda: driver.ledger.workers.get("w1") is None, "the worker to go")
+    assert driver.ledger.counters.launch_failures == 0       # it had served: not a failed start
 
 
 def test_reclaiming_an_extra_worker_drains_stops_then_cancels_its_job_after_the_grace(tmp_path, backend):

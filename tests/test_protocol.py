@@ -25,10 +25,10 @@ MALFORMED = {
     "not_a_list": (msgpack.packb({"v": 1}), "malformed"),
     "short_list": (msgpack.packb([1, 3]), "malformed"),
     "wrong_version": (msgpack.packb([99, P.SUBMIT, []]), "version"),
-    "unknown_type": (msgpack.packb([1, 77, {}]), "unknown_type"),
+    "unknown_type": (msgpack.packb([P.PROTOCOL_VERSION, 77, {}]), "unknown_type"),
     "worker_type_on_client_socket": (P.encode(P.DONE, []), "unknown_type"),
-    "wrong_body_shape": (msgpack.packb([1, P.SUBMIT, {"a": 1}]), "malformed"),
-    "int_map_keys": (msgpack.packb([1, P.HELLO, {1: 2}]), "malformed"),
+    "wrong_body_shape": (msgpack.packb([P.PROTOCOL_VERSION, P.SUBMIT, {"a": 1}]), "malformed"),
+    "int_map_keys": (msgpack.packb([P.PROTOCOL_VERSION, P.HELLO, {1: 2}]), "malformed"),
     "empty": (b"", "malformed"),
 }
 

@@ -273,7 +273,9 @@ def test_run_code_over_the_disk_quota_fails_and_says_why(tmp_path):
         r = m.run(ActionSpec("sandbox", {"language": "python", "code": code}, env="rc"), CPU)
     assert r.status == Status.FAILED and "disk quota exceeded" in r.error, r
     assert r.output["status"] == "SandboxError" and r.output["message"] == r.error
-    assert r.output["run_result"]["return_code"] == 0   # the code itself ran to its end
+    # The watcher stops the code mid-write (killed) or, when it wrote faster, the walk after it
+    # catches the growth (it ran to its end): either way the step's own result is there.
+    assert r.output["run_result"]["return_code"] in (0, -9)
 
 def test_fallocate_is_refused_and_posix_fallocate_still_works(mgr):
     r = mgr.run(act(py("""

@@ -78,16 +78,6 @@ def test_scale_up_on_backlog_respects_max_and_counts_starting_workers():
     assert pc3.decide(PoolView(0.0, gpu, [])) == [Launch(GPU_SHAPE, 1)]
 
 
-def test_rate_limit():
-    pc = PoolController(PoolConfig([CPU_SHAPE], max_launch_rate=3, rate_window_s=60, startup_s=10))
-    out = pc.decide(PoolView(0.0, _backlog(500), []))
-    assert out == [Launch(CPU_SHAPE, 3)]
-    assert pc.decide(PoolView(5.0, _backlog(500), [])) == []
-    assert "rate limit" in pc.explain()
-    out = pc.decide(PoolView(61.0, _backlog(500), [], starting=[]))
-    assert out and out[0].count <= 3
-
-
 def test_reclaims_only_idle_workers_after_ttl_and_environment_hosts_later():
     pc = PoolController(PoolConfig([CPU_SHAPE], idle_ttl_s=100, env_idle_ttl_s=300))
     workers = [
@@ -110,20 +100,6 @@ def test_reclaims_only_idle_workers_after_ttl_and_environment_hosts_later():
     assert len([r for r in out if isinstance(r, Reclaim)]) == 1
 
 
-def test_circuit_breaker_opens_explains_and_resets():
-    cfg = PoolConfig([CPU_SHAPE], breaker_failures=3, breaker_window_s=300, breaker_cooldown_s=600)
-    pc = PoolController(cfg)
-    fails = [(10.0, "sbatch: error: invalid account"), (20.0, "x"), (30.0, "sbatch: error: invalid account")]
-    assert pc.decide(PoolView(40.0, _backlog(50), [], failures=fails)) == []
-    assert "stopped launching" in pc.explain() and "invalid account" in pc.explain()
-    assert pc.decide(PoolView(500.0, _backlog(50), [], failures=fails)) == []
-    out = pc.decide(PoolView(700.0, _backlog(50), [], failures=fails))
-    assert out and isinstance(out[0], Launch)                 # cooled down, old failures forgotten
-    # two failures are not enough
-    pc2 = PoolController(cfg)
-    assert pc2.decide(PoolView(40.0, _backlog(50), [], failures=fails[:2]))
-
-
 def test_cluster_capacity_picks_partition_that_fits_and_is_idlest():
     a = WorkerShape(16, 32000, partition="cpu-a")
     b = WorkerShape(16, 32000, partition="cpu-b")
@@ -135,7 +111,7 @@ def test_cluster_capacity_picks_partition_that_fits_and_is_idlest():
     pc.update_cluster(ClusterCapacity({"cpu-a": PartitionFree(cores=0, max_node_cores=32),
                                        "cpu-b": PartitionFree(cores=8, max_node_cores=32)}))
     out = pc.decide(PoolView(100.0, _backlog(400), []))
-    assert out == [Launch(b, 16)]     # bounded by the launch rate limit (16 a minute)
+    assert out == [Launch(b, 25)]     # 400 x 60 core-s over a 60 s start-up, 16 cores each (the driver throttles)
     # no node of either partition is big enough, ever: nothing is asked for, and it says why
     pc = PoolController(PoolConfig([a, b], startup_s=60))
     pc.update_cluster(ClusterCapacity({"cpu-a": PartitionFree(cores=64, max_node_cores=8),
@@ -159,7 +135,7 @@ def test_drains_workers_near_their_time_limit_and_replaces_them():
     assert not any(isinstance(d, Reclaim) for d in pc.decide(PoolView(1000.0, [], [young])))
 
 
-def test_static_pool_replaces_backs_off_and_gives_back_extras():
+def test_static_pool_replaces_and_gives_back_extras():
     from tangram_hpc.policy.static import StaticPool
     shape = WorkerShape(2)
     pool = StaticPool([shape, shape])
@@ -167,11 +143,9 @@ def test_static_pool_replaces_backs_off_and_gives_back_extras():
     one = _ws("a", shape, idle_since=0.0)
     one.started_at = 1.0
     assert pool.decide(PoolView(5.0, [], [one], starting=[(shape, 4.0)])) == []
-    # starts keep failing: 1, 2, 4, 8 ... seconds between attempts
+    # failed starts do not hold it back (the driver's launch throttle does): it asks again
     failures = [(10.0, "exit status 1"), (11.0, "exit status 1"), (13.0, "exit status 1")]
-    assert pool.decide(PoolView(14.0, [], [one], failures=failures)) == []
-    assert "backing off" in pool.explain()
-    assert pool.decide(PoolView(17.5, [], [one], failures=failures)) == [Launch(shape, 1)]
+    assert pool.decide(PoolView(14.0, [], [one], failures=failures)) == [Launch(shape, 1)]
     # a lost worker came back: three where two are kept, and the idle extra is given back
     b, c = _ws("b", shape, idle_since=20.0), _ws("c", shape, busy=2, running=1)
     b.started_at = c.started_at = 20.0
@@ -271,7 +245,7 @@ def _cpu(n, busy=0, idle_since=None):
 
 
 def test_pool_grows_in_proportion_to_demand_in_one_wave():
-    pc = PoolController(PoolConfig([CPU_SHAPE], startup_s=60, target_util=0.8, max_launch_rate=1 << 20))
+    pc = PoolController(PoolConfig([CPU_SHAPE], startup_s=60, target_util=0.8))
     # 2 workers of 16 cores, 1000 cores' worth of work arriving per second
     view = PoolView(0.0, [], _cpu(2, busy=16), offered_load={"cpu": 1000.0})
     [launch] = pc.decide(view)
@@ -283,7 +257,7 @@ def test_pool_grows_in_proportion_to_demand_in_one_wave():
 
 
 def test_pool_holds_the_step_peak_across_the_boundary_and_prescales():
-    cfg = PoolConfig([CPU_SHAPE], startup_s=60, idle_ttl_s=100, max_launch_rate=1 << 20)
+    cfg = PoolConfig([CPU_SHAPE], startup_s=60, idle_ttl_s=100)
     pc = PoolController(cfg)
     # step 0 at its peak: 10 workers busy, demand for 150 cores
     pc.decide(PoolView(0.0, [], _cpu(10, busy=16), step=0, offered_load={"cpu": 150 * 0.75}))
@@ -310,7 +284,7 @@ def test_reward_workers_scale_from_zero():
 
 
 def test_startup_time_is_learned_from_the_workers_that_joined():
-    cfg = PoolConfig([CPU_SHAPE], startup_s=120, max_launch_rate=1 << 20, max_workers={"cpu": 100})
+    cfg = PoolConfig([CPU_SHAPE], startup_s=120, max_workers={"cpu": 100})
     pc = PoolController(cfg)
     backlog = _backlog(64, secs=30.0)        # 64 x 30 core-seconds waiting
     joined = [WorkerStatus(WorkerInfo("w0", 16), busy_cores=16, running=16, started_at=12.0, launched_at=10.0,
@@ -326,7 +300,7 @@ def test_startup_time_is_learned_from_the_workers_that_joined():
 
 
 def test_a_decaying_offered_load_does_not_keep_an_idle_pool():
-    cfg = PoolConfig([CPU_SHAPE], idle_ttl_s=4, max_launch_rate=1 << 20)
+    cfg = PoolConfig([CPU_SHAPE], idle_ttl_s=4)
     pc = PoolController(cfg)
     pc.decide(PoolView(0.0, [], [_ws("w0", busy=2, running=2)], offered_load={"cpu": 2.0}))
     # the burst ended at t=1; the policy's estimate of the offered load decays but never reaches 0

@@ -1,14 +1,19 @@
 """End to end on the dev cluster: the coordinator started with sbatch grows and shrinks its
-worker jobs, survives a worker job cancelled from outside, and is reported from sacct.
+worker jobs, survives a worker job cancelled from outside, shows its worker jobs in ``status``,
+is reported from sacct, and a graceful stop ends its job COMPLETED.
 
 The template passes the pool's settings as the variables tangram-hpc reads itself
 (TANGRAM_WORKER_CORES, TANGRAM_MAX_WORKERS, TANGRAM_IDLE, TANGRAM_WORKER_TIME: the [slurm] section).
+The coordinator binds and advertises a second loopback address (127.0.0.2), as it would the
+address of a cluster network: the worker jobs reach it there, not at 127.0.0.1.
 """
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 
+import msgpack
 import pytest
 
 from slurm_support import REPO, dev_cluster, wait_until  # noqa: F401
@@ -28,7 +33,8 @@ def sleep_action(seconds: float, traj: str) -> ActionSpec:
 def coordinator(tmp_path_factory, dev_cluster):
     shared = tmp_path_factory.mktemp("shared")
     env = dict(os.environ, TANGRAM_WORKER_CORES="2", TANGRAM_MAX_WORKERS="3", TANGRAM_IDLE="4",
-               TANGRAM_WORKER_TIME="10", TANGRAM_STOP_GRACE="20")
+               TANGRAM_WORKER_TIME="10", TANGRAM_STOP_GRACE="20",
+               TANGRAM_EXTRA_ARGS="--host 127.0.0.2 --advertise-host 127.0.0.2")
     env = {k: v for k, v in env.items() if not k.startswith("SLURM_")}
     out = subprocess.run([str(REPO / "scripts" / "launch-coordinator.sh"), "--shared", str(shared), "--wait", "60"],
                          capture_output=True, text=True, env=env, timeout=90)
@@ -41,7 +47,7 @@ def coordinator(tmp_path_factory, dev_cluster):
             "run_dir": shared / "runs" / job}
     yield info
     client.close()
-    subprocess.run(["scancel", job])
+    subprocess.run(["scancel", job])     # a no-op after test_graceful_stop_ends_the_job_completed
     view = CliClusterView()
     # the trap drains the coordinator, which cancels its workers; the connection file goes
     wait_until(lambda: not [j for j in view.jobs(name_prefix="tgw-") if j.active]
@@ -53,15 +59,42 @@ def worker_jobs(view):
     return [j for j in view.jobs(name_prefix="tgw-") if j.active]
 
 
+def test_workers_reach_the_advertised_second_loopback_address(coordinator):
+    from tangram_hpc.connection import ConnectionInfo
+    info = ConnectionInfo.read(coordinator["conn"])
+    assert info.client_address.startswith("tcp://127.0.0.2:") and info.worker_address.startswith("tcp://127.0.0.2:")
+    port = int(info.worker_address.rsplit(":", 1)[1])
+    with socket.socket() as s:                 # bound to 127.0.0.2 only
+        assert s.connect_ex(("127.0.0.1", port)) != 0
+
+
 def test_workers_grow_under_load_and_shrink_after(coordinator):
     view, c = CliClusterView(), coordinator["client"]
     futures = [c.submit(sleep_action(1.0, f"t{i % 4}")) for i in range(18)]
     peak = wait_until(lambda: (n := len([j for j in worker_jobs(view) if j.state == "RUNNING"])) >= 2 and n,
                       60, what="worker jobs to start")
+    # each worker: the Slurm job running it and the time its job has left (a 10-minute limit)
+    running = {str(j.job_id): j for j in worker_jobs(view)}
+    ws = wait_until(lambda: [w for w in c.status()["workers"] if w["job_id"] in running], 30, what="workers")
+    for w in ws:
+        assert running[w["job_id"]].name == w["handle"] and 0 < w["time_left_s"] <= 600
     results = [f.result(timeout=120) for f in futures]
     assert [r.status for r in results] == ["ok"] * 18
     assert len(worker_jobs(view)) <= 3 and peak <= 3
     wait_until(lambda: not worker_jobs(view), 60, what="idle workers to be reclaimed")
+    # the allocation history: every job the coordinator submitted, how it went, and why it ended
+    with open(coordinator["run_dir"] / "slurm_jobs.log", "rb") as f:
+        submitted = {str(r[2]) for r in msgpack.Unpacker(f)}
+    def ended():
+        allocs = c.status(allocations=True)["allocations"]
+        return {a["job_id"] for a in allocs if a["state"] == "ended"} == submitted and allocs
+    allocs = wait_until(ended, 30, what="every submitted job to have ended in the allocation history")
+    assert {a["job_id"] for a in allocs} == submitted
+    for a in allocs:
+        assert a["worker"] and a["started"] <= a["joined"] <= a["ended"] and a["reason"] == "completed", a
+    log = (coordinator["shared"] / f"tangram-coordinator-{coordinator['job']}.out").read_text()
+    assert "launched " in log and "actions waiting" in log
+    assert "draining worker " in log and ": idle" in log and "stopping drained worker " in log
     rep = report.load_run(coordinator["run_dir"])
     assert rep.summary["actions"] >= 18 and rep.summary["worker_jobs"] >= 2
     assert all(j.cpus == 2 for j in rep.jobs if j.state != "UNKNOWN")
@@ -86,3 +119,16 @@ def test_scancelled_worker_loses_no_action(coordinator):
     st = c.status()
     assert st["workers_lost"] >= 1 and st["retried"] >= 1
     wait_until(lambda: not worker_jobs(view), 60, what="idle workers to be reclaimed")
+
+
+def test_graceful_stop_ends_the_job_completed(coordinator):
+    """The documented stop: only the batch shell gets SIGTERM; its trap stops the coordinator."""
+    job = coordinator["job"]
+    subprocess.run(["scancel", "--batch", "--signal=TERM", job], check=True)
+    view = CliClusterView()
+    rec = wait_until(lambda: [r for r in view.accounting([int(job)]) if r.state not in ("RUNNING", "PENDING")],
+                     60, what="the coordinator job to end")[0]
+    assert rec.state == "COMPLETED" and rec.exit_code == 0, rec
+    assert not os.path.exists(coordinator["conn"])
+    out = (coordinator["shared"] / f"tangram-coordinator-{job}.out").read_text()
+    assert "coordinator stopped (exit status 0)" in out

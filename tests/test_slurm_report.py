@@ -5,6 +5,7 @@ import argparse
 import csv
 import io
 import json
+import subprocess
 import time
 from pathlib import Path
 
@@ -55,20 +56,47 @@ def test_local_run_totals(tmp_path):
     assert s["gpu_utilisation"] == pytest.approx(10 / 50)
     assert s["mean_act_s"] == pytest.approx((10 + 10 + 15) / 3)
     assert s["actions_by_status"] == {"ok": 2, "failed": 1} and s["retried_actions"] == 1
-    # trajectory A: 2 cores from 100 to 130; B: 1 core and one GPU from 100 to 115
-    assert s["trajectory_bound_core_hours"] * 3600 == pytest.approx(2 * 30 + 1 * 15)
-    assert s["trajectory_bound_gpu_hours"] * 3600 == pytest.approx(15)
-    assert s["core_hours_saved"] * 3600 == pytest.approx(75 - 500)
+    # trajectory A: 2 cores from 100 to 130; B: 1 core and one GPU from 100 to 115, less the 5 s b1 only
+    # waited in the pool's queue (with resources of its own it would not have)
+    assert s["trajectory_bound_core_hours"] * 3600 == pytest.approx(2 * 30 + 1 * 10)
+    assert s["trajectory_bound_gpu_hours"] * 3600 == pytest.approx(10)
+    assert s["core_hours_saved"] * 3600 == pytest.approx(70 - 500)
 
 
 def test_trajectory_bound_counts_concurrent_cores():
     A = report.ActionRow
-    acts = [A("x", "sandbox", "s", "w", 2, 0.0, 0.0, 10.0, "ok", 1, "T"),
-            A("y", "sandbox", "s", "w", 3, 0.0, 5.0, 20.0, "ok", 1, "T"),     # overlaps x: 5 cores at once
-            A("z", "function", "f", "w", 1, 50.0, 50.0, 52.0, "ok", 1, None)]  # alone
+    acts = [A("x", "sandbox", "s", "w", 2, 1000.0, 1000.0, 1010.0, "ok", 1, "T"),
+            A("y", "sandbox", "s", "w", 3, 1000.0, 1005.0, 1020.0, "ok", 1, "T"),   # overlaps x: 5 cores at once
+            A("z", "function", "f", "w", 1, 1050.0, 1050.0, 1052.0, "ok", 1, None)]  # alone
     tb = report.trajectory_bound(acts)
     assert tb["trajectories"] == 2
+    # y waited 0..5 while x ran: that is not queueing of the trajectory, which ran all along
     assert tb["core_seconds"] == pytest.approx(5 * 20 + 1 * 2)
+
+
+def test_trajectory_bound_leaves_out_the_pools_own_queueing():
+    A = report.ActionRow
+    acts = [A("x", "sandbox", "s", "w", 2, 1000.0, 1030.0, 1040.0, "ok", 1, "T"),   # 30 s waiting for a worker
+            A("y", "sandbox", "s", "w", 2, 1050.0, 1055.0, 1060.0, "ok", 1, "T"),   # 5 s more; 10 s thinking before
+            A("z", "sandbox", "s", "w", 2, 1070.0, 0.0, 1075.0, "cancelled", 1, "T")]  # never ran: all waiting
+    tb = report.trajectory_bound(acts)
+    assert tb["core_seconds"] == pytest.approx(2 * (75 - 30 - 5 - 5))
+
+
+def test_a_coordinator_restart_does_not_count_an_action_twice(tmp_path):
+    rd = local_run(tmp_path)
+    log = rd / "actions.log"
+    log.write_bytes(b"".join(msgpack.packb(r) for r in report.read_records(log)))   # without the torn record
+    # The first coordinator logged a2 (attempt 2) but its result never reached the client, which
+    # resubmitted it to the next coordinator at 300; it ran again there, on w1, 310-320.
+    write_log(log, [["a2", "sandbox", "sandbox:pytest", "w1", 2, 300.0, 310.0, 320.0, "ok", 1, "A"]])
+    rep = report.load_run(rd, now=400.0)
+    s = rep.summary
+    assert s["actions"] == 3 and s["actions_by_status"] == {"ok": 2, "failed": 1}
+    a2 = next(a for a in rep.actions if a.id == "a2")
+    assert (a2.submitted, a2.finished, a2.attempts) == (120.0, 320.0, 3)   # ACT from the first submission
+    assert s["mean_act_s"] == pytest.approx((10 + 200 + 15) / 3)
+    assert s["busy_core_hours"] * 3600 == pytest.approx(2 * 10 + 2 * 10 + 1 * 10 + 2 * 10)  # both runs used cores
 
 
 def test_window_clips_allocations(tmp_path):
@@ -126,7 +154,11 @@ def test_cli_json_csv_and_plots(tmp_path, capsys):
     assert doc["summary"]["actions"] == 3 and len(doc["jobs"]) == 2
     assert report.main(_args("--run-dir", str(rd), "--csv")) == 0
     rows = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
-    assert sorted(r["cpus"] for r in rows) == ["2", "4"]
+    assert sorted(r["cpus"] for r in rows[:-1]) == ["2", "4"]
+    total = rows[-1]
+    assert (total["job_id"], total["handle"], total["cpus"]) == ("total", "2 jobs", "6")
+    assert float(total["core_hours"]) * 3600 == pytest.approx(4 * 100 + 2 * 50, abs=0.01)
+    assert float(total["elapsed_s"]) == 150 and float(total["start"]) == 100 and float(total["end"]) == 200
     plots = tmp_path / "plots"
     assert report.main(_args("--run-dir", str(rd), "--plot", str(plots))) == 0
     out = capsys.readouterr().out
@@ -140,6 +172,34 @@ def test_cli_json_csv_and_plots(tmp_path, capsys):
 def test_parse_time():
     assert report.parse_time("1700000000") == 1700000000.0
     assert abs(report.parse_time("-2h") - (time.time() - 7200)) < 5
+
+
+def test_relative_since_on_the_command_line(tmp_path, capsys):
+    """``--since -30m`` as documented: argparse alone would take -30m for an option."""
+    from tangram_hpc import cli
+    rd = local_run(tmp_path)
+    assert cli.main(["report", "--run-dir", str(rd), "--since", "-30m", "--until", "-1s", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert abs(doc["window"][0] - (time.time() - 1800)) < 60 and abs(doc["window"][1] - time.time()) < 60
+    assert doc["summary"]["actions"] == 0        # the synthetic run's actions are from 1970
+
+
+def test_allocation_plot_has_a_gpu_panel_only_with_gpus(tmp_path):
+    import matplotlib.image
+    rd = local_run(tmp_path)
+    rep = report.load_run(rd, now=300.0)
+    with_gpu = matplotlib.image.imread(report.write_plots(rep, tmp_path / "a", now=300.0)[0])
+    rep.jobs = [j for j in rep.jobs if not j.gpus]
+    rep.worker_gpus = {}
+    cpu_only = matplotlib.image.imread(report.write_plots(rep, tmp_path / "b", now=300.0)[0])
+    assert with_gpu.shape[0] == 900 and cpu_only.shape[0] == 600   # two panels, then one
+
+
+def test_cpu_time_is_the_sum_of_the_steps():
+    # captured on the dev cluster: `sacct -j 177` gives TotalCPU 00:00.322 (batch 0.008987 + step 0 0.313787 s)
+    # while the job-level total in the JSON is 0
+    [rec] = parse_sacct_json(json.loads((FIXTURES / "sacct-steps-22.05.json").read_text()))
+    assert rec.cpu_time_s == pytest.approx(0.008987 + 0.313787)
 
 
 @pytest.mark.slurm
@@ -178,5 +238,12 @@ def test_report_over_real_sacct(tmp_path, dev_cluster, capsys):
     assert doc["summary"]["allocated_core_hours"] == pytest.approx(expect)
     assert all(j["elapsed_s"] >= 2 for j in doc["jobs"])
     assert doc["summary"]["actions"] == 1 and doc["summary"]["source"] == "sacct"
+    # the CPU time the jobs used, as sacct's own TotalCPU column says (the steps' sum; [MM:]SS.mmm here)
+    text = subprocess.run(["sacct", "-n", "-P", "-j", ",".join(map(str, ids)), "-o", "JobID,TotalCPU"],
+                          capture_output=True, text=True, check=True).stdout   # not -X: that says 0
+    total = {jid: sum(float(x) * 60 ** i for i, x in enumerate(reversed(t.split(":"))))
+             for jid, t in (line.split("|") for line in text.split()) if "." not in jid}
+    for h, jid in zip(hs, ids):
+        assert jobs[h]["cpu_time_s"] > 0.05 and jobs[h]["cpu_time_s"] == pytest.approx(total[str(jid)], abs=0.002)
     assert report.main(_args("--run-dir", str(rd))) == 0
     assert hs[1] in capsys.readouterr().out

@@ -62,6 +62,9 @@ def status(**over) -> dict:
                            [10_001.0, "drain", "w-node2-12-bbbb: job ends in 120s"],
                            [10_002.0, "launch failed", "tgw-run-0003: failed QOSMaxSubmitJobPerUserLimit"]],
         "recent_launch_failures": ["tgw-run-0003: failed QOSMaxSubmitJobPerUserLimit"],
+        "launch": {"state": "backing-off", "reason": "1 failed start in a row", "retry_at": "10:00:40",
+                   "retry_in_s": 38.0},
+        "allocation_states": {"running": 2, "pending": 1, "failed": 1},
     }
     st.update(over)
     return st
@@ -82,6 +85,8 @@ def test_a_frame_shows_workers_with_their_job_and_time_left_queues_and_decisions
     assert " 6 " in sandbox_q and " 4 " in sandbox_q and "1m35s" in sandbox_q
     assert "judge" in next(line for line in out.splitlines() if line.startswith("reward "))
     assert "launch failed" in out and "QOSMaxSubmitJobPerUserLimit" in out and "growing: 7 actions waiting" in out
+    assert "launches backing-off: 1 failed start in a row (again at 10:00:40)" in out
+    assert "worker jobs 1 failed, 1 pending, 2 running" in out
     assert out.count("QOSMaxSubmitJobPerUserLimit") == 1       # not repeated from recent_launch_failures
     # One reply: percentiles since the start (sandbox: 1 s and 2 s -> p50 in the 1..2.5 s bucket).
     assert "since the start" in out

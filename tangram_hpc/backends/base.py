@@ -4,7 +4,9 @@ A backend starts worker processes somewhere (this machine, Slurm jobs),
 reports what happened to them, and stops them.  The coordinator never knows
 which backend it drives: it calls :meth:`WorkerBackend.launch` with a shape,
 polls :meth:`WorkerBackend.poll` about once a second, and calls
-:meth:`WorkerBackend.reclaim` once a worker is drained.
+:meth:`WorkerBackend.reclaim` once a worker is drained (or to cancel a job
+still queued that is no longer needed).  Launches are throttled by the pool
+driver, not here: a backend launches what it is asked to.
 
 A started worker connects back to the coordinator on its own and registers
 with the ``handle`` it was given (environment variable
@@ -83,6 +85,10 @@ class WorkerBackend(ABC):
 
     def time_limit(self, handle: str) -> float | None:
         """Wall-clock time at which the worker's job will be killed, if known."""
+        return None
+
+    def job_id(self, handle: str) -> str | None:
+        """The batch system's id of the worker's job (None: no such thing, or not submitted)."""
         return None
 
     @abstractmethod

@@ -1,110 +1,170 @@
-"""Guards against runaway job submission, usable by any backend.
+"""The one throttle on worker launches, whatever the backend.
 
-A brief outage can make a naive pool controller ask for dozens of jobs at
-once, and a broken worker image makes every job fail seconds after it
-starts; either can get an account banned.  Two small pure objects (the clock
-is passed in) stop that:
+A pool policy only says which workers it *wants*; :class:`LaunchThrottle`
+says how many may be launched now.  The pool driver asks it before every
+launch and tells it how each launch ended, for every backend alike, so a
+runaway policy, a broken worker image or a batch system that refuses jobs is
+held the same way for Slurm jobs and local processes.  It is pure: the clock
+is passed in.
 
-* :class:`SubmitRateLimiter`: a token bucket; at most ``burst`` submissions at
-  once, refilled at ``per_minute``.
-* :class:`CircuitBreaker`: after ``failures`` failed starts within
-  ``window_s`` it opens and refuses launches for ``cooldown_s``; then it lets
-  one trial launch through (half-open) and closes again on the first healthy
-  start, or re-opens on the next failure.
+* **Rate**: a token bucket, at most ``burst`` launches at once, refilled at
+  ``rate`` a minute.
+* **Back-off**: after a failed start the next launch waits ``backoff_s``,
+  doubled after each further failure in a row, up to ``max_backoff_s``.
+* **Breaker**: ``breaker`` failed starts within ``breaker_window_s`` stop all
+  launches for ``breaker_cooldown_s``; then one trial launch goes out, and
+  the first good start (a worker that joined and stayed ``healthy_after_s``)
+  clears everything, while a failed trial stops launches again.
+* **Pause / resume**: an operator can stop launches (``tangram-hpc pool
+  pause``) and resume them at once, which also forgets the failures that
+  tripped the breaker (``tangram-hpc pool resume``, like ``hq alloc resume``).
+
+:meth:`LaunchThrottle.status` says which of these holds launches back, why,
+and when launching goes on by itself.
 """
 from __future__ import annotations
 
+import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from datetime import datetime
+from enum import Enum
 
+from ..config import LaunchSettings
 from ..errors import LaunchRefused
 
-__all__ = ["SubmitRateLimiter", "CircuitBreaker", "LaunchRefused"]
+__all__ = ["LaunchThrottle", "ThrottleState", "ThrottleStatus", "LaunchRefused", "local_time"]
 
 
-@dataclass
-class SubmitRateLimiter:
-    per_minute: float = 30.0
-    burst: int = 8
-    _tokens: float = field(default=-1.0, repr=False)
-    _last: float | None = field(default=None, repr=False)
+class ThrottleState(str, Enum):
+    """What holds launches back (a ``str`` enum: ``status`` shows the value)."""
 
-    def _refill(self, now: float) -> None:
-        if self._tokens < 0:
-            self._tokens = float(self.burst)
-        if self._last is not None and now > self._last:
-            self._tokens = min(float(self.burst), self._tokens + (now - self._last) * self.per_minute / 60.0)
-        self._last = now if self._last is None else max(self._last, now)
+    OK = "ok"                        # launching as the policy asks
+    RATE_LIMITED = "rate-limited"    # the last launch wanted more than the rate allows
+    BACKING_OFF = "backing-off"      # waiting after failed starts in a row
+    STOPPED = "stopped"              # the breaker tripped: no launch until the cool-down ends
+    TRIAL = "trial"                  # after the cool-down: one trial launch
+    PAUSED = "paused"                # an operator paused launches
 
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+@dataclass(slots=True, frozen=True)
+class ThrottleStatus:
+    state: ThrottleState
+    reason: str = ""
+    retry_at: float | None = None    # when launching goes on by itself; None: now, or only on resume
+
+
+def local_time(t: float) -> str:
+    """A wall-clock time as people read it (local, ISO 8601 to the second)."""
+    return datetime.fromtimestamp(t).isoformat(timespec="seconds")
+
+
+class LaunchThrottle:
+    def __init__(self, settings: LaunchSettings | None = None):
+        self.settings = s = settings or LaunchSettings()
+        self._tokens = float(s.burst)
+        self._refilled: float | None = None
+        self._short_at: float | None = None           # last time fewer launches were allowed than wanted
+        self._failures: deque[tuple[float, str]] = deque()   # failed starts within the breaker window
+        self._streak = 0                                # failed starts since the last good one
+        self._last_failure: tuple[float, str] | None = None
+        self._stopped_until: float | None = None
+        self._stop_reason = ""
+        self._trial_out = False                         # the trial launch is under way
+        self._paused: str | None = None
+
+    # -- what the driver asks ------------------------------------------------------
     def allowed(self, now: float) -> int:
-        """How many submissions may go out now."""
-        self._refill(now)
-        return int(self._tokens + 1e-9)
+        """How many workers may be launched now."""
+        if self._paused is not None:
+            return 0
+        if self._stopped_until is not None:
+            if now < self._stopped_until or self._trial_out:
+                return 0
+            return min(1, self._bucket(now))
+        if self._backoff_until() > now:
+            return 0
+        return self._bucket(now)
 
-    def take(self, now: float, n: int = 1) -> int:
-        """Take up to ``n`` submissions; return how many were granted."""
-        k = min(n, self.allowed(now))
-        self._tokens -= k
-        return k
+    def launched(self, now: float, n: int, wanted: int | None = None) -> None:
+        """``n`` workers were launched now (``wanted``: how many the policy asked for)."""
+        self._bucket(now)
+        self._tokens = max(0.0, self._tokens - n)
+        if wanted is not None and n < wanted:
+            self._short_at = now
+        if n and self._stopped_until is not None and now >= self._stopped_until:
+            self._trial_out = True
 
-    def next_free(self, now: float) -> float:
-        """When the next submission will be allowed."""
-        self._refill(now)
-        if self._tokens >= 1:
-            return now
-        return now + (1 - self._tokens) * 60.0 / self.per_minute
+    def failed(self, now: float, why: str) -> None:
+        """A launch failed, or a launched worker died before it counted as a good start."""
+        s = self.settings
+        self._streak += 1
+        self._last_failure = (now, why)
+        self._failures.append((now, why))
+        while self._failures and self._failures[0][0] < now - s.breaker_window_s:
+            self._failures.popleft()
+        if self._trial_out or len(self._failures) >= s.breaker:
+            was_trial = self._trial_out
+            self._stopped_until = now + s.breaker_cooldown_s
+            self._trial_out = False
+            self._stop_reason = (f"the trial launch failed ({why})" if was_trial else
+                                 f"{len(self._failures)} worker starts failed within {s.breaker_window_s:g} s "
+                                 f"(last: {why})")
 
+    def succeeded(self, now: float) -> None:
+        """A launched worker joined and stayed: the backend and the worker image work."""
+        self._failures.clear()
+        self._streak = 0
+        self._last_failure = None
+        self._stopped_until = None
+        self._trial_out = False
 
-@dataclass
-class CircuitBreaker:
-    failures: int = 5
-    window_s: float = 300.0
-    cooldown_s: float = 120.0
-    _recent: deque = field(default_factory=deque, repr=False)   # (time, reason) of failed starts
-    _open_until: float | None = field(default=None, repr=False)
-    _trial: bool = field(default=False, repr=False)              # half-open: one launch in flight
+    def pause(self, now: float, why: str = "paused by an operator") -> None:
+        self._paused = why
 
-    def record_failure(self, now: float, reason: str) -> None:
-        self._recent.append((now, reason))
-        while self._recent and self._recent[0][0] < now - self.window_s:
-            self._recent.popleft()
-        if self._trial or len(self._recent) >= self.failures:
-            self._open_until = now + self.cooldown_s
-            self._trial = False
+    def resume(self, now: float) -> None:
+        """Launch again at once: unpause, and forget the failures that stopped or slowed launches."""
+        self._paused = None
+        self.succeeded(now)
 
-    def record_success(self, now: float) -> None:
-        self._recent.clear()
-        self._open_until = None
-        self._trial = False
+    # -- what status shows -----------------------------------------------------------
+    def status(self, now: float) -> ThrottleStatus:
+        s = self.settings
+        if self._paused is not None:
+            return ThrottleStatus(ThrottleState.PAUSED, f"{self._paused}; 'tangram-hpc pool resume' launches again")
+        if self._stopped_until is not None:
+            if now < self._stopped_until:
+                return ThrottleStatus(ThrottleState.STOPPED, self._stop_reason,
+                                      self._stopped_until)
+            if self._trial_out:
+                return ThrottleStatus(ThrottleState.TRIAL, f"one trial launch under way after: {self._stop_reason}")
+            return ThrottleStatus(ThrottleState.TRIAL, f"one trial launch allowed after: {self._stop_reason}", now)
+        until = self._backoff_until()
+        if until > now and self._last_failure is not None:
+            return ThrottleStatus(ThrottleState.BACKING_OFF,
+                                  f"waiting after {self._streak} failed start(s) in a row (last: "
+                                  f"{self._last_failure[1]})", until)
+        if self._short_at is not None and self._bucket(now) < 1:
+            return ThrottleStatus(ThrottleState.RATE_LIMITED,
+                                  f"at most {s.rate:g} launches a minute, {s.burst} at once",
+                                  now + (1 - self._tokens) * 60.0 / s.rate)
+        recent = sum(1 for t, _ in self._failures if t >= now - s.breaker_window_s)
+        return ThrottleStatus(ThrottleState.OK, f"{recent}/{s.breaker} failed starts within "
+                                                f"{s.breaker_window_s:g} s" if recent else "")
 
-    def state(self, now: float) -> str:
-        """``closed`` (launching), ``open`` (refusing) or ``half-open`` (one trial allowed)."""
-        if self._open_until is None:
-            return "closed"
-        return "open" if now < self._open_until or self._trial else "half-open"
+    # -- internals -------------------------------------------------------------------
+    def _bucket(self, now: float) -> int:
+        s = self.settings
+        if self._refilled is not None and now > self._refilled:
+            self._tokens = min(float(s.burst), self._tokens + (now - self._refilled) * s.rate / 60.0)
+        self._refilled = now if self._refilled is None else max(self._refilled, now)
+        return math.floor(self._tokens + 1e-9)
 
-    def allow(self, now: float) -> int | None:
-        """How many launches may go out: None for no limit, 0 when open, 1 when half-open."""
-        st = self.state(now)
-        if st == "closed":
-            return None
-        if st == "half-open":
-            return 1
-        return 0
-
-    def started_trial(self) -> None:
-        if self._open_until is not None:
-            self._trial = True
-
-    def explain(self, now: float) -> str:
-        st = self.state(now)
-        if st == "closed":
-            n = sum(1 for t, _ in self._recent if t >= now - self.window_s)
-            return f"circuit closed ({n}/{self.failures} failed starts in {self.window_s:.0f}s)"
-        last = self._recent[-1][1] if self._recent else "unknown"
-        if st == "half-open":
-            return f"circuit half-open: one trial launch allowed; last failure: {last}"
-        if self._trial:
-            return f"circuit open: waiting for the trial launch; last failure: {last}"
-        return (f"circuit open for {self._open_until - now:.0f}s more after {len(self._recent)} failed starts "
-                f"in {self.window_s:.0f}s; last failure: {last}")
+    def _backoff_until(self) -> float:
+        if not self._streak or self._last_failure is None:
+            return -math.inf
+        s = self.settings
+        return self._last_failure[0] + min(s.max_backoff_s, s.backoff_s * 2 ** (self._streak - 1))

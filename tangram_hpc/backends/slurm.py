@@ -7,17 +7,19 @@ registered worker, its job and the accounting record are tied together.
 
 Tracking costs one ``squeue`` per :meth:`SlurmBackend.poll` for all jobs, plus
 one ``sacct`` only for jobs that vanished from squeue.  Submitit's own per-job
-state calls are never used.  Launches pass a rate limiter and a circuit
-breaker (``guards.py``): :meth:`launch` returns fewer handles than asked when
-rate-limited and raises :class:`LaunchRefused` when the breaker is open;
-:meth:`explain` says which.
+state calls are never used.  The backend submits what it is asked to (the pool
+driver's launch throttle decides how many); :meth:`SlurmBackend.preflight`
+and :func:`check_time_limits` refuse, at start, settings the cluster would
+refuse or that leave a worker no time to serve.
 """
 from __future__ import annotations
 
 import contextlib
 import importlib
 import logging
+import math
 import os
+import shutil
 import subprocess
 import time
 import uuid
@@ -32,10 +34,11 @@ from ..policy.pool import PoolConfig, PoolController
 from ..resources import ClusterCapacity, PartitionFree, WorkerShape
 from ..slurm import ClusterView, JobInfo, PartitionInfo, SlurmCommandError, cluster_view
 from .base import HANDLE_ENV, BackendEvent, JobState, WorkerBackend, WorkerLaunchSpec
-from .guards import CircuitBreaker, LaunchRefused, SubmitRateLimiter
+from .guards import LaunchRefused
 
 __all__ = ["SlurmBackend", "SlurmBackendConfig", "LaunchRefused", "backend_config", "backend_from_settings",
-           "pool_from_settings", "run_worker", "SLURM_JOBS_LOG"]
+           "check_time_limits", "pool_from_settings", "slurm_shapes", "run_worker", "SIGNAL_DELAY_S",
+           "SLURM_JOBS_LOG"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +53,12 @@ _FAILED = frozenset({"FAILED", "NODE_FAIL", "BOOT_FAIL", "OUT_OF_MEMORY", "DEADL
 
 
 _DEFAULT = SlurmSettings()
+
+#: Seconds before its time limit at which Slurm sends a worker job SIGUSR2 (submitit's warning);
+#: the worker then leaves, so it must have been drained by then.
+SIGNAL_DELAY_S = 90
+#: The shortest time a worker job must be able to serve between starting and being drained.
+MIN_SERVE_S = 60.0
 
 
 @dataclass
@@ -79,14 +88,8 @@ class SlurmBackendConfig:
     folder: str | None = None          # submitit folder; default RUN_DIR/submitit/<run tag>
     job_prefix: str = "tgw"
     entry: str = "tangram_hpc.worker:main"
-    submit_per_minute: float = _DEFAULT.submit_rate
-    submit_burst: int = _DEFAULT.submit_burst
-    breaker_failures: int = _DEFAULT.breaker
-    breaker_window_s: float = _DEFAULT.breaker_window_s
-    breaker_cooldown_s: float = _DEFAULT.breaker_cooldown_s
-    healthy_after_s: float = 20.0      # a job running this long counts as a good start
     vanished_grace_s: float = 60.0     # gone from squeue and sacct this long: ended
-    signal_delay_s: int = 90           # submitit's warning signal before the time limit
+    signal_delay_s: int = SIGNAL_DELAY_S
     cluster_view: str = _DEFAULT.view
 
 
@@ -135,7 +138,6 @@ class _Job:
     running_since: float | None = None
     end_time: float | None = None
     reclaimed: bool = False
-    healthy: bool = False
     vanished_since: float | None = None
     final: bool = False
 
@@ -147,6 +149,10 @@ class SlurmBackend(WorkerBackend):
                  clock: Callable[[], float] = time.time):
         import submitit  # imported here so the rest of the package works without it
 
+        missing = [c for c in ("sbatch", "srun", "squeue", "scancel") if shutil.which(c) is None]
+        if missing:
+            raise ConfigError(f"the Slurm backend needs {', '.join(missing)}, not on PATH (PATH="
+                              f"{os.environ.get('PATH', '')}): install the Slurm client or load its module")
         self.config = cfg = config or SlurmBackendConfig()
         self.clock = clock
         self.view = view or cluster_view(cfg.cluster_view)
@@ -167,11 +173,8 @@ class SlurmBackend(WorkerBackend):
         self._jobs: dict[str, _Job] = {}
         self._by_id: dict[str, _Job] = {}
         self._seq = 0
-        self.limiter = SubmitRateLimiter(cfg.submit_per_minute, cfg.submit_burst)
-        self.breaker = CircuitBreaker(cfg.breaker_failures, cfg.breaker_window_s, cfg.breaker_cooldown_s)
         self._pending_events: list[BackendEvent] = []
         self._partitions: tuple[float, list[PartitionInfo]] | None = None
-        self._last_note = ""
         self._jobs_log = Path(cfg.run_dir) / SLURM_JOBS_LOG if cfg.run_dir else None
         if self._jobs_log:
             self._jobs_log.parent.mkdir(parents=True, exist_ok=True)
@@ -244,28 +247,20 @@ class SlurmBackend(WorkerBackend):
         return params
 
     def launch(self, spec: WorkerLaunchSpec, count: int = 1) -> list[str]:
+        """Submit ``count`` worker jobs; after an sbatch error the rest are not tried (they would fail alike)."""
         now = self.clock()
         why = self.check_shape(spec.shape)
         if why:
             raise LaunchRefused(why)
-        allow = self.breaker.allow(now)
-        if allow == 0:
-            raise LaunchRefused(self.breaker.explain(now))
-        if allow is not None:
-            count = min(count, allow)
-        granted = self.limiter.take(now, count)
-        if granted < count:
-            self._last_note = (f"rate limit: {granted} of {count} launches allowed now "
-                               f"({self.config.submit_per_minute:g}/min, burst {self.config.submit_burst}); "
-                               f"next at +{self.limiter.next_free(now) - now:.0f}s")
-        if allow is not None and granted:
-            self.breaker.started_trial()
         handles = []
-        for _ in range(granted):
-            handles.append(self._submit_one(spec, now))
+        for _ in range(count):
+            handle, ok = self._submit_one(spec, now)
+            handles.append(handle)
+            if not ok:
+                break
         return handles
 
-    def _submit_one(self, spec: WorkerLaunchSpec, now: float) -> str:
+    def _submit_one(self, spec: WorkerLaunchSpec, now: float) -> tuple[str, bool]:
         self._seq += 1
         handle = f"{self.prefix}{self._seq:04d}"
         shape = spec.shape
@@ -278,11 +273,11 @@ class SlurmBackend(WorkerBackend):
                 job = self._executor.submit(run_worker, self.config.entry, argv, handle)
         except Exception as e:  # sbatch refused (bad account, QOS limit, controller down)
             reason = f"sbatch failed: {str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}"
-            self.breaker.record_failure(now, reason)
+            log.warning("submitting worker job %s: %s", handle, reason)
             j = _Job(handle, "", shape, partition, now, state=JobState.FAILED, reason=reason, final=True)
             self._jobs[handle] = j
             self._pending_events.append(BackendEvent(handle, JobState.FAILED, reason))
-            return handle
+            return handle, False
         j = _Job(handle, str(job.job_id), shape, partition, now)
         self._jobs[handle] = j
         self._by_id[j.job_id] = j
@@ -290,7 +285,7 @@ class SlurmBackend(WorkerBackend):
         if self._jobs_log:
             with open(self._jobs_log, "ab") as f:
                 f.write(msgpack.packb([now, handle, int(job.job_id), shape.cores, shape.gpus, partition]))
-        return handle
+        return handle, True
 
     def job_id(self, handle: str) -> str | None:
         j = self._jobs.get(handle)
@@ -354,10 +349,7 @@ class SlurmBackend(WorkerBackend):
                 j.end_time = info.end_time
             if j.state is not JobState.RUNNING and slurm_state != "COMPLETING":
                 j.state, j.reason, j.running_since = JobState.RUNNING, "", now
-                events.append(BackendEvent(j.handle, JobState.RUNNING, info.nodes if info else ""))
-            if not j.healthy and j.running_since is not None and now - j.running_since >= self.config.healthy_after_s:
-                j.healthy = True
-                self.breaker.record_success(now)
+                events.append(BackendEvent(j.handle, JobState.RUNNING, f"on {info.nodes}" if info and info.nodes else ""))
             return
         # final states
         if slurm_state == "COMPLETED":
@@ -370,16 +362,14 @@ class SlurmBackend(WorkerBackend):
         elif slurm_state == "PREEMPTED":
             self._finish(j, JobState.PREEMPTED, reason or "preempted", now, events)
         else:
-            self._finish(j, JobState.FAILED, f"{slurm_state.lower()}{': ' + reason if reason else ''}", now, events)
+            # the state says "failed"; the reason says how: NonZeroExitCode, or node_fail, out_of_memory ...
+            why = reason if slurm_state == "FAILED" else f"{slurm_state.lower()}{': ' + reason if reason else ''}"
+            self._finish(j, JobState.FAILED, why, now, events)
 
     def _finish(self, j: _Job, state: JobState, reason: str, now: float, events: list[BackendEvent]) -> None:
         j.final, j.state, j.reason = True, state, reason
         events.append(BackendEvent(j.handle, state, reason))
         self._by_id.pop(j.job_id, None)
-        ran = j.running_since is not None and now - j.running_since >= self.config.healthy_after_s
-        # a job that failed before it ran healthy_after_s is a failed start
-        if state is JobState.FAILED and not (ran or j.healthy):
-            self.breaker.record_failure(now, f"{j.handle} (job {j.job_id}) {reason}")
 
     # -- stopping ------------------------------------------------------------
     def reclaim(self, handle: str) -> None:
@@ -406,20 +396,103 @@ class SlurmBackend(WorkerBackend):
         j = self._jobs.get(handle)
         return j.end_time if j and j.state is JobState.RUNNING else None
 
-    def explain(self) -> str:
-        """One line: breaker state, rate-limit note, job counts."""
-        now = self.clock()
-        counts: dict[str, int] = {}
-        for j in self._jobs.values():
-            counts[j.state] = counts.get(j.state, 0) + 1
-        jobs = ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) or "no jobs"
-        parts = [self.breaker.explain(now), jobs]
-        if self._last_note:
-            parts.append(self._last_note)
-        return "; ".join(parts)
+    # -- checks at start -------------------------------------------------------
+    def preflight(self, shapes: list[WorkerShape]) -> None:
+        """Refuse, with the cluster's own words, worker jobs Slurm would refuse or never start.
+
+        ``sbatch --test-only`` with each shape's job script (partition, account, QOS, time, size,
+        extra options: whatever the controller checks), the partition's MaxTime, and the account
+        and QOS names against the accounting database where there is one (a cluster that does not
+        enforce associations would otherwise take a misspelt account silently).
+        """
+        cfg = self.config
+        try:
+            parts = self.partitions()
+        except SlurmCommandError as e:
+            raise ConfigError(f"the Slurm backend cannot read the cluster's partitions: {e}") from None
+        for shape in shapes:
+            self._test_submit(shape)
+            name = self._partition_for(shape)
+            part = next((p for p in parts if (p.name == name if name else p.default)), None)
+            if part is not None and part.max_time_s is not None and cfg.time_min * 60 > part.max_time_s:
+                raise ConfigError(
+                    f"{_flag('time_min')} = {cfg.time_min} min is longer than partition {part.name}'s MaxTime "
+                    f"({part.max_time_s / 60:g} min, scontrol show partition): its worker jobs would never start")
+        for what, name, query in (("account", cfg.account, ["account", "format=account"]),
+                                  ("QOS", cfg.qos, ["qos", "format=name"])):
+            if name:
+                known = self._accounting_names(query)
+                if known is not None and name not in known:
+                    key = "account" if what == "account" else "qos"
+                    raise ConfigError(f"{_flag(key)} = {name!r}: Slurm's accounting knows no {what} of that name "
+                                      f"(sacctmgr show {query[0]}: {', '.join(sorted(known)) or 'none'})")
+
+    def _test_submit(self, shape: WorkerShape) -> None:
+        from submitit.slurm.slurm import _make_sbatch_string   # the very script submit() would send
+        script = _make_sbatch_string(command="true", folder=str(self.folder), **self._parameters(shape, "preflight"))
+        try:
+            with _outside_allocation():
+                proc = subprocess.run(["sbatch", "--test-only"], input=script, capture_output=True, text=True,
+                                      timeout=60)
+        except (OSError, subprocess.SubprocessError) as e:
+            raise ConfigError(f"sbatch --test-only could not run: {e}") from None
+        if proc.returncode != 0:
+            words = "; ".join(line.strip() for line in (proc.stderr + proc.stdout).splitlines() if line.strip())
+            raise ConfigError(f"Slurm refuses the worker jobs ({shape.cores} cores, {shape.gpus} GPUs, partition "
+                              f"{self._partition_for(shape) or '(default)'}): {words or f'exit status {proc.returncode}'}")
+
+    @staticmethod
+    def _accounting_names(query: list[str]) -> set[str] | None:
+        """Names sacctmgr lists (None when there is no accounting database to ask)."""
+        try:
+            proc = subprocess.run(["sacctmgr", "-nP", "show", *query], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        if proc.returncode != 0:
+            return None
+        return {line.strip() for line in proc.stdout.splitlines() if line.strip()}
 
 
 # -- from the configuration ([slurm] in tangram_hpc.config) ------------------------------
+
+def _flag(key: str) -> str:
+    from ..config import SCHEMA
+    from ..config_cli import flag_of
+    return f"[slurm] {key} ({flag_of(SCHEMA['slurm'][key], 'coordinator')})"
+
+
+def check_time_limits(s: SlurmSettings, signal_delay_s: int = SIGNAL_DELAY_S) -> None:
+    """Refuse worker time limits that leave a worker no time to serve.
+
+    A worker is drained ``replace_before_s`` before its job's time limit (and a replacement
+    launched), and Slurm signals it ``signal_delay_s`` before the limit, when it leaves with
+    whatever still runs.  With too short a limit every worker would be "expiring at birth":
+    drained as soon as it joins while the pool launches replacement after replacement.
+    """
+    if s.replace_before_s < signal_delay_s:
+        raise ConfigError(
+            f"{_flag('replace_before_s')} = {s.replace_before_s:g} s is shorter than the {signal_delay_s} s before "
+            f"its time limit at which Slurm signals a worker job (submitit's USR2 warning): the worker would leave "
+            f"with its actions running before it is drained. Use at least {signal_delay_s}.")
+    serve = s.time_min * 60 - s.replace_before_s
+    need = max(MIN_SERVE_S, 2 * s.startup_s)
+    if serve < need:
+        shortest = math.ceil((s.replace_before_s + need) / 60)
+        raise ConfigError(
+            f"{_flag('time_min')} = {s.time_min} min leaves a worker {max(serve, 0):g} s to serve: it is drained and "
+            f"replaced {_flag('replace_before_s')} = {s.replace_before_s:g} s before its time limit, so every worker "
+            f"would expire at birth (it needs at least {need:g} s: one minute, and twice {_flag('startup_s')}). Use "
+            f"a time of {shortest} min or more, or a smaller replace_before_s (not under {signal_delay_s} s).")
+
+
+def slurm_shapes(s: SlurmSettings) -> list[WorkerShape]:
+    """The worker shapes the [slurm] settings ask for: the CPU shape, and the GPU one when there are GPU workers."""
+    shapes = [WorkerShape(cores=s.worker_cores, mem_mb=s.worker_mem_mb, partition=s.partition)]
+    if s.gpu_workers:
+        shapes.append(WorkerShape(cores=s.gpu_worker_cores, gpus=s.gpus_per_worker,
+                                  partition=s.gpu_partition or s.partition))
+    return shapes
+
 
 def backend_config(s: SlurmSettings, run_dir: str | os.PathLike | None = None) -> SlurmBackendConfig:
     """The backend config of a coordinator's [slurm] settings; ``run_dir``: the coordinator's."""
@@ -432,25 +505,28 @@ def backend_config(s: SlurmSettings, run_dir: str | os.PathLike | None = None) -
     return SlurmBackendConfig(
         partition=s.partition, gpu_partition=s.gpu_partition, account=s.account, qos=s.qos, time_min=s.time_min,
         mem_per_core_mb=s.mem_per_core_mb, extra_sbatch=extra, setup=tuple(s.setup),
-        run_dir=str(run_dir) if run_dir else None, submit_per_minute=s.submit_rate, submit_burst=s.submit_burst,
-        breaker_failures=s.breaker, breaker_window_s=s.breaker_window_s, breaker_cooldown_s=s.breaker_cooldown_s,
-        cluster_view=s.view)
+        run_dir=str(run_dir) if run_dir else None, cluster_view=s.view)
 
 
 def pool_from_settings(s: SlurmSettings, predictor=None) -> PoolController:
     """The pool controller for the coordinator's Slurm workers (``predictor``: the scheduler's)."""
-    shapes = [WorkerShape(cores=s.worker_cores, mem_mb=s.worker_mem_mb, partition=s.partition)]
     max_workers = {"cpu": s.max_workers, "gpu": s.gpu_workers}
-    if s.gpu_workers:
-        shapes.append(WorkerShape(cores=s.gpu_worker_cores, gpus=s.gpus_per_worker,
-                                  partition=s.gpu_partition or s.partition))
-    cfg = PoolConfig(shapes, max_workers=max_workers, min_workers={"cpu": s.min_workers},
+    cfg = PoolConfig(slurm_shapes(s), max_workers=max_workers, min_workers={"cpu": s.min_workers},
                      startup_s=s.startup_s, idle_ttl_s=s.idle_s,
                      env_idle_ttl_s=s.env_idle_s if s.env_idle_s is not None else 2 * s.idle_s,
                      time_limit_margin_s=s.replace_before_s)
     return PoolController(cfg, predictor)
 
 
-def backend_from_settings(s: SlurmSettings, run_dir: str | os.PathLike | None = None) -> SlurmBackend:
-    """The coordinator's Slurm backend; pass the coordinator's resolved run directory."""
-    return SlurmBackend(backend_config(s, run_dir))
+def backend_from_settings(s: SlurmSettings, run_dir: str | os.PathLike | None = None, *,
+                          preflight: bool = True) -> SlurmBackend:
+    """The coordinator's Slurm backend; pass the coordinator's resolved run directory.
+
+    With ``preflight`` (what a coordinator does), settings Slurm would refuse, or that leave a
+    worker no time to serve, are a :class:`ConfigError` here rather than a pool that never grows.
+    """
+    check_time_limits(s)
+    backend = SlurmBackend(backend_config(s, run_dir))
+    if preflight:
+        backend.preflight(slurm_shapes(s))
+    return backend

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -22,9 +21,11 @@ import zmq
 from .. import protocol as P
 from ..actions import ValidationError, new_action_id
 from ..backends.base import WorkerBackend
+from ..backends.guards import LaunchThrottle
 from ..config import CoordinatorSettings
 from ..connection import ConnectionInfo
 from ..errors import ConfigError
+from ..netaddr import advertised_host
 from ..policy.base import PoolPolicy, SchedulingPolicy
 from ..runlog import RunLog
 from ..security import CurveKeys
@@ -42,12 +43,12 @@ _RESULT_SLICE = 5000   # results per RESULT frame
 
 class Coordinator:
     """``config`` is the [coordinator] section; ``curve`` the CurveZMQ keys (None: plain TCP);
-    the worker arguments go to every CPU / service worker the pool launches."""
+    the worker arguments go to every CPU / service worker the pool launches, through ``throttle``."""
 
     def __init__(self, config: CoordinatorSettings, policy: SchedulingPolicy,
                  pool: PoolPolicy | None = None, backend: WorkerBackend | None = None, *,
                  curve: CurveKeys | None = None, cpu_worker_args: tuple[str, ...] = (),
-                 service_worker_args: tuple[str, ...] = ()):
+                 service_worker_args: tuple[str, ...] = (), throttle: LaunchThrottle | None = None):
         self.config = config = config.resolved()
         self.curve = curve
         self.policy = policy
@@ -69,7 +70,7 @@ class Coordinator:
             self.pool_driver = PoolDriver(config, pool, backend, self.ledger,
                                           connection_file=str(config.connection_file),
                                           cpu_worker_args=cpu_worker_args,
-                                          service_worker_args=service_worker_args)
+                                          service_worker_args=service_worker_args, throttle=throttle)
         self._stop = False
         self._started = time.time()
         self._ctx: zmq.Context | None = None
@@ -89,7 +90,8 @@ class Coordinator:
             curve.apply_server(self.clients, self.worker_socket, ctx)
         cport = self._bind(self.clients, cfg.client_port)
         wport = self._bind(self.worker_socket, cfg.worker_port)
-        host = cfg.advertise_host or (cfg.host if cfg.host not in ("0.0.0.0", "*") else socket.getfqdn())
+        host, why = advertised_host(cfg.host, cfg.advertise_host)
+        log.info("bound to %s; workers and clients are told %s (%s)", cfg.host, host, why)
         self.info = ConnectionInfo(
             client_address=f"tcp://{host}:{cport}", worker_address=f"tcp://{host}:{wport}",
             coordinator_id=self.id, run_dir=str(cfg.run_dir),
@@ -261,7 +263,19 @@ class Coordinator:
         elif mtype == P.CANCEL:
             self.ledger.cancel(body, time.time())
         elif mtype == P.STATUS:
-            self.clients.send_multipart([ident, P.encode(P.STATUS, self.status())], zmq.NOBLOCK)
+            st = self.status(allocations=body.get("allocations") is True)
+            self.clients.send_multipart([ident, P.encode(P.STATUS, st)], zmq.NOBLOCK)
+        elif mtype == P.POOL:
+            # Answered with a status either way, so the asking client is never left waiting.
+            reply: dict = {"pool_op": None, "pool_error": None}
+            if self.pool_driver is None:
+                reply["pool_error"] = "this coordinator launches no workers (backend none)"
+            else:
+                try:
+                    reply["pool_op"] = self.pool_driver.control(body.get("op"), time.time())
+                except ValueError as e:
+                    reply["pool_error"] = str(e)
+            self.clients.send_multipart([ident, P.encode(P.STATUS, self.status() | reply)], zmq.NOBLOCK)
         elif mtype == P.HELLO:
             self.clients.send_multipart([ident, P.encode(P.WELCOME, self._welcome())], zmq.NOBLOCK)
 
@@ -380,7 +394,7 @@ class Coordinator:
         self._worker_log.flush()
 
     # -- introspection -------------------------------------------------------
-    def status(self) -> dict:
+    def status(self, allocations: bool = False) -> dict:
         now = time.time()
         self._flush_logs()
         c = self.counters
@@ -403,6 +417,7 @@ class Coordinator:
                 for w in self.workers],
         }
         if self.pool_driver is not None:
-            out.update(self.pool_driver.status())
+            out.update(self.pool_driver.status(now, allocations=allocations))
+            self.pool_driver.describe_workers(out["workers"], now)
         out.update(self.metrics.status(self.ledger, now))
         return out

@@ -166,12 +166,31 @@ class Reclaim:
     reason: str = "idle"
 
 
+@dataclass(slots=True, frozen=True)
+class Withdraw:
+    """Take back up to ``count`` launches of ``shape`` whose workers have not joined yet.
+
+    The driver cancels those whose jobs still wait in the batch queue, newest first (a job
+    already running is about to join and is left to the idle rule).
+    """
+
+    shape: WorkerShape
+    count: int = 1
+    reason: str = "no work waiting"
+
+
 class PoolPolicy(ABC):
+    """Says which workers it wants (launches, reclaims, withdrawn launches); it does not throttle.
+
+    The pool driver applies one launch throttle to what it asks, for every backend
+    (``tangram_hpc.backends.guards.LaunchThrottle``).
+    """
+
     #: every worker shape this policy may launch
     shapes: list[WorkerShape]
 
     @abstractmethod
-    def decide(self, view: PoolView) -> list[Launch | Reclaim]: ...
+    def decide(self, view: PoolView) -> list[Launch | Reclaim | Withdraw]: ...
 
     def explain(self) -> str:
         """One line on the state of the policy (e.g. why it stopped launching)."""

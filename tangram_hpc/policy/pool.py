@@ -1,9 +1,9 @@
 """Pool sizing: how many workers of which shape to ask for, and which to give back.
 
 :class:`PoolController` is pure (the clock comes in the :class:`PoolView`);
-it keeps only its own history (peaks per RL step, launch times, the circuit
-breaker).  ``decide()`` states the launches it *wants*; throttling the
-batch system is not its job beyond the simple limits below.
+it keeps only its own history (peaks per RL step).  ``decide()`` states the
+workers it *wants*: the pool driver's one launch throttle (rate, back-off,
+breaker) holds launches back, for every backend alike.
 
 Demand.  For each resource class (``cpu``: cores, ``gpu``: request slots)
 the capacity wanted is
@@ -49,22 +49,22 @@ and a stopping worker snapshots its environments for the next worker to
 restore).  A worker that runs actions is never reclaimed; a draining worker
 is reclaimed once it is empty.
 
-Limits.  Launches are capped by the per-class and total maxima and by a
-rate limit (``max_launch_rate`` workers per ``rate_window_s``).
-``breaker_failures`` failed starts within ``breaker_window_s`` stop all
-launches for ``breaker_cooldown_s`` (the batch system is refusing, the image
-is broken, the account is out of hours ...).  :meth:`explain` says why it
-stopped and until when.
+Withdrawing.  Once nothing of a class waits, launches still starting beyond
+the capacity wanted (and ``min_workers``) are withdrawn, newest first: the
+driver cancels the jobs still queued in the batch system, as dask-jobqueue's
+adapt and Parsl's scale-in do, instead of letting them start after the work
+is done.
+
+Limits.  Launches are capped by the per-class and total maxima.
 """
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass, field
 
 from ..actions import ActionSpec
 from ..resources import ClusterCapacity, PartitionFree, ResourceClass, WorkerShape
-from .base import Launch, PoolPolicy, PoolView, Reclaim
+from .base import Launch, PoolPolicy, PoolView, Reclaim, Withdraw
 from .predict import Predictor
 
 __all__ = ["PoolController", "PoolConfig", "ClusterCapacity", "PartitionFree", "resource_for"]
@@ -91,11 +91,6 @@ class PoolConfig:
     startup_s: float = 60.0
     idle_ttl_s: float = 300.0
     env_idle_ttl_s: float = 600.0   # idle time before a worker hosting environments is drained
-    max_launch_rate: int = 16
-    rate_window_s: float = 60.0
-    breaker_failures: int = 3
-    breaker_window_s: float = 600.0
-    breaker_cooldown_s: float = 900.0
     time_limit_margin_s: float = 120.0
     target_util: float = 0.75
     hold_steps: bool = True
@@ -104,7 +99,7 @@ class PoolConfig:
     def __post_init__(self) -> None:
         if not self.shapes:
             raise ValueError("PoolConfig needs at least one worker shape")
-        for name in ("startup_s", "idle_ttl_s", "rate_window_s", "breaker_window_s", "breaker_cooldown_s"):
+        for name in ("startup_s", "idle_ttl_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative")
         if not 0 < self.target_util <= 1:
@@ -138,11 +133,7 @@ class PoolController(PoolPolicy):
         self.config = config
         self.predictor = predictor if predictor is not None else Predictor()
         self.cluster: ClusterCapacity | None = None
-        self._launches: deque[float] = deque()
-        self._breaker_until: float | None = None
-        self._breaker_reason = ""
         self._last = ""
-        self._seen_failures = 0.0
         self._step: int | None = None
         self._peak: dict[ResourceClass, float] = {}        # largest wanted capacity in this step
         self._prev_peak: dict[ResourceClass, float] = {}   # ... in the previous step
@@ -229,11 +220,11 @@ class PoolController(PoolPolicy):
             self._peak = {}
         self._step = view.step
 
-    def decide(self, view: PoolView) -> list[Launch | Reclaim]:
+    def decide(self, view: PoolView) -> list[Launch | Reclaim | Withdraw]:
         cfg = self.config
         now = view.now
         cluster = view.cluster or self.cluster
-        out: list[Launch | Reclaim] = []
+        out: list[Launch | Reclaim | Withdraw] = []
         self._new_step(view)
         demand = self._tally(view)
         wanted = {k: self._wanted(view, k, d) for k, d in demand.items()}
@@ -272,15 +263,11 @@ class PoolController(PoolPolicy):
             kept[k] -= 1
             cap_left[k] -= ws.info.cores
         total -= len(out)
-
-        # -- circuit breaker
-        if self._breaker_open(view):
-            return out
+        withdrawn = self._withdrawals(view, demand, wanted, cap_left, kept)
+        out += withdrawn
+        total -= sum(w.count for w in withdrawn)
 
         # -- scale up
-        while self._launches and now - self._launches[0] >= cfg.rate_window_s:
-            self._launches.popleft()
-        budget = cfg.max_launch_rate - len(self._launches)
         reasons = []
         for k in sorted(set(demand) | {ResourceClass(m) for m in cfg.min_workers}):
             d = demand.get(k) or _Demand()
@@ -301,20 +288,40 @@ class PoolController(PoolPolicy):
             if room <= 0:
                 reasons.append(f"{k} pool at its maximum ({have} workers)")
                 continue
-            if budget <= 0:
-                reasons.append("launch rate limit reached")
-                break
-            n = min(need, room, budget)
+            n = min(need, room)
             for shape, m in self._split(shapes, n, cluster):
                 out.append(Launch(shape, m))
-                budget -= m
                 total += m
-                self._launches.extend([now] * m)
                 n -= m
             if n > 0:
                 reasons.append(f"partitions cannot hold {n} more {k} workers now")
         self._last = "; ".join(reasons) if reasons else "ok"
         return out
+
+    def _withdrawals(self, view: PoolView, demand: dict[ResourceClass, _Demand], wanted: dict[ResourceClass, float],
+                     cap_left: dict[ResourceClass, float], kept: dict[ResourceClass, int]) -> list[Withdraw]:
+        """Launches still starting that nothing needs any more: none of their class waits, and the
+        capacity without them still covers what is wanted (and ``min_workers``)."""
+        out = []
+        by_class: dict[ResourceClass, list[tuple[float, WorkerShape]]] = {}
+        for shape, at in view.starting:
+            by_class.setdefault(shape.resource, []).append((at, shape))
+        for k, starting in by_class.items():
+            if demand[k].waiting:
+                continue
+            surplus = cap_left[k] - wanted[k]
+            keep_at_least = self.config.min_workers.get(k, 0) - kept.get(k, 0)
+            count: dict[WorkerShape, int] = {}
+            left = len(starting)
+            for _, shape in sorted(starting, key=lambda p: -p[0]):   # newest first
+                if left <= keep_at_least or surplus < shape.cores:
+                    break
+                count[shape] = count.get(shape, 0) + 1
+                surplus -= shape.cores
+                left -= 1
+            out += [Withdraw(shape, n, f"no {k} work waiting") for shape, n in count.items()]
+        return out
+
     def _expiring(self, ws, now: float) -> bool:
         return ws.ends_at is not None and ws.ends_at - now < self.config.time_limit_margin_s
 
@@ -339,25 +346,3 @@ class PoolController(PoolPolicy):
         if not out and ranked:
             out[ranked[0]] = n
         return list(out.items())
-
-    def _breaker_open(self, view: PoolView) -> bool:
-        cfg = self.config
-        now = view.now
-        if self._breaker_until is not None:
-            if now < self._breaker_until:
-                self._last = self._breaker_reason
-                return True
-            # cool-down over: forget the failures that tripped it
-            self._seen_failures = self._breaker_until
-            self._breaker_until = None
-        recent = [(t, r) for t, r in view.failures
-                  if now - t <= cfg.breaker_window_s and t > self._seen_failures]
-        if len(recent) >= cfg.breaker_failures:
-            self._breaker_until = now + cfg.breaker_cooldown_s
-            last = recent[-1][1] or "unknown reason"
-            self._breaker_reason = (
-                f"stopped launching: {len(recent)} worker starts failed in the last "
-                f"{cfg.breaker_window_s:.0f}s (last: {last}); retrying after t={self._breaker_until:.0f}")
-            self._last = self._breaker_reason
-            return True
-        return False

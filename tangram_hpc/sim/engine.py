@@ -43,7 +43,7 @@ from typing import Callable
 import numpy as np
 
 from ..actions import ActionSpec, Demand
-from ..policy.base import Launch, PoolPolicy, PoolView, Reclaim, SchedulingPolicy, WorkerStatus
+from ..policy.base import Launch, PoolPolicy, PoolView, Reclaim, SchedulingPolicy, Withdraw, WorkerStatus
 from ..policy.residency import Resident, choose_victims
 from ..resources import ResourceClass, ServiceInfo, WorkerInfo, WorkerShape
 from .workload import Plan, Service, Workload
@@ -288,6 +288,7 @@ class Simulation:
         self.retired: list[SimWorker] = []
         self.counters = {_CPU: 0, _GPU: 0}
         self.starting: list[tuple[WorkerShape, float]] = []
+        self.withdrawn: dict[tuple[WorkerShape, float], int] = {}   # withdrawn starts whose _UP is still due
         self.failures: list[tuple[float, str]] = []
         self.fail_left = start_failures
         # accounting
@@ -483,7 +484,11 @@ class Simulation:
 
     def _on_worker_up(self, arg) -> None:
         res, requested = arg
-        self.starting.remove((self.shapes[res], requested))
+        key = (self.shapes[res], requested)
+        if self.withdrawn.get(key):      # withdrawn while starting: it never comes up
+            self.withdrawn[key] -= 1
+            return
+        self.starting.remove(key)
         self._add_worker(res, self.now, requested)
 
     def _on_pool_tick(self, _arg) -> None:
@@ -496,6 +501,8 @@ class Simulation:
                 self._launch(dec, now)
             elif isinstance(dec, Reclaim):
                 self._reclaim(dec, now)
+            elif isinstance(dec, Withdraw):
+                self._withdraw(dec)
         ex = self.pool.explain()
         if ex and ex != "ok" and (not self.notes or self.notes[-1].split(": ", 1)[-1] != ex):
             self.notes.append(f"t={now:.0f}: {ex}")
@@ -540,6 +547,12 @@ class Simulation:
                 continue
             self.starting.append((self.shapes[res], now))
             self._push(now + self.w.cluster.startup_s, _UP, (res, now))
+
+    def _withdraw(self, dec: Withdraw) -> None:
+        """Launches taken back before they came up, newest first: as jobs cancelled while queued, they held nothing."""
+        for key in sorted((p for p in self.starting if p[0] == dec.shape), key=lambda p: -p[1])[:dec.count]:
+            self.starting.remove(key)
+            self.withdrawn[key] = self.withdrawn.get(key, 0) + 1
 
     def _reclaim(self, dec: Reclaim, now: float) -> None:
         sw = self.workers.pop(dec.worker_id, None)

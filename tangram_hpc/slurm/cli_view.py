@@ -64,7 +64,9 @@ class CliClusterView(ClusterView):
     def accounting(self, job_ids: Iterable[int] | None = None, *, since: float | None = None,
                    until: float | None = None, name: str | None = None,
                    user: str | None = None) -> list[AccountingRecord]:
-        argv = ["sacct", "--json", "-X"]
+        # Not -X: the JSON keeps one entry per job either way, and only with its steps does it
+        # carry the CPU time used (the job-level total is 0 for batch jobs on 22.05).
+        argv = ["sacct", "--json"]
         ids = sorted(set(int(i) for i in job_ids)) if job_ids is not None else None
         if ids is not None:
             if not ids:
@@ -114,6 +116,11 @@ def _int(v: Any, default: int = 0) -> int:
         return int(v)
     except (TypeError, ValueError):
         return default
+
+
+def _seconds(v: Any) -> float:
+    """A sacct ``{"seconds": s, "microseconds": us}`` duration."""
+    return _int(v.get("seconds")) + _int(v.get("microseconds")) / 1e6 if isinstance(v, dict) else 0.0
 
 
 def _time(v: Any) -> float | None:
@@ -244,8 +251,8 @@ def parse_sacct_json(doc: dict) -> list[AccountingRecord]:
         for tr in (j.get("tres", {}) or {}).get("allocated", []) or []:
             key = tr.get("type", "") if not tr.get("name") else f"{tr.get('type')}/{tr.get('name')}"
             alloc[key] = _int(tr.get("count"))
-        total = t.get("total") or {}
-        cpu_time = _int(total.get("seconds")) + _int(total.get("microseconds")) / 1e6 if isinstance(total, dict) else 0.0
+        steps = sum(_seconds((s.get("time") or {}).get("total")) for s in j.get("steps") or [])
+        cpu_time = max(_seconds(t.get("total")), steps)
         ec = j.get("exit_code", {}) or {}
         acct = j.get("account") or (j.get("association") or {}).get("account") or ""
         start = _time(t.get("start"))
