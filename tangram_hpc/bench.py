@@ -37,6 +37,7 @@ import numpy as np
 from .policy.elastic import ElasticScheduler
 from .policy.pool import PoolConfig, PoolController
 from .policy.predict import Predictor
+from .progress import progress_reporter
 from .resources import ResourceClass
 from .sim.baselines import PooledPolicy, TaskIsolatedPolicy, TrajectoryBoundPolicy, isolated_split, unconstrained_peaks
 from .sim.bounds import capacity_bound
@@ -66,7 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, help="override the workload's seed")
     parser.add_argument("--no-search", action="store_true",
                         help="skip the savings (the searches for the smallest clusters at equal step time)")
-    parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    parser.add_argument("--quiet", action="store_true",
+                        help="no progress on stderr (there is none when stderr is not a terminal)")
 
 
 def tangram_run(plan: Plan, *, cpu_workers: int | None = None, gpu_workers: int | None = None,
@@ -394,7 +396,6 @@ def write_plots(runs: dict[str, SimResult], out_dir: str, title: str) -> list[st
 
 
 def main(args: argparse.Namespace) -> int:
-    progress = None if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     try:
         w = load_workload(args.workload)
     except WorkloadError as e:
@@ -405,7 +406,8 @@ def main(args: argparse.Namespace) -> int:
     if args.seed is not None:
         w = replace(w, seed=args.seed)
     t0 = time.perf_counter()
-    fig, runs = run_bench(w, search=not args.no_search, progress=progress)
+    with progress_reporter(args.quiet) as progress:
+        fig, runs = run_bench(w, search=not args.no_search, progress=progress)
     fig["bench_wall_s"] = time.perf_counter() - t0
     print(f"workload {w.name} ({w.source}): {fig['trajectories']:,} trajectories, {fig['actions']:,} actions, "
           f"{w.rollout.steps} steps")

@@ -20,6 +20,7 @@ COMMANDS = {
     "worker": ("tangram_hpc.worker", "run a worker that joins a coordinator"),
     "submit": ("tangram_hpc.commands", "submit one action from the shell and print its result"),
     "status": ("tangram_hpc.commands", "show a coordinator's workers, queue, counters and worker jobs"),
+    "top": ("tangram_hpc.top", "live view of a coordinator: workers, queues, ACT percentiles, pool decisions"),
     "pool": ("tangram_hpc.commands", "pause or resume a coordinator's worker launches"),
     "report": ("tangram_hpc.report", "usage report of a run: sacct records joined with the action log"),
     "bench": ("tangram_hpc.bench", "simulate a workload under tangram and the baselines; print ACT, step time, resources"),

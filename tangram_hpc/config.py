@@ -128,6 +128,13 @@ class CoordinatorSettings:
     pool_interval_s: float = key(1.0, "seconds between pool decisions", flag="--pool-interval", minimum=0.01)
     drain_grace_s: float = key(30.0, "seconds a stopped worker has to snapshot and exit before its job is "
                                "cancelled", flag="--drain-grace", minimum=0)
+    metrics_port: int | None = key(None, "serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port; "
+                                   "unset: no endpoint; needs the metrics extra)", env="TANGRAM_METRICS_PORT",
+                                   minimum=0)
+    metrics_host: str | None = key(None, "interface of the metrics endpoint (default: the coordinator's host)")
+    metrics_targets_dir: Path | None = key(None, "directory where the coordinator writes its Prometheus file_sd "
+                                           "target (tangram-RUN.json), shared by runs so that one file_sd glob finds "
+                                           "them all (default: the run directory)")
 
     def resolved(self) -> "CoordinatorSettings":
         """A copy with the run directory, connection file and host filled in."""

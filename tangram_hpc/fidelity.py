@@ -12,6 +12,7 @@ import sys
 from dataclasses import replace
 from typing import Any, Callable
 
+from .progress import progress_reporter
 from .sim.replay import check_replayable, replay, scaled_plan
 from .sim.workload import Workload, WorkloadError, load_workload
 
@@ -50,6 +51,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--workload", default="mini", help="preset name or workload TOML file (default: mini)")
     ap.add_argument("--time-scale", type=float, default=1.0, help="multiply all durations (default 1)")
     ap.add_argument("--policy", choices=("elastic", "fifo"), default="elastic")
+    ap.add_argument("--quiet", action="store_true",
+                    help="no progress on stderr (there is none when stderr is not a terminal)")
 
 
 def main(a: argparse.Namespace | list[str] | None = None) -> int:
@@ -60,8 +63,9 @@ def main(a: argparse.Namespace | list[str] | None = None) -> int:
         a = ap.parse_args(a)
     try:
         w = load_workload(a.workload)
-        res = fidelity(w, time_scale=a.time_scale, policy=a.policy,
-                       progress=lambda m: print(m, file=sys.stderr, flush=True))
+        with progress_reporter(a.quiet) as progress:
+            progress(f"{w.name}: starting local workers ...")
+            res = fidelity(w, time_scale=a.time_scale, policy=a.policy, progress=progress)
     except WorkloadError as e:
         print(f"tangram-hpc fidelity: {e}", file=sys.stderr)
         return 2

@@ -20,7 +20,8 @@ STATUS        C->K       ``{}`` or ``{"allocations": true}``; reply STATUS with 
 POOL          C->K       ``{"op": "pause" | "resume"}`` (worker launches); reply STATUS with
                          the status map after it, ``"pool_op"`` saying what was done
 HEARTBEAT     any        ``{"coordinator": id}`` from K; ``{}`` from C;
-                         ``{"running": n, "services": [...], "envs": [...]}`` from W
+                         ``{"running": n, "services": [...], "envs": [...],
+                         "service_counts": {service: [loads, evictions, queued]}}`` from W
 ERROR         K->any     ``{"code": str, "message": str}``
 REGISTER      W->K       worker description, see :func:`check_register`
 ASSIGN        K->W       ``[[action wire map, attempt, cores], ...]``

@@ -35,6 +35,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from .progress import progress_reporter
 from .runlog import ACTION_FIELDS, WORKER_FIELDS, read_records
 
 __all__ = ["add_arguments", "main", "build_report", "load_run", "Report", "JobUsage", "ActionRow",
@@ -108,10 +109,10 @@ class Report:
 
 # -- loading -------------------------------------------------------------------
 
-def _actions(run_dir: Path) -> list[ActionRow]:
+def _actions(run_dir: Path, progress=None) -> list[ActionRow]:
     """Every logged run of every action, in log order."""
     out = []
-    for r in read_records(run_dir / "actions.log"):
+    for r in read_records(run_dir / "actions.log", progress=progress):
         if len(r) < len(ACTION_FIELDS):
             continue
         out.append(ActionRow(*r[:len(ACTION_FIELDS)]))
@@ -158,7 +159,7 @@ def _jobs_from_workers(workers: list[dict], now: float) -> list[JobUsage]:
 
 
 def load_run(run_dir: str | os.PathLike | None, *, since: float | None = None, until: float | None = None,
-             view: Any = None, now: float | None = None) -> Report:
+             view: Any = None, now: float | None = None, progress: Any = None) -> Report:
     """Read a run directory (and Slurm accounting for its jobs) into a :class:`Report`.
 
     Without a run directory, reports every tangram worker job (names ``tgw-*``)
@@ -166,13 +167,15 @@ def load_run(run_dir: str | os.PathLike | None, *, since: float | None = None, u
     """
     now = time.time() if now is None else now
     rd = Path(run_dir) if run_dir else None
-    runs = _actions(rd) if rd else []
+    runs = _actions(rd, progress) if rd else []
     workers = _workers(rd) if rd else []
     submitted = {int(r[2]): dict(zip(JOB_FIELDS, r)) for r in read_records(rd / "slurm_jobs.log")} \
         if rd else {}
     jobs: list[JobUsage] = []
     source = "sacct"
     if submitted or rd is None:
+        if progress is not None:
+            progress("reading Slurm accounting (sacct) ...")
         if view is None:
             from .slurm import cluster_view
             view = cluster_view()
@@ -204,6 +207,8 @@ def load_run(run_dir: str | os.PathLike | None, *, since: float | None = None, u
         jobs = [_clip(j, lo, hi, now) for j in jobs]
         jobs = [j for j in jobs if j is not None]
     rep = Report(str(rd) if rd else None, source, (since, until), jobs, actions, worker_gpus, runs=runs)
+    if progress is not None:
+        progress(f"summarising {len(actions):,} actions and {len(jobs):,} jobs ...")
     rep.summary = summarise(rep)
     return rep
 
@@ -534,6 +539,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     fmt.add_argument("--json", action="store_true", help="summary and per-job rows as JSON")
     fmt.add_argument("--csv", action="store_true", help="per-job rows as CSV")
     p.add_argument("--plot", type=Path, metavar="DIR", help="write allocation.png and act_cdf.png here")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress on stderr (there is none when stderr is not a terminal)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -545,7 +552,8 @@ def main(args: argparse.Namespace) -> int:
         return 2
     from .slurm import SlurmCommandError
     try:
-        rep = load_run(args.run_dir, since=args.since, until=args.until)
+        with progress_reporter(args.quiet) as progress:
+            rep = load_run(args.run_dir, since=args.since, until=args.until, progress=progress)
     except SlurmCommandError as e:
         print(f"report: Slurm accounting unavailable: {e}", file=sys.stderr)
         return 1

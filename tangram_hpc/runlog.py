@@ -8,8 +8,8 @@
 
     [time, event, worker_id, handle, cores, gpus]     event: register | lost | drain | reclaimed | exit
 
-Records are buffered in memory and written once a second, so logging costs
-the dispatch path one list append per action.
+Records are buffered in memory and written at each tick of the coordinator
+(twice a second), so logging costs the dispatch path one list append per action.
 """
 from __future__ import annotations
 
@@ -33,6 +33,11 @@ class RunLog:
     def append(self, record: list) -> None:
         self._buf.append(record)
 
+    @property
+    def pending(self) -> list[list]:
+        """The records not written yet (the coordinator's metrics read them before each flush)."""
+        return self._buf
+
     def flush(self) -> None:
         if not self._buf:
             return
@@ -43,12 +48,15 @@ class RunLog:
             f.write(data)
 
 
-def read_records(path: str | os.PathLike) -> Iterator[list]:
-    """Yield records; a torn last record (coordinator killed mid-write) is ignored."""
+def read_records(path: str | os.PathLike, *, progress=None) -> Iterator[list]:
+    """Yield records; a torn last record (coordinator killed mid-write) is ignored.  With a
+    :class:`~tangram_hpc.progress.Progress`, reading shows a bar by bytes."""
     try:
         f = open(path, "rb")
     except FileNotFoundError:
         return
+    if progress is not None:
+        f = progress.reading(f, os.fstat(f.fileno()).st_size, f"reading {Path(path).name}")
     with f:
         unpacker = msgpack.Unpacker(f, raw=False)
         try:

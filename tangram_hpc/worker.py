@@ -373,6 +373,9 @@ class Worker:
         }
         if self.services is not None:
             body["services"] = sorted(self.services.resident())
+            queued = self.services.pending()
+            body["service_counts"] = {name: [s["loads"], s["evictions"], queued.get(name, 0)]
+                                      for name, s in self.services.stats().items()}
         if self.sandboxes is not None:
             body["envs"] = sorted(self.sandboxes.environments())
             now = time.monotonic()

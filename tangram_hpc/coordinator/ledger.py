@@ -110,6 +110,11 @@ class ActionLedger:
         a = self._actions.get(action_id)
         return None if a is None else (a.attempt, a.worker)
 
+    def submitted_at(self, action_id: str) -> float | None:
+        """When a live action was first submitted, or None."""
+        a = self._actions.get(action_id)
+        return None if a is None else a.submitted
+
     @property
     def zombie_cores(self) -> int:
         return sum(w.zombie_cores for w in self.workers.by_id.values())

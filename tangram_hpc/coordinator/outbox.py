@@ -41,4 +41,6 @@ class Counters:
     stale_results: int = 0
     workers_lost: int = 0
     launch_failures: int = 0
+    launches: int = 0
+    reclaims: int = 0
     by_status: dict = field(default_factory=dict)

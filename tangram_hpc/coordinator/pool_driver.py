@@ -20,7 +20,7 @@ logs every launch, withdrawal, drain, reclaim and failed start with its reason.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from .. import protocol as P
@@ -94,6 +94,7 @@ class PoolDriver:
         self._reclaim_at: dict[str, float] = {}                     # drained handle -> cancel its job then
         self._last_decision = float("-inf")
         self._throttle_logged: tuple[ThrottleState, str] = (ThrottleState.OK, "")
+        self.decisions: deque[tuple[float, str, str]] = deque(maxlen=50)  # (time, what, detail), for status
 
     # -- events --------------------------------------------------------------------
     def joined(self, w: WorkerRecord, now: float | None = None) -> None:
@@ -186,6 +187,7 @@ class PoolDriver:
                 w = self.ledger.workers.get(d.worker_id)
                 if w is not None and w.state is not WorkerState.DRAINING:
                     log.info("draining worker %s%s: %s", d.worker_id, self._job_of(w.info.handle), d.reason)
+                    self.decisions.append((now, "drain", f"{d.worker_id}{self._job_of(w.info.handle)}: {d.reason}"))
                 self.ledger.drain(d.worker_id, d.reason, now)
         self._log_throttle(now)
 
@@ -212,6 +214,10 @@ class PoolDriver:
         log.info("launched %d worker(s) of %d cores%s%s (%s): %s", len(handles), d.shape.cores,
                  f", {d.shape.gpus} GPUs" if d.shape.gpus else "",
                  f" on partition {d.shape.partition}" if d.shape.partition else "", ", ".join(jobs), why)
+        if handles:
+            self.ledger.counters.launches += len(handles)
+            self.decisions.append((now, "launch",
+                                   f"{len(handles)} x {_shape_text(d.shape)} ({', '.join(jobs)}): {why}"))
 
     def _withdraw(self, d: Withdraw, now: float) -> None:
         """Cancel up to ``d.count`` launched jobs of ``d.shape`` still waiting in the batch queue, newest first."""
@@ -224,6 +230,7 @@ class PoolDriver:
             rec.withdrawn = d.reason
             rec.note(now, JobState.PENDING, f"cancelling while queued: {d.reason}")
             log.info("cancelling queued worker job %s%s: %s", h, self._job_of(h), d.reason)
+            self.decisions.append((now, "withdraw", f"{h}{self._job_of(h)} still queued: {d.reason}"))
             try:
                 self.backend.reclaim(h)
             except Exception as e:
@@ -232,6 +239,7 @@ class PoolDriver:
     def _launch_failed(self, now: float, why: str) -> None:
         self.ledger.counters.launch_failures += 1
         self.failures.append((now, why))
+        self.decisions.append((now, "launch failed", why))
         if len(self.failures) > 100:  # a crash-looping backend must not grow this forever
             del self.failures[:-50]
         self.throttle.failed(now, why)
@@ -284,6 +292,9 @@ class PoolDriver:
                 self.ledger.retire_worker(w.info.id, now)
                 log.info("stopping drained worker %s%s (%s)", w.info.id, self._job_of(w.info.handle),
                          w.drain_reason or "reclaimed")
+                self.ledger.counters.reclaims += 1
+                self.decisions.append((now, "reclaim", f"{w.info.id}{self._job_of(w.info.handle)}: "
+                                                       f"{w.drain_reason or 'reclaimed'}"))
                 if w.info.handle:
                     self._reclaim_at[w.info.handle] = now + self.config.drain_grace_s
         for handle, at in list(self._reclaim_at.items()):
@@ -308,7 +319,8 @@ class PoolDriver:
                "launch": {"state": st.state, "reason": st.reason,
                           "retry_at": local_time(st.retry_at) if st.retry_at is not None else None,
                           "retry_in_s": round(max(0.0, st.retry_at - now), 1) if st.retry_at is not None else None},
-               "allocation_states": counts}
+               "allocation_states": counts,
+               "pool_decisions": [list(d) for d in list(self.decisions)[-20:]]}
         if allocations:
             out["allocations"] = [rec.to_status() for rec in self.allocations.values()]
         return out
@@ -332,3 +344,16 @@ class PoolDriver:
             log.warning("launches paused by an operator")
             return "launches paused"
         raise ValueError(f"unknown pool operation {op!r}: pause or resume")
+
+
+def _shape_text(s: WorkerShape) -> str:
+    parts = [f"{s.cores} cores"]
+    if s.mem_mb:
+        parts.append(f"{s.mem_mb} MiB")
+    if s.gpus:
+        parts.append(f"{s.gpus} GPU")
+    elif s.gpu_mem_mb:
+        parts.append(f"{s.gpu_mem_mb} MiB device")
+    if s.partition:
+        parts.append(f"partition {s.partition}")
+    return ", ".join(parts)

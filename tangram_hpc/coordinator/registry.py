@@ -35,7 +35,8 @@ class WorkerRecord:
     """
 
     __slots__ = ("info", "ident", "last_seen", "running", "busy_cores", "zombies", "state", "drain_reason",
-                 "idle_since", "services", "envs", "registered_at", "launched_shape", "launched_at")
+                 "idle_since", "services", "envs", "registered_at", "launched_shape", "launched_at",
+                 "service_counts")
 
     def __init__(self, info: WorkerInfo, ident: bytes, now: float):
         self.info = info
@@ -52,6 +53,8 @@ class WorkerRecord:
         self.registered_at = now
         self.launched_shape: WorkerShape | None = None   # set by the pool driver for workers it launched
         self.launched_at: float | None = None            # ... and when it asked the backend for it
+        # service -> (loads onto the device, evictions, queued inputs), as the worker last reported
+        self.service_counts: dict[str, tuple[int, int, int]] = {}
 
     @property
     def id(self) -> str:
@@ -124,6 +127,9 @@ class WorkerRegistry:
         if isinstance(envs, list) and frozenset(envs) != w.envs:
             w.envs = frozenset(e for e in envs if isinstance(e, str))
             changed = True
+        counts = body.get("service_counts")
+        if isinstance(counts, dict):
+            w.service_counts = _service_counts(counts, w.info.services)
         return changed
 
     def mark_draining(self, w: WorkerRecord, reason: str, now: float) -> None:
@@ -133,3 +139,14 @@ class WorkerRegistry:
 
     def _record(self, now: float, event: str, w: WorkerRecord) -> None:
         self.log.append([now, event, w.info.id, w.info.handle, w.info.cores, w.info.gpus])
+
+
+def _service_counts(counts: dict, hosted: frozenset[str]) -> dict[str, tuple[int, int, int]]:
+    """A heartbeat's ``service_counts`` ({service: [loads, evictions, queued inputs]}), keeping only
+    well-formed entries of services the worker registered (so a peer cannot grow this without bound)."""
+    out = {}
+    for name, v in counts.items():
+        if name in hosted and isinstance(v, (list, tuple)) and len(v) == 3 and \
+                all(type(x) is int and x >= 0 for x in v):
+            out[name] = (v[0], v[1], v[2])
+    return out

@@ -10,9 +10,12 @@ decode, a dict insert, a policy call and an encode.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
+from pathlib import Path
+
 import zmq
 
 from .. import protocol as P
@@ -21,11 +24,13 @@ from ..backends.base import WorkerBackend
 from ..backends.guards import LaunchThrottle
 from ..config import CoordinatorSettings
 from ..connection import ConnectionInfo
+from ..errors import ConfigError
 from ..netaddr import advertised_host
 from ..policy.base import PoolPolicy, SchedulingPolicy
 from ..runlog import RunLog
 from ..security import CurveKeys
 from .ledger import ActionLedger
+from .metrics import CoordinatorMetrics
 from .outbox import Outbox
 from .pool_driver import PoolDriver
 from .registry import WorkerRecord, WorkerRegistry
@@ -58,6 +63,8 @@ class Coordinator:
                                    action_log=self._action_log)
         self.workers = self.ledger.workers
         self.counters = self.ledger.counters
+        self.metrics = CoordinatorMetrics()
+        self._metrics_server = None        # the Prometheus endpoint, when metrics_port is set
         self.pool_driver = None
         if pool is not None and backend is not None:
             self.pool_driver = PoolDriver(config, pool, backend, self.ledger,
@@ -73,6 +80,8 @@ class Coordinator:
     # -- sockets -----------------------------------------------------------
     def bind(self) -> ConnectionInfo:
         cfg = self.config
+        if cfg.metrics_port is not None and self._metrics_server is None:
+            self._start_metrics(cfg.metrics_host or cfg.host, cfg.metrics_port)
         ctx = self._ctx = zmq.Context()
         self.clients = self._router(ctx, mandatory=False)
         self.worker_socket = self._router(ctx, mandatory=True)
@@ -90,6 +99,47 @@ class Coordinator:
             client_key_file=str(curve.client_key_file) if curve else "")
         self.info.write(cfg.connection_file)
         return self.info
+
+    def _start_metrics(self, host: str, port: int) -> None:
+        from .exporter import MetricsServer
+        try:
+            self._metrics_server = MetricsServer(host, port, self._families,
+                                                 advertise_host=self.config.advertise_host)
+        except ImportError as e:
+            raise ConfigError(f"metrics_port is set, but {e}") from None
+        except OSError as e:
+            raise ConfigError(f"cannot serve metrics on {host}:{port} (metrics_host, metrics_port): "
+                              f"{e.strerror or e}") from None
+        log.info("Prometheus metrics at %s", self._metrics_server.url)
+        self._write_scrape_target()
+
+    @property
+    def _scrape_target_file(self) -> Path:
+        run = self.config.run_dir.name
+        return Path(self.config.metrics_targets_dir or self.config.run_dir) / f"tangram-{run}.json"
+
+    def _write_scrape_target(self) -> None:
+        """The endpoint in Prometheus's file_sd format, so that a Prometheus watching the targets
+        directory finds a coordinator whose port was picked at start (metrics_port 0)."""
+        m = self._metrics_server
+        target = [{"targets": [f"{m.host}:{m.port}"], "labels": {"coordinator": self.id,
+                                                                 "run": self.config.run_dir.name}}]
+        path = self._scrape_target_file
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")   # file_sd ignores it; the rename is atomic
+        tmp.write_text(json.dumps(target) + "\n")
+        os.replace(tmp, path)
+
+    @property
+    def metrics_url(self) -> str | None:
+        return self._metrics_server.url if self._metrics_server is not None else None
+
+    def _families(self) -> list:
+        """Every metric family, read now (run by the loop for a scrape)."""
+        now = time.time()
+        self._flush_logs()
+        return self.metrics.families(self.ledger, self.pool_driver, now, coordinator=self.id,
+                                     uptime_s=now - self._started)
 
     def _router(self, ctx: zmq.Context, mandatory: bool) -> zmq.Socket:
         s = ctx.socket(zmq.ROUTER)
@@ -121,6 +171,9 @@ class Coordinator:
         poller = zmq.Poller()
         poller.register(self.clients, zmq.POLLIN)
         poller.register(self.worker_socket, zmq.POLLIN)
+        exporter = self._metrics_server
+        if exporter is not None:
+            poller.register(exporter.fd, zmq.POLLIN)
         ledger = self.ledger
         next_tick = 0.0
         end = time.monotonic() + stop_after if stop_after else None
@@ -135,6 +188,8 @@ class Coordinator:
                     self._drain(self.worker_socket, self._on_worker_frame)
                 if self.clients in events:
                     self._drain(self.clients, self._on_client_frame)
+                if exporter is not None and exporter.fd in events:
+                    exporter.answer()   # a scrape waits: build the figures now, between two turns
                 if ledger.dirty:
                     ledger.dispatch(time.time())
                 self._flush()
@@ -152,8 +207,11 @@ class Coordinator:
         self._stop = True
 
     def close(self) -> None:
-        self._action_log.flush()
-        self._worker_log.flush()
+        self._flush_logs()
+        if self._metrics_server is not None:
+            self._metrics_server.close()
+            self._metrics_server = None
+            self._scrape_target_file.unlink(missing_ok=True)
         if self._ctx is None:
             return
         bye = P.encode(P.STOP, {"reason": "coordinator shutting down", "reregister": False})
@@ -326,13 +384,19 @@ class Coordinator:
         if self.pool_driver is not None:
             self.pool_driver.tick(now)
         self.ledger.fail_unplaceable(now)
+        self._flush_logs()
+        self.ledger.dirty = True
+
+    def _flush_logs(self) -> None:
+        """Count the finished actions in the metrics, a batch at a time, then write the logs."""
+        self.metrics.observe(self._action_log.pending)
         self._action_log.flush()
         self._worker_log.flush()
-        self.ledger.dirty = True
 
     # -- introspection -------------------------------------------------------
     def status(self, allocations: bool = False) -> dict:
         now = time.time()
+        self._flush_logs()
         c = self.counters
         out = {
             "coordinator": self.id, "uptime_s": now - self._started, "pid": os.getpid(),
@@ -341,7 +405,9 @@ class Coordinator:
             "submitted": c.submitted, "completed": c.completed, "failed": c.failed, "retried": c.retried,
             "rejected": c.rejected, "bad_frames": c.bad_frames, "stale_results": c.stale_results,
             "workers_lost": c.workers_lost, "launch_failures": c.launch_failures,
-            "recent_launch_failures": [], "starting_workers": 0, "pool": "",
+            "launches": c.launches, "reclaims": c.reclaims,
+            "recent_launch_failures": [], "starting_workers": 0, "pool": "", "pool_decisions": [],
+            "metrics_url": self.metrics_url,
             "by_status": dict(c.by_status),
             "workers": [
                 {"id": w.info.id, "host": w.info.host, "pid": w.info.extra.get("pid"), "handle": w.info.handle,
@@ -353,4 +419,5 @@ class Coordinator:
         if self.pool_driver is not None:
             out.update(self.pool_driver.status(now, allocations=allocations))
             self.pool_driver.describe_workers(out["workers"], now)
+        out.update(self.metrics.status(self.ledger, now))
         return out

@@ -23,6 +23,9 @@ Routes:
     the coordinator's worker and queue counts; HTTP 503 when it does not answer.
 ``GET /stats``
     this service's request metrics (:class:`~tangram_hpc.serve.metrics.RequestMetrics`).
+``GET /metrics``
+    the same metrics for Prometheus (``tangram_serve_*``; HTTP 501 without the
+    ``metrics`` extra).
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ from aiohttp import web
 
 from ..client import AsyncClient
 from ..managers.sandboxfusion import RunCodeError
+from ..metrics import render
 from .metrics import RequestMetrics
 from ..integrations.batching import RewardBatcher, RewardError
 from .translate import (FieldError, Reply, busy_reply, invalid_reply, openrlhf_items, refused_for_load,
@@ -173,6 +177,13 @@ class _Service:
     async def stats(self, request: web.Request) -> web.Response:
         return web.json_response(self.metrics.snapshot())
 
+    async def prometheus(self, request: web.Request) -> web.Response:
+        try:
+            body, content_type = render(self.metrics.families())
+        except ImportError as e:
+            return _response(Reply(501, {"detail": str(e)}))
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
 
 def _response(reply: Reply) -> web.Response:
     return web.Response(status=reply.status, headers=reply.headers, content_type="application/json",
@@ -193,6 +204,7 @@ def make_app(client: AsyncClient, config: ServeConfig | None = None,
         web.get("/v1/ping", svc.ping),
         web.get("/health", svc.health),
         web.get("/stats", svc.stats),
+        web.get("/metrics", svc.prometheus),
     ])
     return app
 

@@ -1,20 +1,20 @@
 """Request metrics of ``tangram-hpc serve``: counters and latency histograms, no I/O.
 
-Plain numbers that an exporter reads with :meth:`RequestMetrics.snapshot`
-(today the ``/stats`` JSON endpoint; a Prometheus endpoint can map the same
-counters and the cumulative histogram buckets one to one).
+Plain numbers, read by ``GET /stats`` (:meth:`RequestMetrics.snapshot`, JSON)
+and ``GET /metrics`` (:meth:`RequestMetrics.families`, Prometheus text through
+:func:`tangram_hpc.metrics.render`).
 """
 from __future__ import annotations
 
-import bisect
 from collections import Counter
 from typing import Any
 
+from ..metrics import Family, Histogram
+
 __all__ = ["RequestMetrics", "LATENCY_BUCKETS_S"]
 
-#: Upper bounds (seconds) of the latency histogram buckets; the last catches the rest.
-LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
-                     float("inf"))
+#: Upper bounds (seconds) of the latency histogram buckets; larger values land in the overflow bucket.
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
 class RequestMetrics:
@@ -25,8 +25,7 @@ class RequestMetrics:
         self.outcomes: Counter[str] = Counter()   # run_code: Success / Failed / SandboxError
         self.in_flight = 0
         self.peak_in_flight = 0
-        self._buckets: dict[str, list[int]] = {}
-        self._sum: Counter[str] = Counter()
+        self.latency: dict[str, Histogram] = {}
 
     def started(self) -> None:
         self.in_flight += 1
@@ -41,22 +40,18 @@ class RequestMetrics:
         self.requests[(route, status)] += 1
         if outcome is not None:
             self.outcomes[outcome] += 1
-        b = self._buckets.get(route)
-        if b is None:
-            b = self._buckets[route] = [0] * len(LATENCY_BUCKETS_S)
-        b[bisect.bisect_left(LATENCY_BUCKETS_S, seconds)] += 1
-        self._sum[route] += seconds
+        h = self.latency.get(route)
+        if h is None:
+            h = self.latency[route] = Histogram(LATENCY_BUCKETS_S)
+        h.observe(seconds)
 
     def snapshot(self) -> dict[str, Any]:
         """JSON-ready: counters, and per route the cumulative bucket counts and the sum."""
         latency = {}
-        for route, counts in self._buckets.items():
-            cumulative, total = [], 0
-            for c in counts:
-                total += c
-                cumulative.append(total)
-            latency[route] = {"le": [str(b) if b != float("inf") else "+Inf" for b in LATENCY_BUCKETS_S],
-                              "cumulative": cumulative, "count": total, "sum_s": round(self._sum[route], 6)}
+        for route, h in self.latency.items():
+            buckets = h.prometheus_buckets()
+            latency[route] = {"le": [le for le, _ in buckets], "cumulative": [int(n) for _, n in buckets],
+                              "count": h.count, "sum_s": round(h.sum, 6)}
         return {
             "in_flight": self.in_flight,
             "peak_in_flight": self.peak_in_flight,
@@ -64,3 +59,22 @@ class RequestMetrics:
             "run_code_outcomes": dict(self.outcomes),
             "latency": latency,
         }
+
+    def families(self) -> list[Family]:
+        """The same numbers as Prometheus metric families (``tangram_serve_*``)."""
+        req = Family("tangram_serve_requests_total", "counter", "HTTP requests answered, by route and status code",
+                     ("route", "code"))
+        for (route, status), n in sorted(self.requests.items()):
+            req.add(n, route, status)
+        out = Family("tangram_serve_run_code_outcomes_total", "counter",
+                     "run_code answers by SandboxFusion status (Success, Failed, SandboxError)", ("status",))
+        for status, n in sorted(self.outcomes.items()):
+            out.add(n, status)
+        lat = Family("tangram_serve_request_duration_seconds", "histogram",
+                     "time from a request's arrival to its answer, by route", ("route",))
+        for route, h in sorted(self.latency.items()):
+            lat.add(h, route)
+        return [req, out, lat,
+                Family("tangram_serve_requests_in_flight", "gauge", "requests being answered now").add(self.in_flight),
+                Family("tangram_serve_requests_in_flight_peak", "gauge",
+                       "most requests in flight at once since start").add(self.peak_in_flight)]
