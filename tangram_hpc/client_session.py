@@ -68,6 +68,9 @@ class ClientSession:
     def cancel(self, ids: list[str]) -> None:
         self.outq.append((P.CANCEL, ids))
 
+    def close_env(self, envs: list[str]) -> None:
+        self.outq.append((P.CLOSE_ENV, envs))
+
     def ask_status(self, fut: Any) -> None:
         self.status_waiters.append(fut)
         self.outq.append((P.STATUS, {}))

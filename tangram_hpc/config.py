@@ -116,13 +116,23 @@ class CoordinatorSettings:
     pool_interval_s: float = key(1.0, "seconds between pool decisions", flag="--pool-interval", minimum=0.01)
     drain_grace_s: float = key(30.0, "seconds a stopped worker has to snapshot and exit before its job is "
                                "cancelled", flag="--drain-grace", minimum=0)
+    env_wait_s: float = key(120.0, "seconds the actions of an environment wait for its worker after that worker "
+                            "fell silent (it may come back with it); then the environment is adopted from the "
+                            "worker's directory, or lost", flag="--env-wait", minimum=0)
+    state_dir: Path | None = key(None, "directory that outlives restarts of this coordinator: environment snapshots, "
+                                 "where each environment is, attempts of unfinished actions (default: beside the "
+                                 "connection file, NAME.state for NAME.json)")
 
     def resolved(self) -> "CoordinatorSettings":
         """A copy with the run directory, connection file and host filled in."""
         run_dir = Path(self.run_dir).expanduser() if self.run_dir else default_run_dir(self.runs_root)
         host = self.host or ("0.0.0.0" if self.backend == "slurm" else "127.0.0.1")
-        return dataclasses.replace(self, run_dir=run_dir, host=host,
-                                   connection_file=Path(self.connection_file or run_dir / "connection.json"))
+        connection_file = Path(self.connection_file or run_dir / "connection.json")
+        # Beside the connection file, which a restarted coordinator keeps (clients find it there),
+        # not in the run directory, which the documented restart path replaces.
+        state_dir = Path(self.state_dir) if self.state_dir else connection_file.with_name(connection_file.stem + ".state")
+        return dataclasses.replace(self, run_dir=run_dir, host=host, connection_file=connection_file,
+                                   state_dir=state_dir)
 
 
 @dataclass
@@ -170,6 +180,9 @@ class WorkerSettings:
                                minimum=1)
     max_output_bytes: int = key(MAX_FRAME_BYTES // 2, "largest action output sent back (larger: a failed result)",
                                 minimum=1024)
+    leave_grace_s: float = key(5.0, "seconds a leaving or stopped worker lets running actions finish before it "
+                               "interrupts them (they are retried) and hands its environments back",
+                               flag="--leave-grace", minimum=0)
 
 
 @dataclass
@@ -182,8 +195,8 @@ class SandboxSettings:
     allow_network: bool = key(False, "let payloads ask for network access")
     warm_pool: int = key(2, "ready-made environments kept", minimum=0)
     env_ttl_s: float = key(3600.0, "seconds an idle environment is kept", flag="--sandbox-env-ttl", minimum=0)
-    snapshot_dir: Path | None = key(None, "shared directory for environment snapshots (default RUN_DIR/snapshots)",
-                                    flag="--snapshot-dir")
+    snapshot_dir: Path | None = key(None, "shared directory for environment snapshots (default: the one the "
+                                    "coordinator names, STATE_DIR/snapshots)", flag="--snapshot-dir")
 
 
 @dataclass

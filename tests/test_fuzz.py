@@ -57,7 +57,7 @@ def _seed_bodies(worker_id: str = "w-fuzz") -> list[tuple[int, object]]:
                       "partition": None, "envs": []}),
         (P.HEARTBEAT, {"running": 1, "services": ["s"], "envs": ["e1"]}),
         (P.HEARTBEAT, {"leaving": "bye"}),
-        (P.DONE, [["0" * 24, 1, "ok", {"x": 1}, None, 1.0, 2.0], ["y", 2, "failed", None, "boom", 0, 0]]),
+        (P.DONE, [["0" * 24, 1, "ok", {"x": 1}, None, 1.0, 2.0, None], ["y", 2, "failed", None, "boom", 0, 0, "kept"]]),
     ]
 
 
@@ -342,7 +342,7 @@ def test_live_worker_socket_fuzz(live, identity, register, data):
     worker_seeds = [(t, b) for t, b in seeds if t in (P.REGISTER, P.HEARTBEAT, P.DONE)]
     # DONE frames naming the valid client's in-flight actions: a worker must not be able to finish
     # an action it was not given.
-    worker_seeds.append((P.DONE, [[aid, a, "ok", "forged", None, 0.0, 0.0] for aid in real_ids for a in (1, 2)]))
+    worker_seeds.append((P.DONE, [[aid, a, "ok", "forged", None, 0.0, 0.0, None] for aid in real_ids for a in (1, 2)]))
     frames = data.draw(st.lists(st.binary(max_size=300) | byte_mutant([P.encode(t, b) for t, b in worker_seeds])
                                 | structural_mutant(worker_seeds) | st.sampled_from([P.encode(*s) for s in worker_seeds]),
                                 min_size=1, max_size=6))

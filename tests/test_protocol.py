@@ -25,9 +25,9 @@ MALFORMED = {
     "not_a_list": (msgpack.packb({"v": 1}), "malformed"),
     "short_list": (msgpack.packb([1, 3]), "malformed"),
     "wrong_version": (msgpack.packb([99, P.SUBMIT, []]), "version"),
-    "unknown_type": (msgpack.packb([1, 77, {}]), "unknown_type"),
+    "unknown_type": (msgpack.packb([P.PROTOCOL_VERSION, 77, {}]), "unknown_type"),
     "worker_type_on_client_socket": (P.encode(P.DONE, []), "unknown_type"),
-    "wrong_body_shape": (msgpack.packb([1, P.SUBMIT, {"a": 1}]), "malformed"),
+    "wrong_body_shape": (msgpack.packb([P.PROTOCOL_VERSION, P.SUBMIT, {"a": 1}]), "malformed"),
     "int_map_keys": (msgpack.packb([1, P.HELLO, {1: 2}]), "malformed"),
     "empty": (b"", "malformed"),
 }
@@ -125,7 +125,7 @@ def test_coordinator_survives_garbage_on_worker_socket(small_frames):
         s = _raw(ctx, info.worker_address, identity=b"intruder", conn=info)
         for frame in [v[0] for v in MALFORMED.values()] + [os.urandom(300),
                       P.encode(P.REGISTER, {"id": "someone-else", "cores": 2}),
-                      P.encode(P.DONE, [["x", 1, "ok", None, None, 0.0, 0.0]])]:
+                      P.encode(P.DONE, [["x", 1, "ok", None, None, 0.0, 0.0, None]])]:
             s.send(frame)
         replies = []
         while True:

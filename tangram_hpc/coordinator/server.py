@@ -24,10 +24,12 @@ from ..connection import ConnectionInfo
 from ..policy.base import PoolPolicy, SchedulingPolicy
 from ..runlog import RunLog
 from ..security import CurveKeys
+from .environments import EnvironmentDirectory
 from .ledger import ActionLedger
 from .outbox import Outbox
 from .pool_driver import PoolDriver
 from .registry import WorkerRecord, WorkerRegistry
+from .state_dir import StateDir
 
 log = logging.getLogger("tangram.coordinator")
 
@@ -53,8 +55,12 @@ class Coordinator:
         self._action_log = RunLog(run_dir / "actions.log")
         self._worker_log = RunLog(run_dir / "workers.log")
         self.outbox = Outbox()
+        # Environments and the attempts of unfinished actions outlive a restart (state_dir).
+        self.state = StateDir(config.state_dir)
+        envs = EnvironmentDirectory(config.env_wait_s)
+        attempts = self.state.load(envs, time.time())
         self.ledger = ActionLedger(config, policy, WorkerRegistry(self._worker_log), outbox=self.outbox,
-                                   action_log=self._action_log)
+                                   action_log=self._action_log, envs=envs, prior_attempts=attempts)
         self.workers = self.ledger.workers
         self.counters = self.ledger.counters
         self.pool_driver = None
@@ -150,13 +156,16 @@ class Coordinator:
         self._stop = True
 
     def close(self) -> None:
+        if self._ctx is not None:
+            bye = P.encode(P.STOP, {"reason": "coordinator shutting down", "reregister": False})
+            for w in self.workers:
+                self._send_ident(w.ident, bye)
+            self._await_workers_leaving()
         self._action_log.flush()
         self._worker_log.flush()
+        self._flush_state(time.time())
         if self._ctx is None:
             return
-        bye = P.encode(P.STOP, {"reason": "coordinator shutting down", "reregister": False})
-        for w in self.workers:
-            self._send_ident(w.ident, bye)
         if self.curve is not None:
             self.curve.stop()
         if self.backend is not None:
@@ -166,6 +175,26 @@ class Coordinator:
                 log.exception("backend shutdown failed")
         self._ctx.destroy(linger=0)
         self._ctx = None
+
+    def _await_workers_leaving(self) -> None:
+        """After STOP: hear the workers out (last results, environments they save) until each has left
+        or ``drain_grace_s`` passes, so a restarted coordinator finds their environments."""
+        deadline = time.monotonic() + min(self.config.drain_grace_s, 30.0)
+        poller = zmq.Poller()
+        poller.register(self.worker_socket, zmq.POLLIN)
+        while len(self.workers) and time.monotonic() < deadline:
+            if poller.poll(100):
+                self._drain(self.worker_socket, self._on_worker_frame)
+            if self.pool_driver is not None:
+                self.pool_driver.poll(time.time())   # a worker whose process ended has left too
+            self.outbox.assign.clear()               # nothing new starts now
+            self._flush()
+
+    def _flush_state(self, now: float) -> None:
+        try:
+            self.state.flush(self.ledger.envs, self.ledger.attempt_log, self.ledger.live_env_attempts, now)
+        except OSError as e:
+            log.warning("could not write the state directory %s: %s", self.state.path, e)
 
     def _drain(self, sock: zmq.Socket, handler) -> None:
         for _ in range(_BATCH):
@@ -206,6 +235,8 @@ class Coordinator:
             self.clients.send_multipart([ident, P.encode(P.STATUS, self.status())], zmq.NOBLOCK)
         elif mtype == P.HELLO:
             self.clients.send_multipart([ident, P.encode(P.WELCOME, self._welcome())], zmq.NOBLOCK)
+        elif mtype == P.CLOSE_ENV:
+            self.ledger.close_env(P.check_env_ids(body), time.time())
 
     def _welcome(self) -> dict:
         c = self.config
@@ -223,13 +254,22 @@ class Coordinator:
             if self.pool_driver is not None:
                 self.pool_driver.joined(w)
             self._send_ident(ident, P.encode(P.WELCOME, {"coordinator": self.id,
-                                                         "heartbeat_s": self.config.heartbeat_s}))
+                                                         "heartbeat_s": self.config.heartbeat_s,
+                                                         "snapshot_dir": str(self.state.snapshots)}))
             log.info("worker %s registered: %d cores, %d GPUs, handle %s", wid, info.cores, info.gpus, info.handle)
+            return
+        if mtype == P.ENV:
+            # Fenced by generation and holder, so a worker declared lost may still hand an environment back.
+            bad = ledger.env_report(wid, body, now)
+            if bad:
+                raise P.ProtocolError("invalid", f"{bad} malformed ENV item(s) from worker {wid} ignored")
             return
         w = self.workers.get(wid)
         if w is None:
             if mtype == P.DONE:
                 ledger.done(wid, body, now)  # counted as stale: their actions were retried elsewhere
+            if mtype == P.HEARTBEAT and (body.get("left") or body.get("leaving")):
+                return   # on its way out (after a drain): nothing to say to it
             # A worker we declared lost (or one from before a restart): it must start over.
             self._send_ident(ident, P.encode(P.STOP, {"reason": "unknown worker: register again",
                                                       "reregister": True}))
@@ -240,10 +280,16 @@ class Coordinator:
             if bad:
                 raise P.ProtocolError("invalid", f"{bad} malformed DONE item(s) from worker {wid} ignored")
         elif mtype == P.HEARTBEAT:
-            if body.get("leaving"):
-                ledger.lose_worker(wid, now, f"worker {wid} is leaving: {body.get('leaving')}")
+            if body.get("left"):
+                ledger.worker_left(wid, now, str(body.get("left"))[:200])
+            elif body.get("leaving"):
+                ledger.worker_leaving(wid, str(body.get("leaving"))[:200], now)
             else:
                 ledger.worker_report(wid, body, now)
+        elif mtype == P.OUTCOMES:
+            bad = ledger.outcomes(wid, body, now)
+            if bad:
+                raise P.ProtocolError("invalid", f"{bad} malformed OUTCOMES item(s) from worker {wid} ignored")
 
     # -- frames out --------------------------------------------------------------
     def _flush(self) -> None:
@@ -258,6 +304,9 @@ class Coordinator:
         if ob.kill:
             out, ob.kill = ob.kill, {}
             self._send_workers(P.KILL, out)
+        if ob.env:
+            out, ob.env = ob.env, {}
+            self._send_workers(P.ENV, out)
         # Clients last: a worker lost while sending above may have finalised actions.
         if ob.results:
             out, ob.results = ob.results, {}
@@ -288,7 +337,7 @@ class Coordinator:
             now = time.time()
             if self.pool_driver is not None:
                 self.pool_driver.poll(now)  # the backend usually knows why (exit status, job state)
-            self.ledger.lose_worker(w.info.id, now, "connection closed")
+            self.ledger.lose_worker(w.info.id, now, "connection closed", dead=True)
 
     def _send_ident(self, ident: bytes, frame: bytes) -> bool:
         try:
@@ -314,6 +363,7 @@ class Coordinator:
         self.ledger.fail_unplaceable(now)
         self._action_log.flush()
         self._worker_log.flush()
+        self._flush_state(now)
         self.ledger.dirty = True
 
     # -- introspection -------------------------------------------------------
@@ -328,7 +378,8 @@ class Coordinator:
             "rejected": c.rejected, "bad_frames": c.bad_frames, "stale_results": c.stale_results,
             "workers_lost": c.workers_lost, "launch_failures": c.launch_failures,
             "recent_launch_failures": [], "starting_workers": 0, "pool": "",
-            "by_status": dict(c.by_status),
+            "by_status": dict(c.by_status), "replayed": c.replayed, "envs_closed": c.envs_closed,
+            "environments": self.ledger.envs.counts(),
             "workers": [
                 {"id": w.info.id, "host": w.info.host, "pid": w.info.extra.get("pid"), "handle": w.info.handle,
                  "cores": w.info.cores, "busy_cores": w.busy_cores, "zombie_cores": w.zombie_cores,
