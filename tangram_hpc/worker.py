@@ -154,6 +154,7 @@ class Worker:
         self._leave_killed: set[tuple] = set()
         self._interrupted: list[list] = []
         self._handed_back: threading.Event | None = None
+        self._leave_signalled = threading.Event()
 
     def _sandbox_manager(self, run_dir: str):
         from .managers.sandbox import SandboxManager
@@ -179,6 +180,10 @@ class Worker:
                     self._cancel_fds.pop(spec.id, None)
             os.close(r)
             os.close(w)
+        if self._leaving is None and _ended_by_job_signal((o.status, o.output)):
+            # Slurm signals every process of a job that ends (scancel, time limit) at once: the
+            # command may die of it a moment before this worker learns it is leaving.
+            self._leave_signalled.wait(_JOB_SIGNAL_WAIT_S)
         return o.status, o.output, o.error
 
     # -- executor threads ---------------------------------------------------
@@ -255,7 +260,7 @@ class Worker:
     def _is_interrupted(self, key: tuple, status: str) -> bool:
         """Whether an attempt that ended while this worker leaves was cut short by the leaving: killed
         by it, or (Slurm signals every process of the job) ended badly after a signal came."""
-        if self._leave_deadline is None or status == Status.OK:
+        if self._leaving is None or status == Status.OK:
             return False
         return key in self._leave_killed or self._leave_by_signal
 
@@ -717,7 +722,7 @@ class Worker:
     def _route_outcome(self, out: list, key: tuple, item: list) -> None:
         """DONE for the current registration; OUTCOMES for an earlier one; nothing for an attempt the
         leaving cut short (the coordinator retries it)."""
-        if self._leave_deadline is not None and self._is_interrupted(key, item[2]):
+        if self._is_interrupted(key, item[2]):
             if key[2] == self._generation:
                 self._interrupted.append([key[0], key[1]])
             return
@@ -765,10 +770,26 @@ class Worker:
         signal), so an action that fails meanwhile was likely killed by it too and is retried."""
         self._leave_by_signal = by_signal
         self._leaving = reason
+        self._leave_signalled.set()
         try:
             os.write(self._wake_w, b"\0")
         except OSError:
             pass
+
+
+def _ended_by_job_signal(outcome: tuple) -> bool:
+    """A sandbox command that failed by a signal a batch system sends to every process of a job
+    it ends (TERM, KILL, USR2 before the time limit, INT, HUP), not by one of this worker's kills."""
+    out = outcome[1]
+    if outcome[0] != Status.FAILED or not isinstance(out, dict):
+        return False
+    rc = out.get("returncode")
+    return isinstance(rc, int) and (-rc in _JOB_SIGNALS or rc - 128 in _JOB_SIGNALS)
+
+
+_JOB_SIGNALS = frozenset({signal.SIGTERM, signal.SIGKILL, signal.SIGUSR2, signal.SIGINT, signal.SIGHUP})
+#: How long an outcome of a command killed by such a signal waits to learn whether the worker leaves.
+_JOB_SIGNAL_WAIT_S = 0.5
 
 
 def _target(spec: ActionSpec) -> str | None:

@@ -35,6 +35,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -539,6 +540,7 @@ class EnvStore:
         src_journal = Path(source_root) / (env_dirname(env_id) + ".journal")
         if not is_plain_dir(Path(source_root), env_dirname(env_id)):
             raise EnvError(f"environment {env_id!r} is not in {source_root} (its worker's directory is gone)")
+        _kill_leftovers(src)
         journal = _read_journal(src_journal)
         self.drop(env_id)
         uid = self._new_uid()
@@ -575,6 +577,46 @@ class EnvStore:
         if old is not None and old.path != dest:
             self._remove(old)
         return env
+
+
+def _kill_leftovers(env_dir: Path) -> None:
+    """Kill what a dead worker's sandbox still runs in ``env_dir`` (on this machine), before the copy.
+
+    As root, a sandboxed command runs under its environment's own uid, and the parent-death signal
+    bubblewrap sets is cleared by that uid change (nor may a capability-less bubblewrap signal it),
+    so a command outlives a worker killed with SIGKILL and would go on writing into the environment.
+    Every process of that uid belongs to this environment's sandbox.
+    """
+    if os.geteuid() != 0:
+        return   # as a user, bubblewrap's --die-with-parent ends the sandbox with its worker
+    try:
+        uid = os.stat(env_dir, follow_symlinks=False).st_uid
+    except OSError:
+        return
+    if not UID_RANGE[0] <= uid < UID_RANGE[1]:
+        return
+    for _ in range(20):   # they may fork while being killed; the process limit bounds the rounds
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit() and _uid_of(p) == uid]
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.01)
+
+
+def _uid_of(pid: str) -> int | None:
+    """The real uid of a process (its /proc entry may be root's when it is not dumpable)."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Uid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def snapshot_identity(path: str | os.PathLike) -> tuple[str, int] | None:
