@@ -230,9 +230,8 @@ class EnvironmentDirectory:
         if handle:
             self.handles[handle] = worker
         keep, drop, regained, lost = [], [], [], []
-        seen = set()
+        kept = set()
         for env, gen in reported:
-            seen.add(env)
             rec = self.envs.get(env)
             if rec is None:
                 closed = self._closed.get(env)
@@ -250,7 +249,8 @@ class EnvironmentDirectory:
             self._changed(rec)
             keep.append([P.ENV_KEEP, env, rec.gen])
             regained.append(env)
-        for env in [e for e in self.by_worker.get(worker, ()) if e not in seen]:
+            kept.add(env)
+        for env in [e for e in self.by_worker.get(worker, ()) if e not in kept]:
             rec = self.envs[env]
             if rec.status is EnvStatus.AWAITED:
                 self._lose(rec, f"its worker {worker} came back without it")

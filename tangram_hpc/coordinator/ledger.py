@@ -454,7 +454,7 @@ class ActionLedger:
             return
         if rec is not None and rec.status not in USABLE:
             return
-        if rec is None or rec.status is not EnvStatus.LIVE:
+        if rec is not None and rec.status is not EnvStatus.LIVE:
             self.policy.close_env(env)   # no worker holds it: the next one to start an action there takes it
         closing = self._env_closing.get(env)
         for a in live:

@@ -12,8 +12,8 @@ uid (the sandboxed command runs as that uid, see
 :mod:`tangram_hpc.managers.bwrap`) and its files are owned by it.
 
 Each environment has a *journal* beside its directory (``<dir>.journal``, out of
-the sandbox's sight): the outcomes of the last :data:`JOURNAL_KEEP` actions that
-ran in it.  It travels with the environment (inside its snapshot, in the tar's
+the sandbox's sight): the outcomes of (at least) the last :data:`JOURNAL_KEEP`
+actions that ran in it.  It travels with the environment (inside its snapshot, in the tar's
 pax header; with its directory when a worker adopts it), so an action whose
 result was lost (its worker declared lost, the coordinator restarted) and that
 comes back to the environment is answered from the journal instead of running a
@@ -62,7 +62,7 @@ _NOFOLLOW_FILE = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 #: Snapshots of deeper trees are refused (the walk holds one descriptor per level).
 _MAX_DEPTH = 256
 _CHANGED_MEANWHILE = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.ELOOP, errno.ENXIO})
-#: Outcomes kept in an environment's journal (the file is compacted to this many).
+#: Outcomes kept in an environment's journal at least (it is compacted to this many once it holds twice as many).
 JOURNAL_KEEP = 32
 # pax header keys of a snapshot: the environment id, its generation, its journal (base64 msgpack)
 _PAX_ENV, _PAX_GEN, _PAX_JOURNAL = "TANGRAM.env", "TANGRAM.generation", "TANGRAM.journal"
