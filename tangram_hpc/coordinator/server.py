@@ -294,19 +294,24 @@ class Coordinator:
     # -- frames out --------------------------------------------------------------
     def _flush(self) -> None:
         ob = self.outbox
+        ledger = self.ledger
+        if ledger.envs.changes or ledger.attempt_log:
+            # Before the ASSIGNs that carry them: a coordinator killed after sending a grant must still
+            # know the environment when it restarts, or it could grant the same id anew elsewhere.
+            self.state.write_changes(ledger.envs, ledger.attempt_log, ledger.live_env_attempts)
         if ob.to_workers:
             msgs, ob.to_workers = ob.to_workers, []
             for ident, mtype, body in msgs:
                 self._send_ident(ident, P.encode(mtype, body))
+        if ob.env:   # before the ASSIGNs: an assignment may rely on a keep or a drop of this turn
+            out, ob.env = ob.env, {}
+            self._send_workers(P.ENV, out)
         if ob.assign:
             out, ob.assign = ob.assign, {}
             self._send_workers(P.ASSIGN, out)
         if ob.kill:
             out, ob.kill = ob.kill, {}
             self._send_workers(P.KILL, out)
-        if ob.env:
-            out, ob.env = ob.env, {}
-            self._send_workers(P.ENV, out)
         # Clients last: a worker lost while sending above may have finalised actions.
         if ob.results:
             out, ob.results = ob.results, {}

@@ -76,6 +76,18 @@ class StateDir:
         """Append what changed; delete snapshots and directories that hold no live state any more;
         look for snapshots of awaited environments.  ``live_attempts()`` gives ``{id: attempts}`` of
         the live actions, to rewrite the attempts file when it grew large."""
+        self.write_changes(directory, attempt_log, live_attempts)
+        if directory.garbage:
+            garbage, directory.garbage = directory.garbage, []
+            for path, env in garbage:
+                self._delete(path, env)
+        if now >= self._next_scan:
+            self._next_scan = now + _SCAN_EVERY_S
+            self.scan_snapshots(directory)
+
+    def write_changes(self, directory: EnvironmentDirectory, attempt_log: list, live_attempts) -> None:
+        """Append the directory's changes and the attempt log (one write each, to the page cache: a
+        killed coordinator loses nothing of it)."""
         if directory.changes:
             self._env_records += len(directory.changes)
             if self._env_records > len(directory.envs) + _ENVS_ROTATE:
@@ -94,13 +106,6 @@ class StateDir:
             else:
                 self._append(self._attempts_file, attempt_log)
             attempt_log.clear()
-        if directory.garbage:
-            garbage, directory.garbage = directory.garbage, []
-            for path, env in garbage:
-                self._delete(path, env)
-        if now >= self._next_scan:
-            self._next_scan = now + _SCAN_EVERY_S
-            self.scan_snapshots(directory)
 
     def scan_snapshots(self, directory: EnvironmentDirectory) -> list[str]:
         """Snapshots of awaited environments written while no coordinator heard of them (a worker
