@@ -42,7 +42,11 @@ sys.path.insert(0, str(REPO))
 from tangram_hpc import Client, sandbox  # noqa: E402
 
 LAUNCH = REPO / "scripts" / "launch-coordinator.sh"
-FAULTS = ("sigstop", "scancel", "sigkill", "drain", "restart", "restart-same-run-dir")
+#: sigstop: SIGSTOP a worker running actions for 20 s, then SIGCONT; scancel / sigkill: a worker running
+#: actions; drain: workers reach their time limit under continuous load; restart: scancel the
+#: coordinator's job and launch it again (a new run directory, as the script does); crash-restart:
+#: SIGKILL the coordinator process, then launch it again on the same run directory.
+FAULTS = ("sigstop", "scancel", "sigkill", "drain", "restart", "crash-restart")
 
 
 @dataclass
@@ -57,6 +61,7 @@ class Outcome:
     env_states: Counter = field(default_factory=Counter)
     attempts: Counter = field(default_factory=Counter)
     notes: list[str] = field(default_factory=list)
+    counters: dict = field(default_factory=dict)   # the coordinator's, at the end
     seconds: float = 0.0
 
     def row(self) -> str:
@@ -202,7 +207,7 @@ def run_fault(fault: str, workdir: Path, *, envs: int = 50, steps: int = 3, slee
         # Each worker drains 30 s into its 3-minute job (150 s before its end, 60 s before Slurm's
         # warning signal), under continuous load; its replacement takes its environments.
         env.update(TANGRAM_WORKER_TIME="3", TANGRAM_EXTRA_ARGS="--slurm-startup 5 --slurm-replace-before 150")
-    if fault == "restart-same-run-dir":
+    if fault == "crash-restart":
         env.update(TANGRAM_RUN_DIR=str(shared / "runs" / "fixed"))
     coord = Coordinator(shared, env, f"tgenv-{fault}")
     coord.launch()
@@ -231,8 +236,10 @@ def run_fault(fault: str, workdir: Path, *, envs: int = 50, steps: int = 3, slee
                 f"environments {st['environments']}")
             traj.pump(time.monotonic() + 300, more=False)
         else:
-            traj.pump(time.monotonic() + 4 + sleep_s * steps / 2, more=False)   # part way through
+            _busy_worker(client)                                                 # part way through
             log(f"[{fault}] restarting the coordinator (job {coord.job})")
+            if fault == "crash-restart":
+                os.kill(client.status()["pid"], signal.SIGKILL)   # its job's trap then cancels the workers
             coord.stop()
             coord.launch()
             traj.pump(time.monotonic() + 300, more=False)
@@ -241,6 +248,7 @@ def run_fault(fault: str, workdir: Path, *, envs: int = 50, steps: int = 3, slee
         logs = read_back(client, traj.env_ids)
         judge(outcome, traj, logs)
         st = client.status()
+        outcome.counters = {k: st[k] for k in ("workers_lost", "retried", "replayed", "stale_results")}
         outcome.notes.append(f"workers lost {st['workers_lost']}, retried {st['retried']}, replayed "
                              f"{st['replayed']}, stale {st['stale_results']}")
         client.close_env(traj.env_ids)
