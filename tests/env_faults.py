@@ -90,6 +90,11 @@ class Coordinator:
         lines = dict(line.split(" ", 1) for line in out.stdout.strip().splitlines())
         self.job, self.conn = lines["job"], lines["connection"]
 
+    def wait_gone(self, wait: float = 60.0) -> None:
+        deadline = time.monotonic() + wait
+        while self.job is not None and time.monotonic() < deadline and _job_active(self.job):
+            time.sleep(0.2)
+
     def stop(self, wait: float = 90.0) -> None:
         """scancel: the job's trap stops the coordinator, which stops its workers (they save their
         environments) and cancels their jobs."""
@@ -133,6 +138,13 @@ class Trajectories:
     def start(self) -> None:
         for e in self.env_ids:
             self._submit(e)
+
+    def pump_until_every_env_ran(self, timeout: float = 300.0) -> None:
+        """Collect results until every environment has run its first action (they are spread over the
+        workers by then), without starting trajectories over."""
+        deadline = time.monotonic() + timeout
+        while min(self.done_steps.values()) < 1 and time.monotonic() < deadline:
+            self.pump(min(deadline, time.monotonic() + 0.2), more=False)
 
     def pump(self, until: float, more: bool = True) -> bool:
         """Collect results until ``until`` (monotonic); start each trajectory's next step.  ``more``:
@@ -183,13 +195,15 @@ def judge(outcome: Outcome, traj: Trajectories, logs: dict[str, list[str] | None
 
 
 def _busy_worker(client: Client, timeout: float = 120.0) -> dict:
+    """The worker holding the most environments among those running actions now."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for w in client.status().get("workers", []):
-            if w.get("running", 0) >= 2 and w.get("state") == "ok" and w.get("pid"):
-                return w
-        time.sleep(0.2)
-    raise AssertionError("no worker ran two actions within the timeout")
+        busy = [w for w in client.status().get("workers", [])
+                if w.get("running", 0) >= 1 and w.get("state") == "ok" and w.get("pid")]
+        if busy:
+            return max(busy, key=lambda w: (w.get("envs", 0), w["running"]))
+        time.sleep(0.1)
+    raise AssertionError("no worker ran actions within the timeout")
 
 
 def run_fault(fault: str, workdir: Path, *, envs: int = 50, steps: int = 3, sleep_s: float = 0.5,
@@ -216,9 +230,12 @@ def run_fault(fault: str, workdir: Path, *, envs: int = 50, steps: int = 3, slee
     try:
         traj = Trajectories(client, envs, steps, sleep_s, prefix=fault, half_way=half_way)
         traj.start()
+        if fault != "drain":
+            traj.pump_until_every_env_ran()   # the faults strike workers that hold environments
         if fault in ("sigstop", "scancel", "sigkill"):
             victim = _busy_worker(client)
-            log(f"[{fault}] victim {victim['id']} pid {victim['pid']} running {victim['running']}")
+            log(f"[{fault}] victim {victim['id']} pid {victim['pid']} running {victim['running']}, "
+                f"holding {victim.get('envs')} environments")
             if fault == "sigstop":
                 os.kill(victim["pid"], signal.SIGSTOP)
                 traj.pump(time.monotonic() + 20)
@@ -239,7 +256,10 @@ def run_fault(fault: str, workdir: Path, *, envs: int = 50, steps: int = 3, slee
             _busy_worker(client)                                                 # part way through
             log(f"[{fault}] restarting the coordinator (job {coord.job})")
             if fault == "crash-restart":
-                os.kill(client.status()["pid"], signal.SIGKILL)   # its job's trap then cancels the workers
+                # Its job's script ends by itself, its trap cancelling the workers (they save what they
+                # hold with nobody to tell); a scancel now could cut that trap short.
+                os.kill(client.status()["pid"], signal.SIGKILL)
+                coord.wait_gone()
             coord.stop()
             coord.launch()
             traj.pump(time.monotonic() + 300, more=False)
