@@ -647,7 +647,28 @@ def _new_env_id() -> str:
     return f"env-{os.urandom(8).hex()}"
 
 
-class EnvHandle:
+class _EnvHandleBase:
+    def __init__(self, client: Any, env_id: str, *, close: bool = True, defaults: dict | None = None):
+        self.client = client
+        self.id = env_id
+        self._close_on_exit = close
+        self._defaults = dict(defaults or {})
+        self.closed = False
+
+    def _spec(self, cmd: str | list[str], kw: dict) -> ActionSpec:
+        return sandbox(cmd, env=self.id, **{**self._defaults, **kw})
+
+    def close(self) -> None:
+        """End the environment (``close_env``) once the actions already submitted in it have finished."""
+        if not self.closed:
+            self.closed = True
+            self.client.close_env(self.id)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.id!r})"
+
+
+class EnvHandle(_EnvHandleBase):
     """A stateful sandbox environment: every command it runs names it, so files persist between them.
 
     ``with client.env("traj-17") as e:`` ends the environment when the block is left
@@ -655,25 +676,13 @@ class EnvHandle:
     pin to a worker at once rather than after its idle TTL.
     """
 
-    def __init__(self, client: Client, env_id: str, *, close: bool = True, defaults: dict | None = None):
-        self.client = client
-        self.id = env_id
-        self._close_on_exit = close
-        self._defaults = dict(defaults or {})
-        self.closed = False
-
     def submit(self, cmd: str | list[str], **kw: Any) -> ActionFuture:
         """Submit a command in this environment; ``kw``: :func:`~tangram_hpc.sandbox` arguments."""
-        return self.client.submit(sandbox(cmd, env=self.id, **{**self._defaults, **kw}))
+        return self.client.submit(self._spec(cmd, kw))
 
     def run(self, cmd: str | list[str], *, wait: float | None = None, **kw: Any) -> ActionResult:
         """Run a command in this environment and wait (up to ``wait`` seconds) for its result."""
         return self.submit(cmd, **kw).result(wait)
-
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self.client.close_env(self.id)
 
     def __enter__(self) -> "EnvHandle":
         return self
@@ -682,30 +691,15 @@ class EnvHandle:
         if self._close_on_exit:
             self.close()
 
-    def __repr__(self) -> str:
-        return f"EnvHandle({self.id!r})"
 
-
-class AsyncEnvHandle:
+class AsyncEnvHandle(_EnvHandleBase):
     """The asyncio flavour of :class:`EnvHandle`: ``async with c.env("t") as e: r = await e.run("ls")``."""
 
-    def __init__(self, client: AsyncClient, env_id: str, *, close: bool = True, defaults: dict | None = None):
-        self.client = client
-        self.id = env_id
-        self._close_on_exit = close
-        self._defaults = dict(defaults or {})
-        self.closed = False
-
     def submit(self, cmd: str | list[str], **kw: Any) -> "asyncio.Future[ActionResult]":
-        return self.client.submit_nowait(sandbox(cmd, env=self.id, **{**self._defaults, **kw}))
+        return self.client.submit_nowait(self._spec(cmd, kw))
 
     async def run(self, cmd: str | list[str], **kw: Any) -> ActionResult:
         return await self.submit(cmd, **kw)
-
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self.client.close_env(self.id)
 
     async def __aenter__(self) -> "AsyncEnvHandle":
         return self
@@ -713,6 +707,3 @@ class AsyncEnvHandle:
     async def __aexit__(self, *exc: Any) -> None:
         if self._close_on_exit:
             self.close()
-
-    def __repr__(self) -> str:
-        return f"AsyncEnvHandle({self.id!r})"

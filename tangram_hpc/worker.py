@@ -723,6 +723,7 @@ class Worker:
         """DONE for the current registration; OUTCOMES for an earlier one; nothing for an attempt the
         leaving cut short (the coordinator retries it)."""
         if self._is_interrupted(key, item[2]):
+            log.info("attempt %d of %s interrupted by the leaving (%s: %s)", key[1], key[0], item[2], item[4])
             if key[2] == self._generation:
                 self._interrupted.append([key[0], key[1]])
             return

@@ -207,7 +207,7 @@ def _busy_worker(client: Client, timeout: float = 120.0) -> dict:
 
 
 def run_fault(fault: str, workdir: Path, *, envs: int = 50, steps: int = 3, sleep_s: float = 0.5,
-              half_way: bool = False, log=print) -> Outcome:
+              half_way: bool = False, keep: bool = False, log=print) -> Outcome:
     """One scenario; ``workdir`` must be on a filesystem the Slurm jobs see (the loopback cluster: any)."""
     assert fault in FAULTS, fault
     t0 = time.monotonic()
@@ -271,7 +271,8 @@ def run_fault(fault: str, workdir: Path, *, envs: int = 50, steps: int = 3, slee
         outcome.counters = {k: st[k] for k in ("workers_lost", "retried", "replayed", "stale_results")}
         outcome.notes.append(f"workers lost {st['workers_lost']}, retried {st['retried']}, replayed "
                              f"{st['replayed']}, stale {st['stale_results']}")
-        client.close_env(traj.env_ids)
+        if not keep:
+            client.close_env(traj.env_ids)
     finally:
         client.close()
         coord.stop()
@@ -287,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sleep", type=float, default=0.5, help="seconds each action sleeps before its append")
     ap.add_argument("--workdir", default=None, help="where the scenarios' shared directories go")
     ap.add_argument("--half-way", action="store_true", help="'sleep; echo' instead of 'sleep && echo'")
+    ap.add_argument("--keep", action="store_true", help="leave the environments (do not close them) to look into")
     a = ap.parse_args(argv)
     unknown = set(a.faults) - set(FAULTS)
     if unknown:
@@ -295,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(a.workdir or tempfile.mkdtemp(prefix="tangram-env-faults-"))
     rows = []
     for fault in a.faults:
-        o = run_fault(fault, workdir, envs=a.envs, steps=a.steps, sleep_s=a.sleep, half_way=a.half_way)
+        o = run_fault(fault, workdir, envs=a.envs, steps=a.steps, sleep_s=a.sleep, half_way=a.half_way, keep=a.keep)
         rows.append(o)
         print(o.row(), " ".join(o.notes), flush=True)
     cmd = f"sleep {a.sleep}{';' if a.half_way else ' &&'} echo ID >> log.txt"

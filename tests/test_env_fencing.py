@@ -2,11 +2,6 @@
 ledger driving it, in-process (no sockets, no clock, the real FIFO policy, the outbox read back)."""
 from __future__ import annotations
 
-import ast
-from pathlib import Path
-
-import pytest
-
 from tangram_hpc import protocol as P
 from tangram_hpc.actions import ActionSpec, Status
 from tangram_hpc.config import CoordinatorSettings
@@ -66,6 +61,20 @@ def test_a_dead_workers_environments_are_adopted_and_its_copies_fenced_when_it_r
     assert not d.saved("w1", "e", gen, "/snap/late.tar.gz")
     assert d.garbage == [("/snap/late.tar.gz", None)]        # the stale snapshot is deleted
     assert d.get("e").holder == "w2" and d.get("e").gen == g2[0]
+
+
+def test_a_hand_back_that_arrives_after_its_worker_was_declared_dead_still_counts_until_adopted():
+    """A leaving worker's last frames (its hand-backs) may be read after its closed connection made it
+    'dead': its snapshot is then the state, not the directory it removed."""
+    d = EnvironmentDirectory(wait_s=60)
+    d.worker_registered("w1", ROOT["w1"], None, [], 0.0)
+    ge, gf = d.grant("e", "w1")[0], d.grant("f", "w1")[0]
+    d.worker_lost("w1", dead=True, now=1.0)
+    assert d.saved("w1", "e", ge, "/snap/e.tar.gz")
+    assert d.grant("e", "w2")[1:] == [P.GRANT_RESTORE, "/snap/e.tar.gz"]
+    d.grant("f", "w2")                                   # f was adopted first: its late hand-back is stale
+    assert not d.saved("w1", "f", gf, "/snap/f.tar.gz") and d.garbage == [("/snap/f.tar.gz", None)]
+    assert not d.saved("w3", "e", ge, "/snap/x.tar.gz")  # and never from another worker
 
 
 def test_an_awaited_environment_is_adopted_after_wait_s_or_lost_when_nobody_knows_where_it_is():
@@ -176,6 +185,18 @@ def results(ledger: ActionLedger) -> dict[str, list]:
     return {r[0]: r for r in out.get(C1, [])}
 
 
+def running_in_e_on_w1(**settings) -> tuple[ActionLedger, ActionSpec, int]:
+    """Workers w1 and w2; an action in environment e runs on w1 (attempt 1).  Returns e's generation."""
+    ledger = make(**settings)
+    join(ledger, "w1")
+    join(ledger, "w2")
+    a = act("e")
+    submit(ledger, a)
+    [(_, _, grant)] = assigned(ledger)["w1"]
+    assert grant[1] == P.GRANT_NEW
+    return ledger, a, grant[0]
+
+
 def done(ledger, wid, aid, attempt, env_state="kept", now=1.0, status="ok"):
     assert ledger.done(wid, [[aid, attempt, status, "out", None, now - 0.5, now, env_state]], now) == 0
 
@@ -203,12 +224,7 @@ def test_actions_of_a_silent_workers_environment_wait_for_it_and_never_run_elsew
 
 
 def test_outcomes_kept_by_a_returning_worker_answer_the_actions_still_waiting():
-    ledger = make()
-    join(ledger, "w1")
-    join(ledger, "w2")
-    a = act("e")
-    submit(ledger, a)
-    gen = assigned(ledger)["w1"][0][2][0]
+    ledger, a, gen = running_in_e_on_w1()
     ledger.lose_worker("w1", 5.0, "no heartbeat")
     join(ledger, "w1", now=8.0, envs=[("e", gen)])
     env_msgs(ledger)
@@ -220,12 +236,7 @@ def test_outcomes_kept_by_a_returning_worker_answer_the_actions_still_waiting():
 
 
 def test_a_dead_workers_environment_is_adopted_by_the_next_worker_to_run_its_action():
-    ledger = make()
-    join(ledger, "w1")
-    join(ledger, "w2")
-    a = act("e")
-    submit(ledger, a)
-    gen = assigned(ledger)["w1"][0][2][0]
+    ledger, a, gen = running_in_e_on_w1()
     ledger.lose_worker("w1", 2.0, "backend job job-w1 failed", dead=True)
     [(aid, attempt, grant)] = assigned(ledger, 2.0)["w2"]
     assert (aid, attempt) == (a.id, 2) and grant[1:] == [P.GRANT_ADOPT, ROOT["w1"]] and grant[0] > gen
@@ -319,12 +330,7 @@ def test_close_env_waits_for_the_actions_already_submitted_then_drops_the_copy()
 
 
 def test_a_late_hand_back_of_a_fenced_copy_changes_nothing():
-    ledger = make()
-    join(ledger, "w1")
-    join(ledger, "w2")
-    a = act("e")
-    submit(ledger, a)
-    gen = assigned(ledger)["w1"][0][2][0]
+    ledger, a, gen = running_in_e_on_w1()
     ledger.lose_worker("w1", 1.0, "connection closed", dead=True)
     new = assigned(ledger, 1.0)["w2"][0][2][0]
     ledger.env_report("w1", [[P.ENV_SAVED, "e", gen, "/snap/old.tar.gz"]], 2.0)
@@ -345,13 +351,26 @@ def test_attempts_started_under_a_previous_coordinator_continue_their_count():
     assert ledger.attempt_log[-1] == [a.id, 0]
 
 
-@pytest.mark.parametrize("module", ["environments"])
-def test_the_environment_directory_does_no_io_of_its_own(module):
-    path = Path(__file__).resolve().parents[1] / "tangram_hpc" / "coordinator" / f"{module}.py"
-    imported = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            imported |= {a.name.split(".")[0] for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.level == 0:
-            imported.add(node.module.split(".")[0])
-    assert not imported & {"zmq", "socket", "time", "threading", "subprocess", "os", "shutil"}, imported
+def test_the_simulator_and_the_coordinator_end_environments_through_the_same_policy_call():
+    """A trajectory's end in the simulator and close_env from a client in the coordinator both reach
+    the scheduling policy as close_env(env), so a simulated run pins and frees environments as a
+    live one does."""
+    from tangram_hpc.sim.engine import simulate
+    from tangram_hpc.sim.workload import parse_workload
+    doc = {"format_version": 1, "name": "t",
+           "rollout": {"steps": 1, "trajectories_per_step": 3, "turns": 2, "think_s": 1.0},
+           "cluster": {"cpu_workers": 2, "cpu_cores": 1},
+           "actions": [{"name": "job", "kind": "sandbox", "weight": 1.0, "duration_s": 2.0}]}
+    simulated = RecordingFifo()
+    simulate(parse_workload(doc).sample(), simulated)
+    assert sorted(simulated.closed) == ["s0t0", "s0t1", "s0t2"]
+    assert all(simulated.env_host(e) is None for e in simulated.closed)
+    live = make()
+    join(live, "w1")
+    a = act("s0t0")
+    submit(live, a)
+    assigned(live)
+    assert live.policy.env_host("s0t0") == "w1"
+    done(live, "w1", a.id, 1)
+    live.close_env(["s0t0"], 2.0)
+    assert live.policy.closed == ["s0t0"] and live.policy.env_host("s0t0") is None

@@ -391,7 +391,7 @@ def test_draining_worker_gets_nothing_new_and_leaves_when_idle():
 
 # -- the core stays pure -------------------------------------------------------------
 
-@pytest.mark.parametrize("module", ["ledger", "registry", "pool_driver", "outbox"])
+@pytest.mark.parametrize("module", ["ledger", "registry", "pool_driver", "outbox", "environments"])
 def test_the_coordinator_core_does_no_io_of_its_own(module):
     path = Path(__file__).resolve().parents[1] / "tangram_hpc" / "coordinator" / f"{module}.py"
     imported = set()

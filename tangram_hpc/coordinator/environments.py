@@ -58,6 +58,7 @@ class EnvRecord:
     gen: int
     status: EnvStatus
     holder: str | None = None      # worker id: LIVE, MOVING, AWAITED
+    last_holder: str | None = None # the worker that held it last (ORPHANED: the one that died)
     source: str | None = None      # SAVED: the snapshot; ORPHANED: the dead worker's environment root
     running: int = 0               # attempts the ledger has running in it
     since: float = 0.0             # AWAITED since
@@ -121,6 +122,7 @@ class EnvironmentDirectory:
 
     def _release(self, rec: EnvRecord) -> None:
         if rec.holder is not None:
+            rec.last_holder = rec.holder
             held = self.by_worker.get(rec.holder)
             if held is not None:
                 held.discard(rec.id)
@@ -190,8 +192,11 @@ class EnvironmentDirectory:
         """The holder saved ``env`` at ``gen`` to ``path`` and gave its copy up.  False when fenced
         (the snapshot is then garbage)."""
         rec = self.envs.get(env)
-        if rec is None or rec.gen != gen or rec.holder != worker or rec.status not in (
-                EnvStatus.MOVING, EnvStatus.LIVE, EnvStatus.AWAITED):
+        # An orphaned environment nobody adopted yet (same generation) may still be handed back by the
+        # worker believed dead: its snapshot is the state, its directory may be gone already.
+        orphan = rec is not None and rec.status is EnvStatus.ORPHANED and rec.last_holder == worker
+        if rec is None or rec.gen != gen or not (orphan or rec.holder == worker and rec.status in (
+                EnvStatus.MOVING, EnvStatus.LIVE, EnvStatus.AWAITED)):
             self.garbage.append((path, None))
             return False
         self._release(rec)

@@ -74,6 +74,7 @@ class Coordinator:
         self._ctx: zmq.Context | None = None
         self.info: ConnectionInfo | None = None
         self._bad_frame_logged: set[str] = set()
+        self._unreachable: set[str] = set()     # workers a send failed to: lost after their last frames
 
     # -- sockets -----------------------------------------------------------
     def bind(self) -> ConnectionInfo:
@@ -139,6 +140,8 @@ class Coordinator:
                     self._drain(self.worker_socket, self._on_worker_frame)
                 if self.clients in events:
                     self._drain(self.clients, self._on_client_frame)
+                if self._unreachable:
+                    self._lose_unreachable()
                 if ledger.dirty:
                     ledger.dispatch(time.time())
                 self._flush()
@@ -185,7 +188,9 @@ class Coordinator:
         while len(self.workers) and time.monotonic() < deadline:
             if poller.poll(100):
                 self._drain(self.worker_socket, self._on_worker_frame)
-            if self.pool_driver is not None:
+            if self._unreachable:
+                self._lose_unreachable()
+            elif self.pool_driver is not None:
                 self.pool_driver.poll(time.time())   # a worker whose process ended has left too
             self.outbox.assign.clear()               # nothing new starts now
             self._flush()
@@ -339,10 +344,18 @@ class Coordinator:
 
     def _send_worker(self, w: WorkerRecord, frame: bytes) -> None:
         if not self._send_ident(w.ident, frame) and w.info.id in self.workers.by_id:
-            now = time.time()
-            if self.pool_driver is not None:
-                self.pool_driver.poll(now)  # the backend usually knows why (exit status, job state)
-            self.ledger.lose_worker(w.info.id, now, "connection closed", dead=True)
+            # Lost once what it sent before its connection closed has been read (next turn): a worker
+            # that leaves hands its environments back in its last frames.
+            self._unreachable.add(w.info.id)
+
+    def _lose_unreachable(self) -> None:
+        gone, self._unreachable = self._unreachable, set()
+        now = time.time()
+        if self.pool_driver is not None:
+            self.pool_driver.poll(now)  # the backend usually knows why (exit status, job state)
+        for wid in gone:
+            if wid in self.workers.by_id:
+                self.ledger.lose_worker(wid, now, "connection closed", dead=True)
 
     def _send_ident(self, ident: bytes, frame: bytes) -> bool:
         try:

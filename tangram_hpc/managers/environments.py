@@ -499,11 +499,10 @@ class EnvStore:
         if not src.is_file():
             raise EnvError(f"snapshot {snapshot} not found")
         self.drop(env_id)
-        uid = self._new_uid()
-        tmp = self._warm_dir / f".restore-{os.urandom(6).hex()}"
-        dest = self.root / env_dirname(env_id)
         journal: list = []
-        try:
+
+        def extract(tmp: Path) -> None:
+            nonlocal journal
             tmp.mkdir(mode=0o755)
             with tarfile.open(src, "r:*") as tar:
                 saved_id = tar.pax_headers.get(_PAX_ENV)
@@ -515,18 +514,8 @@ class EnvStore:
                     tar.extractall(tmp, members=members, filter="tar")
                 else:
                     tar.extractall(tmp, members=members)
-            os.chmod(tmp, 0o755)
-            if uid is not None:
-                chown_tree(tmp, uid)
-            if dest.exists():
-                _rmtree(dest)
-            os.rename(tmp, dest)
-        except BaseException as exc:
-            self._free_uid(uid)
-            _rmtree(tmp)
-            if isinstance(exc, (EnvError, KeyboardInterrupt)):
-                raise
-            raise EnvError(f"cannot restore {env_id!r} from {snapshot}: {exc}") from exc
+
+        dest, uid = self._put_in_place(env_id, extract, f"restore {env_id!r} from {snapshot}")
         return self._install(env_id, dest, uid, template, journal)
 
     def adopt(self, env_id: str, source_root: str | os.PathLike, template: str | None = None) -> Environment:
@@ -543,11 +532,20 @@ class EnvStore:
         _kill_leftovers(src)
         journal = _read_journal(src_journal)
         self.drop(env_id)
+        dest, uid = self._put_in_place(env_id, lambda tmp: shutil.copytree(src, tmp, symlinks=True),
+                                       f"adopt {env_id!r} from {src}")
+        env = self._install(env_id, dest, uid, template, journal)
+        _rmtree(src)
+        src_journal.unlink(missing_ok=True)
+        return env
+
+    def _put_in_place(self, env_id: str, fill, what: str) -> tuple[Path, int | None]:
+        """Make a directory with ``fill(path)``, give it a new uid and move it to ``env_id``'s place."""
         uid = self._new_uid()
-        tmp = self._warm_dir / f".adopt-{os.urandom(6).hex()}"
+        tmp = self._warm_dir / f".incoming-{os.urandom(6).hex()}"
         dest = self.root / env_dirname(env_id)
         try:
-            shutil.copytree(src, tmp, symlinks=True)
+            fill(tmp)
             os.chmod(tmp, 0o755)
             if uid is not None:
                 chown_tree(tmp, uid)
@@ -557,13 +555,10 @@ class EnvStore:
         except BaseException as exc:
             self._free_uid(uid)
             _rmtree(tmp)
-            if isinstance(exc, KeyboardInterrupt):
+            if isinstance(exc, (EnvError, KeyboardInterrupt)):
                 raise
-            raise EnvError(f"cannot adopt {env_id!r} from {src}: {exc}") from exc
-        env = self._install(env_id, dest, uid, template, journal)
-        _rmtree(src)
-        src_journal.unlink(missing_ok=True)
-        return env
+            raise EnvError(f"cannot {what}: {exc}") from exc
+        return dest, uid
 
     def _install(self, env_id: str, dest: Path, uid: int | None, template: str | None,
                  journal: list) -> Environment:
