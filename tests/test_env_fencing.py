@@ -374,3 +374,13 @@ def test_the_simulator_and_the_coordinator_end_environments_through_the_same_pol
     done(live, "w1", a.id, 1)
     live.close_env(["s0t0"], 2.0)
     assert live.policy.closed == ["s0t0"] and live.policy.env_host("s0t0") is None
+
+
+def test_env_of_another_kind_is_only_a_placement_hint():
+    """Environments are sandbox state: a function action naming an env gets no grant and no hold."""
+    ledger = make()
+    join(ledger, "w1")
+    f = ActionSpec("function", {"fn": "math:sqrt", "args": [4]}, env="e")
+    submit(ledger, f)
+    [(aid, _, grant)] = assigned(ledger)["w1"]
+    assert aid == f.id and grant is None and ledger.envs.get("e") is None

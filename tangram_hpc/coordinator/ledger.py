@@ -47,6 +47,12 @@ from .registry import WorkerRecord, WorkerRegistry, WorkerState
 log = logging.getLogger("tangram.coordinator")
 
 
+def _env_of(spec: ActionSpec) -> str | None:
+    """The stateful environment an action runs in: a sandbox action's ``env`` (for other kinds it is
+    only a placement hint to the policy)."""
+    return spec.env if spec.kind == "sandbox" else None
+
+
 class _Action:
     __slots__ = ("spec", "wire", "client", "submitted", "attempt", "worker", "cores", "failures", "waiters",
                  "held", "in_env", "misplaced")
@@ -187,7 +193,7 @@ class ActionLedger:
                 self._reject(client, aid, f"too many unfinished actions for {which} (limit {limit}); "
                                           "wait for results before submitting more", now)
                 continue
-            env = spec.env
+            env = _env_of(spec)
             if env is not None:
                 rec = self.envs.get(env)
                 if rec is not None and rec.status is EnvStatus.LOST:
@@ -254,7 +260,7 @@ class ActionLedger:
     def _answer_from_orphan(self, client: bytes, spec: ActionSpec, kept: list, now: float) -> bool:
         """A resubmitted action whose attempt under an earlier registration of a worker did finish."""
         attempt, status, output, error, started, finished, env_state, worker = kept
-        if spec.env is not None:
+        if _env_of(spec) is not None:
             rec = self.envs.get(spec.env)
             if rec is None or rec.holder != worker:
                 return False   # the environment is not the copy it ran in: its journal decides
@@ -423,7 +429,7 @@ class ActionLedger:
 
     # -- environments --------------------------------------------------------------
     def _resubmit(self, a: _Action, now: float) -> None:
-        env = a.spec.env
+        env = _env_of(a.spec)
         if env is not None:
             rec = self.envs.get(env)
             if env in self._env_closing and a.spec.id not in self._env_closing[env] or (
@@ -530,7 +536,7 @@ class ActionLedger:
                 continue
             if a.worker is not None:
                 continue   # a newer attempt runs: its result counts
-            env = a.spec.env
+            env = _env_of(a.spec)
             if env is not None:
                 rec = self.envs.get(env)
                 if rec is None or rec.holder != worker_id:
@@ -562,7 +568,7 @@ class ActionLedger:
                 # The policy placed something the ledger no longer tracks: give its cores back.
                 self.policy.finished(asg.action_id, now, ok=False)
                 continue
-            env = a.spec.env
+            env = _env_of(a.spec)
             if env is None:
                 a.attempt += 1
                 item = [a.wire, a.attempt, asg.cores]
@@ -726,7 +732,7 @@ class ActionLedger:
         bs[status] = bs.get(status, 0) + 1
         self.action_log.append([aid, spec.kind, spec.action_class, a.worker, a.cores, a.submitted, started,
                                 finished, status, a.attempt, spec.trajectory])
-        if spec.env is not None:
+        if spec.env is not None and spec.kind == "sandbox":
             self._env_action_final(a, spec.env, max(finished, a.submitted))
 
     def _env_action_final(self, a: _Action, env: str, now: float) -> None:
