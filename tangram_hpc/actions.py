@@ -313,7 +313,7 @@ class ActionResult:
             raise ValidationError("result must be a list of 11 fields")
         if not isinstance(w[0], str) or not isinstance(w[1], str) or w[1] not in Status.FINAL:
             raise ValidationError("result has a bad id or status")
-        if w[10] is not None and w[10] not in EnvState.ALL:
+        if w[10] is not None and (not isinstance(w[10], str) or w[10] not in EnvState.ALL):
             raise ValidationError(f"result has an unknown env_state {w[10]!r}")
         return cls(*w)
 

@@ -186,14 +186,14 @@ def check_done(item: Any) -> tuple[str, int, str, Any, str | None, float, float,
         raise ValidationError("DONE item has bad times")
     if error is not None and not isinstance(error, str):
         raise ValidationError("DONE error must be a string")
-    if env_state is not None and env_state not in EnvState.ALL:
+    if env_state is not None and (not isinstance(env_state, str) or env_state not in EnvState.ALL):
         raise ValidationError(f"DONE item has an unknown env_state {env_state!r}")
     return aid, attempt, status, output, error, float(started), float(finished), env_state
 
 
 def check_env_item(item: Any) -> tuple[str, str, int, str | None]:
     """One item of a worker's ENV message: (op, environment id, generation, detail)."""
-    if not (isinstance(item, list) and len(item) == 4 and item[0] in _ENV_FROM_WORKER
+    if not (isinstance(item, list) and len(item) == 4 and isinstance(item[0], str) and item[0] in _ENV_FROM_WORKER
             and _env_gen_pair(item[1:3]) and (item[3] is None or isinstance(item[3], str))):
         raise ValidationError("ENV item must be [saved|unsaved|gone, environment id, generation, detail]")
     return item[0], item[1], item[2], item[3]

@@ -131,8 +131,8 @@ class EnvHost:
     def apply(self, items: list) -> None:
         """ENV items from the coordinator (called on the I/O thread)."""
         for item in items:
-            if not (isinstance(item, list) and len(item) == 3 and isinstance(item[1], str)
-                    and isinstance(item[2], int)):
+            if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str)
+                    and isinstance(item[1], str) and isinstance(item[2], int)):
                 continue
             op, env, gen = item
             if op == P.ENV_KEEP:
