@@ -42,7 +42,7 @@ OUTCOMES      W->K       DONE items of attempts that ended under an earlier regi
                          this worker (a restarted coordinator, a worker declared lost)
 ============  =========  ======================================================
 
-Version 2 added the environment grant, ``env_state`` (DONE, RESULT), CLOSE_ENV, ENV and
+Version 3 added the environment grant, ``env_state`` (DONE, RESULT), CLOSE_ENV, ENV and
 OUTCOMES.
 
 A frame that cannot be decoded, has another version, an unknown type or a
@@ -58,7 +58,7 @@ import msgpack
 from .actions import EnvState
 from .errors import ProtocolError, ValidationError
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 HELLO = 1
 WELCOME = 2
@@ -73,9 +73,9 @@ ASSIGN = 10
 DONE = 11
 KILL = 12
 STOP = 13
-CLOSE_ENV = 14
-ENV = 15
-OUTCOMES = 16
+CLOSE_ENV = 15
+ENV = 16
+OUTCOMES = 17
 
 NAMES = {v: k for k, v in dict(HELLO=HELLO, WELCOME=WELCOME, SUBMIT=SUBMIT, CANCEL=CANCEL, RESULT=RESULT,
          STATUS=STATUS, HEARTBEAT=HEARTBEAT, ERROR=ERROR, REGISTER=REGISTER, ASSIGN=ASSIGN,
