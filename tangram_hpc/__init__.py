@@ -4,13 +4,13 @@ The public API::
 
     from tangram_hpc import Client, ActionSpec, Demand, sandbox, function, reward, LocalCluster
 """
-from .actions import (ActionFailed, ActionResult, ActionSpec, Demand, Status, ValidationError, function,
-                      register_kind, reward, sandbox)
+from .actions import (ActionFailed, ActionResult, ActionSpec, Demand, EnvState, Status, ValidationError,
+                      function, register_kind, reward, sandbox)
 from .client import AsyncClient, Client
 from .errors import TangramError
 from .launch import LocalCluster
 
 __version__ = "0.1.0"
 
-__all__ = ["ActionSpec", "ActionResult", "ActionFailed", "Demand", "Status", "TangramError", "ValidationError",
-           "Client", "AsyncClient", "LocalCluster", "sandbox", "function", "reward", "register_kind"]
+__all__ = ["ActionSpec", "ActionResult", "ActionFailed", "Demand", "EnvState", "Status", "TangramError",
+           "ValidationError", "Client", "AsyncClient", "LocalCluster", "sandbox", "function", "reward", "register_kind"]

@@ -27,6 +27,7 @@ __all__ = [
     "ActionResult",
     "Demand",
     "Status",
+    "EnvState",
     "ValidationError",
     "BUILTIN_KINDS",
     "register_kind",
@@ -242,12 +243,29 @@ class Status(str, Enum):
     TIMEOUT = "timeout"  # killed at its timeout
     CANCELLED = "cancelled"
     ERROR = "error"      # could not be run: rejected, retries exhausted, no capable worker
+    ENV_LOST = "env_lost"  # its environment's state cannot be reached any more (docs/reliability.md)
 
     __str__ = str.__str__        # "ok", not "Status.OK", in messages and f-strings
     __format__ = str.__format__
 
 
 Status.FINAL = frozenset(Status)  # every status is final; kept as a set for membership tests of wire values
+
+
+class EnvState(str, Enum):
+    """What an action's final attempt found in its environment (``ActionResult.env_state``)."""
+
+    CREATED = "created"      # a new, empty environment was made for it
+    KEPT = "kept"            # it ran in the live copy where the environment already was
+    RESTORED = "restored"    # the environment was restored here from its snapshot first
+    ADOPTED = "adopted"      # taken over from the directory of a worker that died
+    REPLAYED = "replayed"    # not run again: the environment's journal held its outcome
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+EnvState.ALL = frozenset(EnvState)
 
 
 @dataclass(slots=True)
@@ -270,6 +288,7 @@ class ActionResult:
     worker: str | None = None
     cores: int = 0
     attempts: int = 0
+    env_state: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -286,14 +305,16 @@ class ActionResult:
 
     def to_wire(self) -> list:
         return [self.id, self.status, self.output, self.error, self.submitted, self.started,
-                self.finished, self.worker, self.cores, self.attempts]
+                self.finished, self.worker, self.cores, self.attempts, self.env_state]
 
     @classmethod
     def from_wire(cls, w: Any) -> "ActionResult":
-        if not isinstance(w, (list, tuple)) or len(w) != 10:
-            raise ValidationError("result must be a list of 10 fields")
+        if not isinstance(w, (list, tuple)) or len(w) != 11:
+            raise ValidationError("result must be a list of 11 fields")
         if not isinstance(w[0], str) or not isinstance(w[1], str) or w[1] not in Status.FINAL:
             raise ValidationError("result has a bad id or status")
+        if w[10] is not None and (not isinstance(w[10], str) or w[10] not in EnvState.ALL):
+            raise ValidationError(f"result has an unknown env_state {w[10]!r}")
         return cls(*w)
 
     def raise_for_status(self) -> Any:
@@ -313,14 +334,25 @@ def _cores(cores: int | tuple[int, int]) -> tuple[int, int]:
 
 def sandbox(cmd: str | list[str], *, env: str | None = None, cores: int | tuple[int, int] = 1,
             mem_mb: int = 0, stdin: str | None = None, files: dict[str, str] | None = None,
+            environ: dict[str, str] | None = None, template: str | None = None, limits: dict | None = None,
             **kw: Any) -> ActionSpec:
-    """A command in a (stateful, if ``env`` is given) sandbox; ``cores=(1, 8)`` lets it grow to 8."""
+    """A command in a (stateful, if ``env`` is given) sandbox; ``cores=(1, 8)`` lets it grow to 8.
+
+    ``environ``: variables for the command; ``template``: what a new environment is made from;
+    ``limits``: :class:`~tangram_hpc.managers.limits.Limits` fields to override (docs/sandbox.md).
+    """
     lo, hi = _cores(cores)
     payload: dict[str, Any] = {"cmd": cmd}
     if stdin is not None:
         payload["stdin"] = stdin
     if files:
         payload["files"] = files
+    if environ:
+        payload["environ"] = environ
+    if template is not None:
+        payload["template"] = template
+    if limits:
+        payload["limits"] = limits
     return ActionSpec(kind="sandbox", payload=payload, env=env, demand=Demand(lo, hi, mem_mb), **kw)
 
 

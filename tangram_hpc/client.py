@@ -24,6 +24,10 @@ thread at all.  Both speak the protocol through one
   client resubmits them all, re-reading the connection file in case the
   address changed;
 * results are de-duplicated by action id: a future resolves once.
+
+``client.env("traj-17")`` is a handle on a stateful sandbox environment: its
+``run``/``submit`` name the environment, and leaving its ``with`` block ends it
+(``close_env``), which frees its disk and its pin to a worker at once.
 """
 from __future__ import annotations
 
@@ -41,11 +45,11 @@ from typing import Any, Iterable
 import zmq
 
 from . import protocol as P
-from .actions import ActionResult, ActionSpec
+from .actions import ActionResult, ActionSpec, sandbox
 from .client_session import ClientSession, CoordinatorError, reread_connection
 from .connection import ConnectionInfo, default_connection_file
 
-__all__ = ["Client", "AsyncClient", "ActionFuture", "CoordinatorError"]
+__all__ = ["Client", "AsyncClient", "ActionFuture", "CoordinatorError", "EnvHandle", "AsyncEnvHandle"]
 
 log = logging.getLogger("tangram.client")
 
@@ -237,6 +241,17 @@ class Client(_ClientBase):
         """Ask the coordinator to cancel; the futures still resolve (status ``cancelled`` or final)."""
         self._session.cancel([action_ids] if isinstance(action_ids, str) else list(action_ids))
         self._kick()
+
+    def close_env(self, env: str | Iterable[str]) -> None:
+        """End environments: each is removed (its files, its snapshot, its pin to a worker) once the
+        actions already submitted in it have finished.  A later action naming it starts a new, empty one."""
+        self._session.close_env([env] if isinstance(env, str) else list(env))
+        self._kick()
+
+    def env(self, env_id: str | None = None, *, close: bool = True, **defaults: Any) -> "EnvHandle":
+        """A handle on the environment ``env_id`` (a new id when None): ``with c.env("traj-17") as e:
+        e.run("make")``.  ``defaults``: keyword arguments of :func:`~tangram_hpc.sandbox` for its commands."""
+        return EnvHandle(self, env_id or _new_env_id(), close=close, defaults=defaults)
 
     def status(self, timeout: float = 10.0, *, allocations: bool = False) -> dict:
         """The coordinator's view: workers, queue, counters (``allocations``: and every worker job's history)."""
@@ -533,6 +548,16 @@ class AsyncClient(_ClientBase):
         if self._sock is not None:
             self._flush()
 
+    def close_env(self, env: str | Iterable[str]) -> None:
+        """See :meth:`Client.close_env`."""
+        self._session.close_env([env] if isinstance(env, str) else list(env))
+        if self._sock is not None:
+            self._flush()
+
+    def env(self, env_id: str | None = None, *, close: bool = True, **defaults: Any) -> "AsyncEnvHandle":
+        """``async with c.env("traj-17") as e: await e.run("make")``; see :meth:`Client.env`."""
+        return AsyncEnvHandle(self, env_id or _new_env_id(), close=close, defaults=defaults)
+
     async def close(self) -> None:
         """Disconnect; futures still unresolved get a :class:`CoordinatorError`."""
         if self._closed:
@@ -623,3 +648,69 @@ class AsyncClient(_ClientBase):
                     self._connect()
             self._flush()
             self._on_readable()
+
+
+def _new_env_id() -> str:
+    return f"env-{os.urandom(8).hex()}"
+
+
+class _EnvHandleBase:
+    def __init__(self, client: Any, env_id: str, *, close: bool = True, defaults: dict | None = None):
+        self.client = client
+        self.id = env_id
+        self._close_on_exit = close
+        self._defaults = dict(defaults or {})
+        self.closed = False
+
+    def _spec(self, cmd: str | list[str], kw: dict) -> ActionSpec:
+        return sandbox(cmd, env=self.id, **{**self._defaults, **kw})
+
+    def close(self) -> None:
+        """End the environment (``close_env``) once the actions already submitted in it have finished."""
+        if not self.closed:
+            self.closed = True
+            self.client.close_env(self.id)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.id!r})"
+
+
+class EnvHandle(_EnvHandleBase):
+    """A stateful sandbox environment: every command it runs names it, so files persist between them.
+
+    ``with client.env("traj-17") as e:`` ends the environment when the block is left
+    (``close=False`` keeps it); :meth:`close` does the same by hand.  Ending frees its disk and its
+    pin to a worker at once rather than after its idle TTL.
+    """
+
+    def submit(self, cmd: str | list[str], **kw: Any) -> ActionFuture:
+        """Submit a command in this environment; ``kw``: :func:`~tangram_hpc.sandbox` arguments."""
+        return self.client.submit(self._spec(cmd, kw))
+
+    def run(self, cmd: str | list[str], *, wait: float | None = None, **kw: Any) -> ActionResult:
+        """Run a command in this environment and wait (up to ``wait`` seconds) for its result."""
+        return self.submit(cmd, **kw).result(wait)
+
+    def __enter__(self) -> "EnvHandle":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._close_on_exit:
+            self.close()
+
+
+class AsyncEnvHandle(_EnvHandleBase):
+    """The asyncio flavour of :class:`EnvHandle`: ``async with c.env("t") as e: r = await e.run("ls")``."""
+
+    def submit(self, cmd: str | list[str], **kw: Any) -> "asyncio.Future[ActionResult]":
+        return self.client.submit_nowait(self._spec(cmd, kw))
+
+    async def run(self, cmd: str | list[str], **kw: Any) -> ActionResult:
+        return await self.submit(cmd, **kw)
+
+    async def __aenter__(self) -> "AsyncEnvHandle":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        if self._close_on_exit:
+            self.close()

@@ -68,6 +68,9 @@ class ClientSession:
     def cancel(self, ids: list[str]) -> None:
         self.outq.append((P.CANCEL, ids))
 
+    def close_env(self, envs: list[str]) -> None:
+        self.outq.append((P.CLOSE_ENV, envs))
+
     def ask_status(self, fut: Any, body: dict | None = None, mtype: int = P.STATUS) -> None:
         """Ask for the status map (``body``: its options); a POOL request is answered with one too."""
         self.status_waiters.append(fut)

@@ -135,14 +135,24 @@ class CoordinatorSettings:
     metrics_targets_dir: Path | None = key(None, "directory where the coordinator writes its Prometheus file_sd "
                                            "target (tangram-RUN.json), shared by runs so that one file_sd glob finds "
                                            "them all (default: the run directory)")
+    env_wait_s: float = key(120.0, "seconds the actions of an environment wait for its worker after that worker "
+                            "fell silent (it may come back with it); then the environment is adopted from the "
+                            "worker's directory, or lost", flag="--env-wait", minimum=0)
+    state_dir: Path | None = key(None, "directory that outlives restarts of this coordinator: environment snapshots, "
+                                 "where each environment is, attempts of unfinished actions (default: beside the "
+                                 "connection file, NAME.state for NAME.json)")
 
     def resolved(self) -> "CoordinatorSettings":
         """A copy with the run directory, connection file and host filled in."""
         from .netaddr import resolve_host
         run_dir = Path(self.run_dir).expanduser() if self.run_dir else default_run_dir(self.runs_root)
         host = resolve_host(self.host) if self.host else ("0.0.0.0" if self.backend == "slurm" else "127.0.0.1")
-        return dataclasses.replace(self, run_dir=run_dir, host=host,
-                                   connection_file=Path(self.connection_file or run_dir / "connection.json"))
+        connection_file = Path(self.connection_file or run_dir / "connection.json")
+        # Beside the connection file, which a restarted coordinator keeps (clients find it there),
+        # not in the run directory, which the documented restart path replaces.
+        state_dir = Path(self.state_dir) if self.state_dir else connection_file.with_name(connection_file.stem + ".state")
+        return dataclasses.replace(self, run_dir=run_dir, host=host, connection_file=connection_file,
+                                   state_dir=state_dir)
 
 
 @dataclass
@@ -190,6 +200,9 @@ class WorkerSettings:
                                minimum=1)
     max_output_bytes: int = key(MAX_FRAME_BYTES // 2, "largest action output sent back (larger: a failed result)",
                                 minimum=1024)
+    leave_grace_s: float = key(5.0, "seconds a leaving or stopped worker lets running actions finish before it "
+                               "interrupts them (they are retried) and hands its environments back",
+                               flag="--leave-grace", minimum=0)
 
 
 @dataclass
@@ -202,8 +215,8 @@ class SandboxSettings:
     allow_network: bool = key(False, "let payloads ask for network access")
     warm_pool: int = key(2, "ready-made environments kept", minimum=0)
     env_ttl_s: float = key(3600.0, "seconds an idle environment is kept", flag="--sandbox-env-ttl", minimum=0)
-    snapshot_dir: Path | None = key(None, "shared directory for environment snapshots (default RUN_DIR/snapshots)",
-                                    flag="--snapshot-dir")
+    snapshot_dir: Path | None = key(None, "shared directory for environment snapshots (default: the one the "
+                                    "coordinator names, STATE_DIR/snapshots)", flag="--snapshot-dir")
     seccomp: bool = key(True, "syscall filter in every sandbox: no nested user namespaces, keyrings, bpf, "
                         "io_uring, perf events, userfaultfd or fallocate")
     # 0 turns a limit off; the defaults are Limits' own (managers/limits.py), stated there once.

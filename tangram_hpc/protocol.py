@@ -21,14 +21,32 @@ POOL          C->K       ``{"op": "pause" | "resume"}`` (worker launches); reply
                          the status map after it, ``"pool_op"`` saying what was done
 HEARTBEAT     any        ``{"coordinator": id}`` from K; ``{}`` from C;
                          ``{"running": n, "services": [...], "envs": [...],
-                         "service_counts": {service: [loads, evictions, queued]}}`` from W
+                         "service_counts": {service: [loads, evictions, queued]}}`` from W, which
+                         adds ``"leaving": reason`` while it leaves, then ``"left": reason,
+                         "interrupted": [[action id, attempt], ...]`` as its last message
 ERROR         K->any     ``{"code": str, "message": str}``
 REGISTER      W->K       worker description, see :func:`check_register`
-ASSIGN        K->W       ``[[action wire map, attempt, cores], ...]``
-DONE          W->K       ``[[action id, attempt, status, output, error, started, finished], ...]``
+ASSIGN        K->W       ``[[action wire map, attempt, cores(, grant)], ...]``; an action with an
+                         environment carries its grant ``[generation, source, path]``, source
+                         ``held`` | ``new`` | ``restore`` (path: snapshot) | ``adopt`` (path: the
+                         environment root of a worker that died)
+DONE          W->K       ``[[action id, attempt, status, output, error, started, finished,
+                         env_state], ...]``
 KILL          K->W       ``[[action id, attempt], ...]`` (cancel / coordinator-side timeout)
 STOP          K->W       ``{"reason": str, "reregister": bool}``
+CLOSE_ENV     C->K       ``[environment id, ...]``: end these environments
+ENV           K->W       ``[[op, environment id, generation], ...]``, op ``save`` (snapshot it and
+                         give it up), ``drop`` (delete the copy), ``keep`` (hold it at this
+                         generation)
+ENV           W->K       ``[[op, environment id, generation, detail], ...]``, op ``saved``
+                         (detail: the snapshot's path), ``unsaved`` (detail: why), ``gone``
+                         (detail: why, e.g. its TTL expired)
+OUTCOMES      W->K       DONE items of attempts that ended under an earlier registration of
+                         this worker (a restarted coordinator, a worker declared lost)
 ============  =========  ======================================================
+
+Version 3 added the environment grant, ``env_state`` (DONE, RESULT), CLOSE_ENV, ENV and
+OUTCOMES.
 
 A frame that cannot be decoded, has another version, an unknown type or a
 body of the wrong shape raises :class:`ProtocolError`; the coordinator
@@ -40,10 +58,12 @@ from typing import Any
 
 import msgpack
 
+from .actions import EnvState
 from .errors import ProtocolError, ValidationError
 
 #: 2: POOL (pause/resume launches), STATUS may ask for the allocation history.
-PROTOCOL_VERSION = 2
+#: 3: environment grants in ASSIGN, env_state in DONE and RESULT, CLOSE_ENV, ENV, OUTCOMES.
+PROTOCOL_VERSION = 3
 
 HELLO = 1
 WELCOME = 2
@@ -59,12 +79,23 @@ DONE = 11
 KILL = 12
 STOP = 13
 POOL = 14
+CLOSE_ENV = 15
+ENV = 16
+OUTCOMES = 17
 
 NAMES = {v: k for k, v in dict(HELLO=HELLO, WELCOME=WELCOME, SUBMIT=SUBMIT, CANCEL=CANCEL, RESULT=RESULT,
          STATUS=STATUS, HEARTBEAT=HEARTBEAT, ERROR=ERROR, REGISTER=REGISTER, ASSIGN=ASSIGN,
-         DONE=DONE, KILL=KILL, STOP=STOP, POOL=POOL).items()}
-CLIENT_TYPES = frozenset({HELLO, SUBMIT, CANCEL, STATUS, HEARTBEAT, POOL})
-WORKER_TYPES = frozenset({REGISTER, HEARTBEAT, DONE})
+         DONE=DONE, KILL=KILL, STOP=STOP, POOL=POOL, CLOSE_ENV=CLOSE_ENV, ENV=ENV, OUTCOMES=OUTCOMES).items()}
+CLIENT_TYPES = frozenset({HELLO, SUBMIT, CANCEL, STATUS, HEARTBEAT, POOL, CLOSE_ENV})
+WORKER_TYPES = frozenset({REGISTER, HEARTBEAT, DONE, ENV, OUTCOMES})
+
+#: Grant sources in an ASSIGN (see the table above).
+GRANT_HELD, GRANT_NEW, GRANT_RESTORE, GRANT_ADOPT = "held", "new", "restore", "adopt"
+#: Operations of ENV messages.
+ENV_SAVE, ENV_DROP, ENV_KEEP = "save", "drop", "keep"
+ENV_SAVED, ENV_UNSAVED, ENV_GONE = "saved", "unsaved", "gone"
+_ENV_FROM_WORKER = frozenset({ENV_SAVED, ENV_UNSAVED, ENV_GONE})
+_MAX_ENV_ID = 128
 
 #: Default largest frame accepted (bytes).  Also set as ZMQ_MAXMSGSIZE so the
 #: transport drops larger frames before they are buffered whole.
@@ -107,6 +138,7 @@ def decode(frame: bytes, allowed: frozenset[int], max_bytes: int = MAX_FRAME_BYT
 _BODY_SHAPE = {
     HELLO: dict, WELCOME: dict, SUBMIT: list, CANCEL: list, RESULT: list, STATUS: dict,
     HEARTBEAT: dict, ERROR: dict, REGISTER: dict, ASSIGN: list, DONE: list, KILL: list, STOP: dict, POOL: dict,
+    CLOSE_ENV: list, ENV: list, OUTCOMES: list,
 }
 
 
@@ -133,22 +165,48 @@ def check_register(body: dict) -> dict:
         if not isinstance(v, list) or len(v) > 100_000 or not all(isinstance(s, str) for s in v):
             raise ProtocolError("malformed", f"REGISTER {key} must be a list of strings")
         out[key] = v
-    for key in ("handle", "host", "partition"):
+    for key in ("handle", "host", "partition", "env_root"):
         v = body.get(key)
         if v is not None and not isinstance(v, str):
             raise ProtocolError("malformed", f"REGISTER {key} must be a string")
         out[key] = v
+    envs = body.get("envs", [])
+    if not isinstance(envs, list) or len(envs) > 1_000_000 or not all(_env_gen_pair(e) for e in envs):
+        raise ProtocolError("malformed", "REGISTER envs must be a list of [environment id, generation]")
+    out["envs"] = envs
     return out
 
 
-def check_done(item: Any) -> tuple[str, int, str, Any, str | None, float, float]:
-    if not isinstance(item, list) or len(item) != 7:
-        raise ValidationError("DONE item must be [id, attempt, status, output, error, started, finished]")
-    aid, attempt, status, output, error, started, finished = item
+def _env_gen_pair(e: Any) -> bool:
+    return (isinstance(e, list) and len(e) == 2 and isinstance(e[0], str) and 0 < len(e[0]) <= _MAX_ENV_ID
+            and isinstance(e[1], int) and not isinstance(e[1], bool) and 0 <= e[1] < 1 << 62)
+
+
+def check_done(item: Any) -> tuple[str, int, str, Any, str | None, float, float, str | None]:
+    if not isinstance(item, list) or len(item) != 8:
+        raise ValidationError("DONE item must be [id, attempt, status, output, error, started, finished, env_state]")
+    aid, attempt, status, output, error, started, finished, env_state = item
     if not isinstance(aid, str) or not isinstance(attempt, int) or not isinstance(status, str):
         raise ValidationError("DONE item has a bad id, attempt or status")
     if not isinstance(started, (int, float)) or not isinstance(finished, (int, float)):
         raise ValidationError("DONE item has bad times")
     if error is not None and not isinstance(error, str):
         raise ValidationError("DONE error must be a string")
-    return aid, attempt, status, output, error, float(started), float(finished)
+    if env_state is not None and (not isinstance(env_state, str) or env_state not in EnvState.ALL):
+        raise ValidationError(f"DONE item has an unknown env_state {env_state!r}")
+    return aid, attempt, status, output, error, float(started), float(finished), env_state
+
+
+def check_env_item(item: Any) -> tuple[str, str, int, str | None]:
+    """One item of a worker's ENV message: (op, environment id, generation, detail)."""
+    if not (isinstance(item, list) and len(item) == 4 and isinstance(item[0], str) and item[0] in _ENV_FROM_WORKER
+            and _env_gen_pair(item[1:3]) and (item[3] is None or isinstance(item[3], str))):
+        raise ValidationError("ENV item must be [saved|unsaved|gone, environment id, generation, detail]")
+    return item[0], item[1], item[2], item[3]
+
+
+def check_env_ids(body: list) -> list[str]:
+    """A CLOSE_ENV body: environment ids."""
+    if len(body) > 100_000 or not all(isinstance(e, str) and 0 < len(e) <= _MAX_ENV_ID for e in body):
+        raise ProtocolError("malformed", "CLOSE_ENV body must be a list of environment ids")
+    return body

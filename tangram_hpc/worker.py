@@ -17,6 +17,17 @@ An action's core slots stay taken until its call returns, even after the
 coordinator killed it (a Python function cannot be stopped); such calls are
 listed in each heartbeat (``killed_running``) and their DONE is always sent,
 so the coordinator knows when the cores are free again.
+
+Environments follow the coordinator's grants (:class:`~tangram_hpc.managers.env_host.EnvHost`);
+each outcome of an action in an environment is journaled there before its DONE
+is sent.  Outcomes of attempts that ended under an earlier registration (the
+coordinator restarted, or declared this worker lost while it hung) are sent
+again as OUTCOMES once the coordinator welcomes it back, and an assignment of
+an action whose earlier attempt still runs here waits for that attempt instead
+of running a second copy.  Leaving (SIGTERM, Slurm's time-limit signal, STOP)
+means: no new actions, ``leave_grace_s`` for the running ones, interrupt the
+rest (the coordinator retries them), hand every environment back by snapshot,
+say it has left.
 """
 from __future__ import annotations
 
@@ -37,7 +48,7 @@ import msgpack
 import zmq
 
 from . import protocol as P
-from .actions import BUILTIN_KINDS, ActionSpec, Status, ValidationError
+from .actions import BUILTIN_KINDS, ActionSpec, EnvState, Status, ValidationError
 from .config import ConfigError, Settings, WorkerSettings
 from .connection import ConnectionInfo
 from .handlers import FunctionHandler, Handler, resolve
@@ -68,7 +79,8 @@ class WorkerConfig:
     worker_id: str | None = None
     unsafe_sandbox: bool = False        # run sandbox commands without bubblewrap (explicit opt-in)
     sandbox_options: dict = field(default_factory=dict)   # more SandboxManager keyword arguments
-    snapshot_dir: str | None = None     # shared directory for environment snapshots
+    snapshot_dir: str | None = None     # shared directory for environment snapshots (default: the coordinator's)
+    leave_grace_s: float = _DEFAULT.leave_grace_s          # running actions' time to finish when leaving
 
 
 class Worker:
@@ -80,9 +92,15 @@ class Worker:
         run_dir = cfg.run_dir or os.path.join(cfg.connection.run_dir or ".", "worker-" + self.id)
         self.handlers: dict[str, Handler] = {"function": FunctionHandler()}
         self.sandboxes = None
+        self.envs = None
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._wake_sent = False
         if "sandbox" in cfg.kinds:
+            from .managers.env_host import EnvHost
             self.sandboxes = self._sandbox_manager(run_dir)
             self.handlers["sandbox"] = self._run_sandbox
+            self.envs = EnvHost(self.sandboxes, self._wake)
         self.handlers.update(cfg.handlers)
         self.services = cfg.services
         self._free_slots = list(range(self.cores))
@@ -91,9 +109,6 @@ class Worker:
         self._killed: dict[tuple[str, int, int], float] = {}   # running attempts the coordinator killed
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
         self._done: deque = deque()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        self._wake_sent = False
         self._stop = False
         self._generation = 0        # bumps on re-registration: older outcomes are not reported
         self._coordinator: str | None = None
@@ -122,10 +137,29 @@ class Worker:
         self._main_thread: int | None = None
         self._handoff: deque = deque()   # (assignments, generation) a thread left when it lost the role
         self._finished = threading.Event()
+        # Exactly one run of an action here: an assignment of an action whose earlier attempt still runs
+        # waits for that attempt (a follower) and reports its outcome.
+        self._by_aid: dict[str, tuple] = {}          # action id -> key of its attempt running here
+        self._followers: dict[tuple, list] = {}      # key -> [(action id, attempt, slots, generation), ...]
+        # DONE frames sent under the current registration, kept to be sent again as OUTCOMES should the
+        # coordinator not have heard them (it restarted, or it declared this worker lost).
+        self._sent: deque[tuple[int, float, bytes]] = deque()   # (generation, time sent, frame)
+        self._sent_bytes = 0
+        self._older: list = []                       # outcome items of earlier registrations to send
+        self._older_frames: list[bytes] = []         # DONE frames of the last registration, until WELCOME
+        self._last_heard_wall = time.time()
+        # Leaving: why, since when, and the attempts it interrupted (retried by the coordinator).
+        self._leave_deadline: float | None = None
+        self._leave_by_signal = False
+        self._leave_killed: set[tuple] = set()
+        self._interrupted: list[list] = []
+        self._handed_back: threading.Event | None = None
+        self._leave_signalled = threading.Event()
 
     def _sandbox_manager(self, run_dir: str):
         from .managers.sandbox import SandboxManager
         cfg = self.cfg
+        # Until the coordinator names its snapshot directory (WELCOME), a fallback under its run directory.
         snapshots = cfg.snapshot_dir or os.path.join(cfg.connection.run_dir or run_dir, "snapshots")
         mgr = SandboxManager(os.path.join(run_dir, "envs"), snapshots, unsafe=cfg.unsafe_sandbox,
                              **cfg.sandbox_options)
@@ -134,11 +168,6 @@ class Worker:
 
     def _run_sandbox(self, spec: ActionSpec, cpus: list[int]):
         mgr = self.sandboxes
-        if spec.env:
-            try:
-                mgr.ensure(spec.env)
-            except Exception as e:
-                return Status.ERROR, None, f"could not restore environment {spec.env} from its snapshot: {e}"
         r, w = os.pipe()
         self._cancel_fds.setdefault(spec.id, set()).add(w)
         try:
@@ -151,6 +180,10 @@ class Worker:
                     self._cancel_fds.pop(spec.id, None)
             os.close(r)
             os.close(w)
+        if self._leaving is None and _ended_by_job_signal((o.status, o.output)):
+            # Slurm signals every process of a job that ends (scancel, time limit) at once: the
+            # command may die of it a moment before this worker learns it is leaving.
+            self._leave_signalled.wait(_JOB_SIGNAL_WAIT_S)
         return o.status, o.output, o.error
 
     # -- executor threads ---------------------------------------------------
@@ -174,13 +207,17 @@ class Worker:
 
     def _execute(self, item: tuple, cpus: list[int]) -> None:
         """Run one assigned action on the calling thread and hand its outcome to the I/O thread."""
-        spec, attempt, slots, gen = item
+        spec, attempt, slots, gen, grant = item
         started = time.time()
         t0 = time.perf_counter()
         handler = self.handlers.get(spec.kind)
-        if (spec.id, attempt, gen) in self._killed:   # killed while it waited for a thread
+        key = (spec.id, attempt, gen)
+        if key in self._killed or key in self._leave_killed:   # killed while it waited for a thread
             self._complete(spec.id, attempt, (Status.CANCELLED, None, "killed before it started"),
                            started, started, slots, gen)
+            return
+        if grant is not None and spec.env is not None and self.envs is not None and spec.kind == "sandbox":
+            self._execute_in_env(spec, attempt, cpus, slots, gen, grant, started)
             return
         if handler is None:
             outcome = (Status.ERROR, None, f"this worker has no handler for kind {spec.kind!r}")
@@ -197,9 +234,39 @@ class Worker:
             self._learn(target, time.perf_counter() - t0)
         self._complete(spec.id, attempt, tuple(outcome), started, time.time(), slots, gen)
 
+    def _execute_in_env(self, spec: ActionSpec, attempt: int, cpus: list[int], slots: list[int], gen: int,
+                        grant: list, started: float) -> None:
+        """A sandbox action in an environment: make the local copy the granted one, answer from the
+        environment's journal if the action ran there already, else run it and journal its outcome."""
+        env_state, refused = self.envs.prepare(spec, grant)
+        if refused is not None:
+            self._complete(spec.id, attempt, refused, started, time.time(), slots, gen)
+            return
+        seen = self.envs.replay(spec.env, spec.id)
+        if seen is not None:   # [id, attempt, status, output, error, started, finished]
+            self._complete(spec.id, attempt, (seen[2], seen[3], seen[4]), seen[5], seen[6], slots, gen,
+                           EnvState.REPLAYED)
+            return
+        try:
+            outcome = self._run_sandbox(spec, cpus)
+        except BaseException as e:
+            outcome = (Status.ERROR, None, f"handler crashed: {type(e).__name__}: {e}")
+        finished = time.time()
+        if not self._is_interrupted((spec.id, attempt, gen), outcome[0]):
+            # Journaled before the DONE leaves: a later attempt of this action finds it.
+            self.envs.record(spec.env, [spec.id, attempt, outcome[0], outcome[1], outcome[2], started, finished])
+        self._complete(spec.id, attempt, outcome, started, finished, slots, gen, env_state)
+
+    def _is_interrupted(self, key: tuple, status: str) -> bool:
+        """Whether an attempt that ended while this worker leaves was cut short by the leaving: killed
+        by it, or (Slurm signals every process of the job) ended badly after a signal came."""
+        if self._leaving is None or status == Status.OK:
+            return False
+        return key in self._leave_killed or self._leave_by_signal
+
     def _complete(self, aid: str, attempt: int, outcome, started: float, finished: float,
-                  slots: list[int], gen: int) -> None:
-        self._done.append((aid, attempt, outcome, started, finished, slots, gen))
+                  slots: list[int], gen: int, env_state: str | None = None) -> None:
+        self._done.append((aid, attempt, outcome, started, finished, slots, gen, env_state))
         self._wake()
 
     def _wake(self) -> None:
@@ -306,7 +373,7 @@ class Worker:
                     if gen == self._generation:
                         self._on_assign(items)
                 now = time.monotonic()
-                if not self._registered and now - self._last_register > hb:
+                if not self._registered and now - self._last_register > hb and self._leaving is None:
                     self._register()
                     self._last_register = now
                 if now >= self._next_hb:
@@ -323,29 +390,80 @@ class Worker:
                 wait_s = self._next_hb - now
                 if self._unsent:
                     wait_s = min(wait_s, _RESEND_S)
+                if self._leaving is not None:
+                    wait_s = min(wait_s, _LEAVE_STEP_S)
                 events = dict(self._poller.poll(int(max(0.0, wait_s) * 1000) + 1))
                 if s in events:
                     if self._drain_socket():
                         self._last_heard = time.monotonic()
+                        self._last_heard_wall = time.time()
                 if self._done or self._unsent:
                     self._send_done()
-                if self._leaving:
-                    if self._registered:
-                        self._send(P.HEARTBEAT, {"leaving": self._leaving})
-                    return 0
+                if self.envs is not None:
+                    replies = self.envs.take_replies()
+                    if replies:
+                        self._send(P.ENV, replies)
+                if self._leaving is not None:
+                    code = self._leave_step()
+                    if code is not None:
+                        return code
             return self._exit_code
         except _IORoleLost:
             return None
 
+    def _leave_step(self) -> int | None:
+        """One step of leaving (see the module docstring); the exit code once this worker has left."""
+        now = time.monotonic()
+        if self._leave_deadline is None:
+            self._leave_deadline = now + self.cfg.leave_grace_s
+            log.info("leaving (%s): %d running actions get %.0fs to finish", self._leaving, len(self._running),
+                     self.cfg.leave_grace_s)
+            if self._registered:
+                self._send(P.HEARTBEAT, {"leaving": self._leaving})
+        if self._running:
+            if now < self._leave_deadline:
+                return None
+            if not self._leave_killed:   # interrupt what still runs; the coordinator retries it
+                self._leave_killed = set(self._running)
+                self._leave_deadline = now + _LEAVE_KILL_WAIT_S
+                for aid, _, _ in self._leave_killed:
+                    self._cancel(aid)
+                return None
+            if now < self._leave_deadline:
+                return None   # a Python function cannot be interrupted: it is reported interrupted below
+        if self._handed_back is None:
+            if self.envs is None:
+                self._handed_back = threading.Event()
+                self._handed_back.set()
+            else:
+                self._handed_back = self.envs.hand_back_all()
+            return None
+        if not self._handed_back.is_set():
+            return None
+        if self.envs is not None:
+            replies = self.envs.take_replies()
+            if replies:
+                self._send(P.ENV, replies)
+        gen = self._generation
+        interrupted = self._interrupted + [[aid, attempt] for aid, attempt, g in self._running if g == gen]
+        if self._registered:
+            self._send(P.HEARTBEAT, {"left": self._leaving, "interrupted": interrupted})
+        log.info("left (%s); %d attempts interrupted", self._leaving, len(interrupted))
+        return 0
+
     def _close_sandboxes(self) -> None:
-        # Drained (or leaving): leave every environment where another worker can restore it.
-        try:
-            paths = self.sandboxes.snapshot_all()
-            if paths:
-                log.info("snapshotted %d environments for other workers", len(paths))
-        except Exception as e:
-            log.error("could not snapshot environments: %s", e)
-        self.sandboxes.close()
+        keep: frozenset[str] = frozenset()
+        if self.envs is not None:
+            if self._handed_back is None:
+                # Ended without leaving (no coordinator for orphan_exit_s, an error): save them all for a
+                # restarted coordinator, which finds the snapshots in its state directory.
+                self.envs.hand_back_all().wait(_SAVE_ALL_WAIT_S)
+            self.envs.close()
+            keep = self.envs.unsaved()
+            if keep:
+                log.error("%d environments could not be saved; left in %s for another worker to adopt",
+                          len(keep), self.sandboxes.root)
+        self.sandboxes.close(keep=keep)
 
     def _send(self, mtype: int, body: Any) -> None:
         try:
@@ -355,12 +473,46 @@ class Worker:
 
     def _register(self) -> None:
         self._generation += 1
+        # Outcomes sent under the last registration shortly before the coordinator was last heard,
+        # or after: it may never have handled them.  Sent again as OUTCOMES once it welcomes us.
+        cutoff = self._last_heard_wall - _RESEND_WINDOW_S
+        self._older_frames = [f for _, t, f in self._sent if t >= cutoff]
+        self._sent.clear()
+        self._sent_bytes = 0
         c = self.cfg
         self._send(P.REGISTER, {
             "id": self.id, "pid": os.getpid(), "cores": self.cores, "mem_mb": c.mem_mb, "gpus": c.gpus,
             "gpu_mem_mb": c.gpu_mem_mb, "kinds": list(c.kinds),
             "services": sorted(self.services.service_names) if self.services is not None else [],
-            "handle": c.handle, "host": socket.gethostname(), "partition": os.environ.get("SLURM_JOB_PARTITION")})
+            "handle": c.handle, "host": socket.gethostname(), "partition": os.environ.get("SLURM_JOB_PARTITION"),
+            "envs": self.envs.held() if self.envs is not None else [],
+            "env_root": os.path.abspath(self.sandboxes.root) if self.sandboxes is not None else None})
+
+    def _welcomed(self, body: dict) -> None:
+        self._registered = True
+        self._coordinator = body.get("coordinator")
+        snapshots = body.get("snapshot_dir")
+        if self.sandboxes is not None and not self.cfg.snapshot_dir and isinstance(snapshots, str) and snapshots:
+            from pathlib import Path
+            self.sandboxes.snapshot_dir = Path(snapshots)
+        for frame in self._older_frames:
+            try:
+                _, items = P.decode(frame, frozenset({P.DONE}))
+            except P.ProtocolError:
+                continue
+            self._older.extend(items)
+        self._older_frames = []
+        self._send_older()
+
+    def _send_older(self) -> None:
+        """Outcomes of earlier registrations, for the coordinator to match with actions still waiting."""
+        if self._older and self._registered:
+            older, self._older = self._older, []
+            for i in range(0, len(older), 500):
+                try:
+                    self._send(P.OUTCOMES, older[i:i + 500])
+                except Exception:   # an output that cannot be packed went out as a failed DONE already
+                    log.warning("could not send %d earlier outcomes", len(older[i:i + 500]))
 
     def _heartbeat(self) -> None:
         gen = self._generation
@@ -382,8 +534,13 @@ class Worker:
             if now - self._last_gc > 30:
                 self._last_gc = now
                 # Deleting expired environment trees can take a while: never on the I/O thread.
-                threading.Thread(target=self.sandboxes.gc, args=(now,), name="env-gc", daemon=True).start()
+                threading.Thread(target=self._gc_envs, args=(now,), name="env-gc", daemon=True).start()
         self._send(P.HEARTBEAT, body)
+
+    def _gc_envs(self, now: float) -> None:
+        gone = self.sandboxes.gc(now)
+        if gone and self.envs is not None:
+            self.envs.gone(gone, "idle for longer than its TTL (env_ttl_s)")
 
     def _drain_socket(self) -> bool:
         heard = False
@@ -403,18 +560,21 @@ class Worker:
             elif mtype == P.HEARTBEAT or mtype == P.WELCOME:
                 cid = body.get("coordinator")
                 if mtype == P.WELCOME:
-                    self._registered = True
-                    self._coordinator = cid
+                    self._welcomed(body)
                 elif cid != self._coordinator:
                     self._registered = False  # a new coordinator: join it afresh
             elif mtype == P.KILL:
                 self._on_kill(body)
+            elif mtype == P.ENV:
+                if self.envs is not None:
+                    self.envs.apply(body)
             elif mtype == P.STOP:
                 if body.get("reregister"):
-                    self._registered = False
-                else:
+                    if self._leaving is None:
+                        self._registered = False
+                elif self._leaving is None:
                     log.info("stopping: %s", body.get("reason"))
-                    self._stop = True
+                    self.leave(str(body.get("reason") or "stopped"), by_signal=False)
             elif mtype == P.ERROR:
                 if not self._registered:
                     # Our REGISTER was refused: retrying would be refused forever, so exit and let
@@ -430,10 +590,13 @@ class Worker:
         gen = self._generation
         for i, item in enumerate(items):
             try:
-                wire, attempt, ncores = item
+                wire, attempt, ncores, *grant = item
                 spec = ActionSpec.from_wire(wire)
             except (ValueError, TypeError, ValidationError) as e:
                 log.warning("bad assignment: %s", e)
+                continue
+            if self._leaving is not None:   # never started: the coordinator retries it once we have left
+                self._interrupted.append([spec.id, attempt])
                 continue
             n = ncores  # zero-core (light) actions bind no core slot
             free = self._free_slots
@@ -443,8 +606,15 @@ class Worker:
             else:  # more granted than free (only after a re-registration): share cores
                 slots = free[:] + list(range(n - len(free)))
                 free.clear()
-            self._running[(spec.id, attempt, gen)] = slots
-            task = (spec, attempt, slots, gen)
+            key = (spec.id, attempt, gen)
+            self._running[key] = slots
+            earlier = self._by_aid.get(spec.id)
+            if earlier is not None and earlier in self._running:
+                # An earlier attempt (of an earlier registration) still runs here: it answers this one.
+                self._followers.setdefault(earlier, []).append(key)
+                continue
+            self._by_aid[spec.id] = key
+            task = (spec, attempt, slots, gen, grant[0] if grant else None)
             if spec.kind == "reward" and self.services is not None:
                 self._submit_reward(spec, attempt, slots, gen)
             elif self._fast.get(_target(spec), 1.0) < _FAST_S:
@@ -500,13 +670,17 @@ class Worker:
             if key not in self._running:
                 continue  # already ended; its DONE is on the way
             self._killed.setdefault(key, now)
-            for fd in list(self._cancel_fds.get(item[0], ())):
-                try:
-                    os.write(fd, b"\0")
-                except OSError:
-                    pass  # it just finished
-            if self.services is not None:
-                self.services.cancel(item[0])
+            self._cancel(item[0])
+
+    def _cancel(self, aid: str) -> None:
+        """Kill a running sandbox command through its cancel pipe; withdraw a queued reward request."""
+        for fd in list(self._cancel_fds.get(aid, ())):
+            try:
+                os.write(fd, b"\0")
+            except OSError:
+                pass  # it just finished
+        if self.services is not None:
+            self.services.cancel(aid)
 
     def _send_done(self) -> None:
         self._wake_sent = False
@@ -514,20 +688,27 @@ class Worker:
             os.read(self._wake_r, 4096)
         except BlockingIOError:
             pass
-        out = []
+        out: list = []
         done = self._done
-        gen = self._generation
         free = self._free_slots
+        running = self._running
         while done:
-            aid, attempt, (status, output, error), started, finished, slots, g = done.popleft()
+            aid, attempt, (status, output, error), started, finished, slots, g, env_state = done.popleft()
             key = (aid, attempt, g)
-            if self._running.pop(key, None) is not None:
+            if running.pop(key, None) is not None:
                 free.extend(slots)
             self._killed.pop(key, None)
-            # Outcomes of an earlier registration are not sent: the coordinator already retried
-            # those actions (and a restarted one may reuse the attempt number).
-            if g == gen:
-                out.append([aid, attempt, status, output, error, started, finished])
+            if self._by_aid.get(aid) == key:
+                del self._by_aid[aid]
+            self._route_outcome(out, key, [aid, attempt, status, output, error, started, finished, env_state])
+            if self._followers:
+                for fkey in self._followers.pop(key, ()):
+                    fslots = running.pop(fkey, None)
+                    if fslots is not None:
+                        free.extend(fslots)
+                    self._killed.pop(fkey, None)
+                    self._route_outcome(out, fkey, [aid, fkey[1], status, output, error, started, finished,
+                                                    EnvState.REPLAYED if env_state else None])
         if out:
             try:
                 frame = P.encode(P.DONE, out)
@@ -536,7 +717,30 @@ class Worker:
             if len(frame) > self.cfg.max_output_bytes:
                 frame = P.encode(P.DONE, [self._packable(o) for o in out])
             self._unsent.append(frame)
+            self._keep_sent(frame)
+        if self._older:
+            self._send_older()
         self._flush_unsent()
+
+    def _route_outcome(self, out: list, key: tuple, item: list) -> None:
+        """DONE for the current registration; OUTCOMES for an earlier one; nothing for an attempt the
+        leaving cut short (the coordinator retries it)."""
+        if self._is_interrupted(key, item[2]):
+            log.info("attempt %d of %s interrupted by the leaving (%s: %s)", key[1], key[0], item[2], item[4])
+            if key[2] == self._generation:
+                self._interrupted.append([key[0], key[1]])
+            return
+        if key[2] == self._generation:
+            out.append(item)
+        else:
+            self._older.append(item)
+
+    def _keep_sent(self, frame: bytes) -> None:
+        sent = self._sent
+        sent.append((self._generation, time.time(), frame))
+        self._sent_bytes += len(frame)
+        while len(sent) > _KEEP_SENT_FRAMES or self._sent_bytes > _KEEP_SENT_BYTES:
+            self._sent_bytes -= len(sent.popleft()[2])
 
     def _flush_unsent(self) -> None:
         unsent = self._unsent
@@ -564,13 +768,32 @@ class Worker:
                                f"{self.cfg.max_output_bytes}"] + item[5:]
         return item
 
-    def leave(self, reason: str) -> None:
-        """Tell the coordinator this worker is going away (SIGTERM, preemption) and stop."""
+    def leave(self, reason: str, *, by_signal: bool = True) -> None:
+        """Leave: no new actions, the running ones get ``leave_grace_s``, the environments are handed
+        back, then the worker exits.  ``by_signal``: the job is being killed (SIGTERM, Slurm's time-limit
+        signal), so an action that fails meanwhile was likely killed by it too and is retried."""
+        self._leave_by_signal = by_signal
         self._leaving = reason
+        self._leave_signalled.set()
         try:
             os.write(self._wake_w, b"\0")
         except OSError:
             pass
+
+
+def _ended_by_job_signal(outcome: tuple) -> bool:
+    """A sandbox command that failed by a signal a batch system sends to every process of a job
+    it ends (TERM, KILL, USR2 before the time limit, INT, HUP), not by one of this worker's kills."""
+    out = outcome[1]
+    if outcome[0] != Status.FAILED or not isinstance(out, dict):
+        return False
+    rc = out.get("returncode")
+    return isinstance(rc, int) and (-rc in _JOB_SIGNALS or rc - 128 in _JOB_SIGNALS)
+
+
+_JOB_SIGNALS = frozenset({signal.SIGTERM, signal.SIGKILL, signal.SIGUSR2, signal.SIGINT, signal.SIGHUP})
+#: How long an outcome of a command killed by such a signal waits to learn whether the worker leaves.
+_JOB_SIGNAL_WAIT_S = 0.5
 
 
 def _target(spec: ActionSpec) -> str | None:
@@ -588,6 +811,17 @@ _OVERRUN_S = 0.02
 _STANDBY_CHECK_S = 0.05
 #: How often the I/O loop tries again while DONE frames wait for room in the send queue.
 _RESEND_S = 0.01
+#: How often a leaving worker looks whether it may go on to the next step.
+_LEAVE_STEP_S = 0.05
+#: How long a leaving worker waits for the attempts it interrupted to end.
+_LEAVE_KILL_WAIT_S = 5.0
+#: How long a worker ending without a coordinator waits for its environments to be saved.
+_SAVE_ALL_WAIT_S = 120.0
+#: DONE frames kept for OUTCOMES: those sent this long before the coordinator was last heard, or later,
+#: at most this many and this many bytes.
+_RESEND_WINDOW_S = 2.0
+_KEEP_SENT_FRAMES = 256
+_KEEP_SENT_BYTES = 16 << 20
 
 
 class _IORoleLost(Exception):
@@ -595,7 +829,7 @@ class _IORoleLost(Exception):
 #: Threads for zero-core actions.
 _LIGHT_THREADS = 4
 
-_FROM_COORDINATOR = frozenset({P.WELCOME, P.ASSIGN, P.KILL, P.STOP, P.HEARTBEAT, P.ERROR})
+_FROM_COORDINATOR = frozenset({P.WELCOME, P.ASSIGN, P.KILL, P.STOP, P.HEARTBEAT, P.ERROR, P.ENV})
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -643,6 +877,7 @@ def config_from_settings(settings: Settings) -> WorkerConfig:
                         kinds=tuple(kinds), handlers=handlers, services=services,
                         max_output_bytes=ws.max_output_bytes, unsafe_sandbox=ss.unsafe,
                         snapshot_dir=str(ss.snapshot_dir) if ss.snapshot_dir else None,
+                        leave_grace_s=ws.leave_grace_s,
                         sandbox_options={"allow_network": ss.allow_network, "warm_pool": ss.warm_pool,
                                          "env_ttl": ss.env_ttl_s, "seccomp": ss.seccomp,
                                          "default_limits": sandbox_limits(ss)})

@@ -63,4 +63,4 @@ def test_result_round_trip_and_act():
     assert back == r
     assert back.act == pytest.approx(2.0) and back.queued == pytest.approx(0.5)
     with pytest.raises(ValidationError):
-        ActionResult.from_wire(["a", "weird", None, None, 0, 0, 0, None, 0, 0])
+        ActionResult.from_wire(["a", "weird", None, None, 0, 0, 0, None, 0, 0, None])

@@ -15,7 +15,7 @@ def _decode(frame: bytes):
 
 
 def _result(aid: str, output=None) -> list:
-    return [aid, "ok", output, None, 1.0, 1.5, 2.0, "w1", 1, 1]
+    return [aid, "ok", output, None, 1.0, 1.5, 2.0, "w1", 1, 1, None]
 
 
 def _session_with(n: int):

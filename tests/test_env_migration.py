@@ -40,13 +40,15 @@ def test_environment_moves_to_another_worker_when_its_worker_leaves(tmp_path):
                 time.sleep(0.1)
             a.send_signal(signal.SIGTERM)      # e.g. Slurm preemption or a drain: it leaves
             assert a.wait(30) == 0
-            snaps = os.listdir(tmp_path / "snapshots")
+            # Snapshots go to the state directory beside the connection file, which outlives a restart.
+            snapshots = tmp_path / "connection.state" / "snapshots"
+            snaps = os.listdir(snapshots)
             assert len(snaps) == 1 and snaps[0].endswith(".tar.gz")
             r = c.submit(sandbox("cat src/notes.txt top", env="traj-9")).result(30)
             assert r.ok, r.error
-            assert r.worker != worker_a
+            assert r.worker != worker_a and r.env_state == "restored" and r.attempts == 1
             assert r.output["stdout"] == "state of turn 1\nx\n"
-            assert os.listdir(tmp_path / "snapshots") == []   # consumed by the restore
+            assert os.listdir(snapshots) == []   # consumed by the restore
     finally:
         for p in procs:
             p.kill()

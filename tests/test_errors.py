@@ -52,7 +52,7 @@ def test_one_except_catches_any_of_them():
 def test_status_is_an_enum_that_travels_as_a_plain_string():
     assert Status.OK == "ok" and f"{Status.TIMEOUT}" == "timeout" and str(Status.ERROR) == "error"
     assert "cancelled" in Status.FINAL and Status.FINAL == frozenset(Status)
-    _, body = P.decode(P.encode(P.DONE, [["a", 1, Status.OK, None, None, 0.0, 1.0]]), P.WORKER_TYPES)
+    _, body = P.decode(P.encode(P.DONE, [["a", 1, Status.OK, None, None, 0.0, 1.0, None]]), P.WORKER_TYPES)
     assert type(body[0][2]) is str and body[0][2] == "ok"
     assert msgpack.unpackb(msgpack.packb(Status.CANCELLED)) == "cancelled"
     assert json.loads(json.dumps({"state": WorkerState.DRAINING, "status": Status.OK})) == \

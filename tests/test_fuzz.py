@@ -57,7 +57,11 @@ def _seed_bodies(worker_id: str = "w-fuzz") -> list[tuple[int, object]]:
                       "partition": None, "envs": []}),
         (P.HEARTBEAT, {"running": 1, "services": ["s"], "envs": ["e1"]}),
         (P.HEARTBEAT, {"leaving": "bye"}),
-        (P.DONE, [["0" * 24, 1, "ok", {"x": 1}, None, 1.0, 2.0], ["y", 2, "failed", None, "boom", 0, 0]]),
+        (P.DONE, [["0" * 24, 1, "ok", {"x": 1}, None, 1.0, 2.0, None], ["y", 2, "failed", None, "boom", 0, 0, "kept"]]),
+        (P.CLOSE_ENV, ["e1", "fuzz-env"]),
+        (P.ENV, [["saved", "e1", 1, "/nonexistent/e1.tar.gz"], ["unsaved", "e1", 2, "why"], ["gone", "e2", 3, None]]),
+        (P.OUTCOMES, [["0" * 24, 1, "ok", None, None, 1.0, 2.0, "replayed"]]),
+        (P.HEARTBEAT, {"left": "bye", "interrupted": [["0" * 24, 1]]}),
     ]
 
 
@@ -154,8 +158,10 @@ def _consume(frame: bytes, allowed: frozenset) -> None:
         try:
             if mtype in (P.SUBMIT, P.ASSIGN):
                 ActionSpec.from_wire(item if mtype == P.SUBMIT else (item[0] if isinstance(item, list) and item else item))
-            elif mtype == P.DONE:
+            elif mtype in (P.DONE, P.OUTCOMES):
                 P.check_done(item)
+            elif mtype == P.ENV:
+                P.check_env_item(item)
             elif mtype == P.RESULT:
                 ActionResult.from_wire(item)
         except ValidationError:
@@ -163,6 +169,11 @@ def _consume(frame: bytes, allowed: frozenset) -> None:
     if mtype == P.REGISTER:
         try:
             P.check_register(body)
+        except P.ProtocolError:
+            pass
+    if mtype == P.CLOSE_ENV:
+        try:
+            P.check_env_ids(body)
         except P.ProtocolError:
             pass
 
@@ -339,10 +350,10 @@ def test_live_worker_socket_fuzz(live, identity, register, data):
     real_ids = valid.submit()
     wid = identity.decode("utf-8", "replace")
     seeds = _seed_bodies(wid)
-    worker_seeds = [(t, b) for t, b in seeds if t in (P.REGISTER, P.HEARTBEAT, P.DONE)]
+    worker_seeds = [(t, b) for t, b in seeds if t in (P.REGISTER, P.HEARTBEAT, P.DONE, P.ENV, P.OUTCOMES)]
     # DONE frames naming the valid client's in-flight actions: a worker must not be able to finish
     # an action it was not given.
-    worker_seeds.append((P.DONE, [[aid, a, "ok", "forged", None, 0.0, 0.0] for aid in real_ids for a in (1, 2)]))
+    worker_seeds.append((P.DONE, [[aid, a, "ok", "forged", None, 0.0, 0.0, None] for aid in real_ids for a in (1, 2)]))
     frames = data.draw(st.lists(st.binary(max_size=300) | byte_mutant([P.encode(t, b) for t, b in worker_seeds])
                                 | structural_mutant(worker_seeds) | st.sampled_from([P.encode(*s) for s in worker_seeds]),
                                 min_size=1, max_size=6))

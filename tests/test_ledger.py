@@ -42,7 +42,7 @@ def take_assign(ledger: ActionLedger, now: float = 0.0) -> dict[str, list[tuple[
     if ledger.dirty:
         ledger.dispatch(now)
     out, ledger.outbox.assign = ledger.outbox.assign, {}
-    return {wid: [(wire["i"], attempt, cores) for wire, attempt, cores in items] for wid, items in out.items()}
+    return {wid: [(wire["i"], attempt, cores) for wire, attempt, cores, *_ in items] for wid, items in out.items()}
 
 
 def take_results(ledger: ActionLedger) -> dict[bytes, list[list]]:
@@ -57,7 +57,7 @@ def take_kills(ledger: ActionLedger) -> dict[str, list]:
 
 def done(ledger: ActionLedger, wid: str, aid: str, attempt: int, status: str = "ok", output=None,
          now: float = 1.0) -> int:
-    return ledger.done(wid, [[aid, attempt, status, output, None, now - 0.5, now]], now)
+    return ledger.done(wid, [[aid, attempt, status, output, None, now - 0.5, now, None]], now)
 
 
 def running_on_w1(spec: ActionSpec, **settings) -> ActionLedger:
@@ -86,7 +86,7 @@ def test_one_action_start_to_result():
     assert ledger.workers.get("w1").busy_cores == 1
     assert done(ledger, "w1", spec.id, 1, output=42) == 0
     res = only_result(ledger, C1)
-    assert res[:4] == [spec.id, "ok", 42, None] and res[7:] == ["w1", 1, 1]
+    assert res[:4] == [spec.id, "ok", 42, None] and res[7:] == ["w1", 1, 1, None]
     assert spec.id not in ledger and ledger.workers.get("w1").busy_cores == 0
     c = ledger.counters
     assert (c.submitted, c.completed, c.failed, c.stale_results) == (1, 1, 0, 0)
@@ -144,8 +144,8 @@ def test_malformed_done_items_are_skipped_alone():
     a, b = sleep(), sleep()
     submit(ledger, C1, a, b)
     take_assign(ledger)
-    bad = ledger.done("w1", [[a.id, 1, "ok", "A", None, 0.0, 1.0], ["short"], 7,
-                             [b.id, 1, "weird", "B", None, 0.0, 1.0]], 1.0)
+    bad = ledger.done("w1", [[a.id, 1, "ok", "A", None, 0.0, 1.0, None], ["short"], 7,
+                             [b.id, 1, "weird", "B", None, 0.0, 1.0, None]], 1.0)
     assert bad == 2
     res = {r[0]: r for r in take_results(ledger)[C1]}
     assert res[a.id][1] == "ok" and res[b.id][1] == "error" and "unknown status 'weird'" in res[b.id][3]
@@ -391,7 +391,7 @@ def test_draining_worker_gets_nothing_new_and_leaves_when_idle():
 
 # -- the core stays pure -------------------------------------------------------------
 
-@pytest.mark.parametrize("module", ["ledger", "registry", "pool_driver", "outbox", "metrics"])
+@pytest.mark.parametrize("module", ["ledger", "registry", "pool_driver", "outbox", "metrics", "environments"])
 def test_the_coordinator_core_does_no_io_of_its_own(module):
     path = Path(__file__).resolve().parents[1] / "tangram_hpc" / "coordinator" / f"{module}.py"
     imported = set()

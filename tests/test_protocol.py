@@ -7,7 +7,7 @@ import pytest
 import zmq
 
 from tangram_hpc import protocol as P
-from tangram_hpc.actions import function
+from tangram_hpc.actions import ValidationError, function
 from tangram_hpc.connection import ConnectionInfo
 from tangram_hpc.launch import LocalCluster
 from tangram_hpc.security import CurveKeys
@@ -125,7 +125,7 @@ def test_coordinator_survives_garbage_on_worker_socket(small_frames):
         s = _raw(ctx, info.worker_address, identity=b"intruder", conn=info)
         for frame in [v[0] for v in MALFORMED.values()] + [os.urandom(300),
                       P.encode(P.REGISTER, {"id": "someone-else", "cores": 2}),
-                      P.encode(P.DONE, [["x", 1, "ok", None, None, 0.0, 0.0]])]:
+                      P.encode(P.DONE, [["x", 1, "ok", None, None, 0.0, 0.0, None]])]:
             s.send(frame)
         replies = []
         while True:
@@ -151,3 +151,15 @@ def test_pending_limit_per_client_gives_clear_error(small_frames):
     assert len(rejected) >= 10
     assert all("too many unfinished actions for this client (limit 50)" in r.error for r in rejected)
     assert sum(r.ok for r in res) == len(res) - len(rejected)
+
+
+@pytest.mark.parametrize("bad", [[["x"]], {"a": 1}, 3, "nonsense"])
+def test_an_env_state_of_any_other_shape_is_a_validation_error(bad):
+    """Found by the fuzzer: a list there was unhashable and escaped as TypeError."""
+    with pytest.raises(ValidationError):
+        P.check_done(["a", 1, "ok", None, None, 0.0, 1.0, bad])
+    with pytest.raises(ValidationError):
+        P.check_env_item([bad, "e", 1, None])
+    from tangram_hpc.actions import ActionResult
+    with pytest.raises(ValidationError):
+        ActionResult.from_wire(["a", "ok", None, None, 0, 0, 0, None, 0, 1, bad])

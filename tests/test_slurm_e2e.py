@@ -105,19 +105,21 @@ def test_scancelled_worker_loses_no_action(coordinator):
     view, c = CliClusterView(), coordinator["client"]
     futures = [c.submit(sleep_action(3.0, f"s{i}")) for i in range(6)]
 
-    def busy_handle():
+    def busy():
         for w in c.status().get("workers", []):
             if w.get("running") and w.get("handle"):
-                return w["handle"]
+                return w
         return None
-    handle = wait_until(busy_handle, 60, what="a worker running actions")
-    [job] = [j for j in view.jobs(name_prefix=handle) if j.active]
+    victim = wait_until(busy, 60, what="a worker running actions")
+    [job] = [j for j in view.jobs(name_prefix=victim["handle"]) if j.active]
     subprocess.run(["scancel", str(job.job_id)], check=True)
     results = [f.result(timeout=120) for f in futures]
     assert [r.status for r in results] == ["ok"] * 6
-    assert any(r.attempts > 1 for r in results)
+    # The cancelled worker left (SIGTERM): what it ran finished within its leave grace, or was
+    # retried elsewhere once it had left; either way each action has its one ok result.
+    assert any(r.worker == victim["id"] or r.attempts > 1 for r in results)
     st = c.status()
-    assert st["workers_lost"] >= 1 and st["retried"] >= 1
+    assert st["workers_lost"] >= 1
     wait_until(lambda: not worker_jobs(view), 60, what="idle workers to be reclaimed")
 
 

@@ -18,7 +18,15 @@ The rules:
   lost: a Python function cannot be interrupted, and giving its cores away
   would queue new actions behind it on the worker;
 * finished results stay in a bounded cache so a resubmission (a reconnected
-  client, a repeated idempotency key) gets the first answer again.
+  client, a repeated idempotency key) gets the first answer again;
+* an action with an environment runs only where the
+  :class:`~.environments.EnvironmentDirectory` says the one live copy is: while the
+  environment is moving or its worker is awaited, its actions are held back from
+  the policy; each ASSIGN carries the environment's grant (its generation, and
+  where to restore or adopt it from); a lost environment fails its actions with
+  ``env_lost``;
+* outcomes a worker kept from before it registered again (OUTCOMES) answer the
+  actions still waiting for them instead of running them again.
 """
 from __future__ import annotations
 
@@ -31,6 +39,7 @@ from ..config import CoordinatorSettings
 from ..actions import ActionSpec, Status, ValidationError
 from ..policy.base import SchedulingPolicy
 from ..resources import WorkerInfo
+from .environments import USABLE, EnvironmentDirectory, EnvStatus
 from .outbox import Counters, Outbox
 from .registry import WorkerRecord, WorkerRegistry, WorkerState
 
@@ -38,8 +47,15 @@ from .registry import WorkerRecord, WorkerRegistry, WorkerState
 log = logging.getLogger("tangram.coordinator")
 
 
+def _env_of(spec: ActionSpec) -> str | None:
+    """The stateful environment an action runs in: a sandbox action's ``env`` (for other kinds it is
+    only a placement hint to the policy)."""
+    return spec.env if spec.kind == "sandbox" else None
+
+
 class _Action:
-    __slots__ = ("spec", "wire", "client", "submitted", "attempt", "worker", "cores", "failures", "waiters")
+    __slots__ = ("spec", "wire", "client", "submitted", "attempt", "worker", "cores", "failures", "waiters",
+                 "held", "in_env", "misplaced")
 
     def __init__(self, spec: ActionSpec, wire: dict, client: bytes, now: float):
         self.spec = spec
@@ -51,6 +67,9 @@ class _Action:
         self.cores = 0
         self.failures: list[str] = []
         self.waiters: list[tuple[bytes, str]] | None = None  # (client, action id) sharing an idempotency key
+        self.held = False       # kept from the policy until its environment can be used
+        self.in_env = False     # its running attempt is counted in its environment's record
+        self.misplaced = 0      # times the policy started it away from its environment
 
 
 class RecentMap:
@@ -77,13 +96,21 @@ class RecentMap:
         if len(self.young) >= self.half:
             self.old, self.young = self.young, {}
 
+    def pop(self, key) -> None:
+        self.young.pop(key, None)
+        self.old.pop(key, None)
+
+    def __bool__(self) -> bool:
+        return bool(self.young or self.old)
+
 
 class ActionLedger:
     """The live actions of one coordinator; ``action_log`` gets one record per final result
     (a :class:`~tangram_hpc.runlog.RunLog`, or any list)."""
 
     def __init__(self, config: CoordinatorSettings, policy: SchedulingPolicy, workers: WorkerRegistry | None = None,
-                 *, outbox: Outbox | None = None, action_log=None):
+                 *, outbox: Outbox | None = None, action_log=None, envs: EnvironmentDirectory | None = None,
+                 prior_attempts: dict[str, int] | None = None):
         self.config = config
         self.policy = policy
         self.workers = workers if workers is not None else WorkerRegistry()
@@ -97,6 +124,14 @@ class ActionLedger:
         self._client_pending: dict[bytes, int] = {}
         self._deadlines: list[tuple[float, str, int]] = []
         self._zombies: dict[str, str] = {}                # zombie action id -> worker id
+        self.envs = envs if envs is not None else EnvironmentDirectory(config.env_wait_s)
+        self._env_live: dict[str, list[_Action]] = {}     # environment -> its live actions, oldest first
+        self._env_closing: dict[str, set[str]] = {}       # environment -> live actions it closes after
+        self._orphans = RecentMap(min(config.result_cache, 100_000))  # action id -> outcome of an earlier registration
+        #: attempts started under a previous coordinator (from its state file), by action id
+        self._prior_attempts = dict(prior_attempts or {})
+        #: [action id, attempts started] for actions with an environment; [id, 0] once final (the state file)
+        self.attempt_log: list[list] = []
 
     # -- views -----------------------------------------------------------------
     def __len__(self) -> int:
@@ -114,6 +149,9 @@ class ActionLedger:
         """When a live action was first submitted, or None."""
         a = self._actions.get(action_id)
         return None if a is None else a.submitted
+    def live_env_attempts(self) -> dict[str, int]:
+        """Attempts started of the live actions that have an environment (the state file keeps them)."""
+        return {a.spec.id: a.attempt for live in self._env_live.values() for a in live if a.attempt}
 
     @property
     def zombie_cores(self) -> int:
@@ -143,6 +181,10 @@ class ActionLedger:
             if done is not None:
                 self.outbox.results.setdefault(client, []).append(done)
                 continue
+            if self._orphans:
+                kept = self._orphans.get(aid)
+                if kept is not None and self._answer_from_orphan(client, spec, kept, now):
+                    continue
             if zombies and aid in zombies:
                 self._reject(client, aid, "an attempt of this action id is still ending on its worker", now)
                 continue
@@ -155,13 +197,40 @@ class ActionLedger:
                 self._reject(client, aid, f"too many unfinished actions for {which} (limit {limit}); "
                                           "wait for results before submitting more", now)
                 continue
+            env = _env_of(spec)
+            if env is not None:
+                rec = self.envs.get(env)
+                if rec is not None and rec.status is EnvStatus.LOST:
+                    self._reject(client, aid, f"environment {env!r} is lost: {rec.why}; close it (close_env) "
+                                              "to start it again empty", now, Status.ENV_LOST)
+                    continue
             pending += 1
-            actions[aid] = _Action(spec, w, client, now)
+            a = actions[aid] = _Action(spec, w, client, now)
             self.counters.submitted += 1
-            policy.submit(spec, now)
+            if env is None:
+                policy.submit(spec, now)
+            else:
+                self._admit_env(a, env, now)
         if pending:
             self._client_pending[client] = pending
         self.dirty = True
+
+    def _admit_env(self, a: _Action, env: str, now: float) -> None:
+        live = self._env_live.get(env)
+        if live is None:
+            self._env_live[env] = [a]
+        else:
+            live.append(a)
+        if self._prior_attempts:
+            n = self._prior_attempts.pop(a.spec.id, 0)
+            if n:
+                a.attempt = n
+                a.failures.append(f"attempt {n} started under the previous coordinator and did not report")
+        rec = self.envs.get(env)
+        if env in self._env_closing or (rec is not None and rec.status not in USABLE):
+            a.held = True
+        else:
+            self.policy.submit(a.spec, now)
 
     def _join_idempotent(self, client: bytes, spec: ActionSpec, key: str) -> bool:
         """True when ``spec`` is answered by an earlier action with the same key."""
@@ -184,13 +253,27 @@ class ActionLedger:
         self.outbox.results.setdefault(client, []).append(copy)
         return True
 
-    def _reject(self, client: bytes, aid: str | None, why: str, now: float) -> None:
+    def _reject(self, client: bytes, aid: str | None, why: str, now: float, status: str = Status.ERROR) -> None:
         self.counters.rejected += 1
         if aid is None:
             self.outbox.to_clients.append((client, P.ERROR, {"code": "invalid_action", "message": why[:500]}))
             return
         self.outbox.results.setdefault(client, []).append(
-            [aid, Status.ERROR, None, f"rejected: {why}", now, 0.0, now, None, 0, 0])
+            [aid, status, None, f"rejected: {why}", now, 0.0, now, None, 0, 0, None])
+
+    def _answer_from_orphan(self, client: bytes, spec: ActionSpec, kept: list, now: float) -> bool:
+        """A resubmitted action whose attempt under an earlier registration of a worker did finish."""
+        attempt, status, output, error, started, finished, env_state, worker = kept
+        if _env_of(spec) is not None:
+            rec = self.envs.get(spec.env)
+            if rec is None or rec.holder != worker:
+                return False   # the environment is not the copy it ran in: its journal decides
+        res = [spec.id, status, output, error, now, started, finished, worker, 0, attempt, env_state]
+        self.outbox.results.setdefault(client, []).append(res)
+        self._recent.put(spec.id, res)
+        self._orphans.pop(spec.id)
+        self.counters.replayed += 1
+        return True
 
     def cancel(self, ids: list, now: float) -> None:
         """Pending: cancelled at once.  Running: KILL sent and cancelled at once; its cores stay bound."""
@@ -200,7 +283,8 @@ class ActionLedger:
             a = self._actions.get(aid)
             if a is None:
                 continue
-            if self.policy.cancel(aid):
+            if a.held or self.policy.cancel(aid):
+                a.held = False
                 self._finalize(a, Status.CANCELLED, None, "cancelled before it started", 0.0, now)
             elif a.worker is not None:
                 self._kill(a, now)
@@ -210,66 +294,265 @@ class ActionLedger:
 
     # -- workers -----------------------------------------------------------------
     def add_worker(self, info: WorkerInfo, ident: bytes, now: float) -> WorkerRecord:
-        """A worker registered; one already registered under its id is lost first (its actions retried)."""
+        """A worker registered; one already registered under its id is lost first (its actions retried).
+
+        The environments it reports having (``info.extra["envs"]``) are kept where they are the
+        copy it was last granted, and dropped otherwise (ENV keep / drop items for it).
+        """
         if info.id in self.workers.by_id:
             self.lose_worker(info.id, now, f"worker {info.id} registered again")
+        reported = info.extra.pop("envs", None) or []
         w = self.workers.add(info, ident, now)
         self.policy.add_worker(info, now)
+        keep, drop, regained, lost = self.envs.worker_registered(
+            info.id, info.extra.get("env_root"), info.handle, reported, now)
+        if keep or drop:
+            self.outbox.env.setdefault(info.id, []).extend(keep + drop)
+        if regained:
+            self.policy.update_worker(info.id, envs=self.envs.held_by(info.id), now=now)
+        for env in regained + lost:
+            self._env_changed(env, now)
         self.dirty = True
         return w
 
     def worker_report(self, worker_id: str, body: dict, now: float) -> None:
-        """A worker's HEARTBEAT: services resident on its GPUs and environments it hosts."""
+        """A worker's HEARTBEAT: services resident on its GPUs and environments it hosts.
+
+        Where environments are is the directory's to say (a worker's list may hold a copy that
+        was fenced off), so only the services reach the policy.
+        """
         w = self.workers.by_id.get(worker_id)
         if w is not None and self.workers.report(w, body, now):
-            self.policy.update_worker(worker_id, services=w.services, envs=w.envs, now=now)
+            self.policy.update_worker(worker_id, services=w.services, now=now)
             self.dirty = True
 
     def drain(self, worker_id: str, reason: str, now: float) -> None:
-        """Give a worker no new actions; the pool driver reclaims it once its running ones end."""
+        """Give a worker no new actions and move its environments off; the pool driver reclaims it once
+        its running actions have ended and its environments are saved."""
         w = self.workers.by_id.get(worker_id)
         if w is None or w.state is WorkerState.DRAINING:
             return
         self.workers.mark_draining(w, reason, now)
         self.policy.set_draining(worker_id, True)
+        self._move_envs_off(worker_id, ask=True, now=now)
+
+    def worker_leaving(self, worker_id: str, reason: str, now: float) -> None:
+        """The worker said it is leaving (SIGTERM, time limit): it finishes what it can, saves its
+        environments and says when it has left.  Meanwhile it gets nothing new."""
+        w = self.workers.by_id.get(worker_id)
+        if w is None or w.leaving:
+            return
+        w.leaving = reason
+        if w.state is not WorkerState.DRAINING:
+            self.workers.mark_draining(w, f"leaving: {reason}", now)
+            self.policy.set_draining(worker_id, True)
+        self._move_envs_off(worker_id, ask=False, now=now)
+
+    def _move_envs_off(self, worker_id: str, *, ask: bool, now: float) -> None:
+        moving, save_now = self.envs.worker_draining(worker_id, ask=ask)
+        for env in moving:
+            self._hold_back(env)
+            self.policy.close_env(env)
+        if save_now:
+            self.outbox.env.setdefault(worker_id, []).extend([P.ENV_SAVE, env, gen] for env, gen in save_now)
+        if moving:
+            self.dirty = True
+
+    def holds_moving_envs(self, worker_id: str) -> bool:
+        """Whether environments are still being saved off ``worker_id`` (a drained worker waits for that)."""
+        return self.envs.moving_from(worker_id)
+
+    def worker_left(self, worker_id: str, now: float, reason: str) -> None:
+        """The worker's last word: it has left.  What it still ran (attempts it interrupted) is retried."""
+        self.lose_worker(worker_id, now, f"worker {worker_id} left ({reason})", dead=True)
 
     def retire_worker(self, worker_id: str, now: float) -> WorkerRecord | None:
         """A drained worker with nothing running leaves (zombies die with it)."""
         w = self.workers.remove(worker_id, now, "reclaimed")
         if w is not None:
             self._forget(w, now)
+            # Environments it could not save stay on its disk; they are adopted once it has exited.
+            for env in self.envs.worker_lost(worker_id, dead=False, now=now):
+                self._env_changed(env, now)
         return w
 
-    def lose_worker(self, worker_id: str, now: float, reason: str) -> WorkerRecord | None:
-        """A worker is gone: retry its running actions, or fail those out of attempts."""
+    def lose_worker(self, worker_id: str, now: float, reason: str, *, dead: bool = False) -> WorkerRecord | None:
+        """A worker is gone: retry its running actions, or fail those out of attempts.
+
+        ``dead``: it is known to have exited (its job or process ended, its connection closed), so
+        the environments it held are adopted from its directory at once; otherwise (silence) they
+        are awaited: it may come back with them (:class:`~.environments.EnvironmentDirectory`).
+        """
         w = self.workers.remove(worker_id, now, "lost")
         if w is None:
+            if dead:
+                self.worker_dead(worker_id, now)
             return None
         self.counters.workers_lost += 1
         lost = self._forget(w, now)
         log.warning("worker %s lost (%s); %d running actions to retry", worker_id, reason, len(w.running))
+        affected = self.envs.worker_lost(worker_id, dead=dead, now=now)
+        for env in affected:
+            self._hold_back(env)
         max_attempts = self.config.max_attempts
         for aid in set(lost) | w.running:
             a = self._actions.get(aid)
             if a is None:
                 continue  # a zombie, finalised already
             a.worker = None
+            a.in_env = False
             a.failures.append(f"attempt {a.attempt} on {worker_id}: {reason}")
             if a.attempt >= max_attempts:
                 self._finalize(a, Status.ERROR, None,
                                f"gave up after {a.attempt} attempts: " + "; ".join(a.failures[-3:]), 0.0, now)
             else:
                 self.counters.retried += 1
-                self.policy.submit(a.spec, now)
+                self._resubmit(a, now)
+        for env in affected:
+            self._env_changed(env, now)
         self.dirty = True
         return w
 
+    def worker_dead(self, worker_id: str, now: float) -> None:
+        """A worker lost earlier (silent) is now known to have exited: adopt what it held."""
+        for env in self.envs.worker_dead(worker_id):
+            self._env_changed(env, now)
+
+    def job_ended(self, handle: str, now: float) -> None:
+        """The backend saw the job ``handle`` end; if its worker was lost earlier, it is dead now."""
+        wid = self.envs.worker_of_handle(handle)
+        if wid is not None and wid not in self.workers.by_id:
+            self.worker_dead(wid, now)
+
     def _forget(self, w: WorkerRecord, now: float) -> list[str]:
-        for aid in w.zombies:
+        for aid, z in w.zombies.items():
             self._zombies.pop(aid, None)
         w.zombies.clear()
         self.dirty = True
         return self.policy.remove_worker(w.info.id, now)
+
+    # -- environments --------------------------------------------------------------
+    def _resubmit(self, a: _Action, now: float) -> None:
+        env = _env_of(a.spec)
+        if env is not None:
+            rec = self.envs.get(env)
+            if env in self._env_closing and a.spec.id not in self._env_closing[env] or (
+                    rec is not None and rec.status not in USABLE):
+                a.held = True
+                return
+        self.policy.submit(a.spec, now)
+
+    def _hold_back(self, env: str) -> None:
+        """Take the environment's waiting actions back from the policy until it can be used again."""
+        policy = self.policy
+        for a in self._env_live.get(env, ()):
+            if a.worker is None and not a.held and policy.cancel(a.spec.id):
+                a.held = True
+
+    def _env_changed(self, env: str, now: float) -> None:
+        """The environment's status changed: release its held actions if it can be used, fail them if lost."""
+        rec = self.envs.get(env)
+        live = self._env_live.get(env)
+        if not live:
+            return
+        if rec is not None and rec.status is EnvStatus.LOST:
+            why = f"environment {env!r} is lost: {rec.why}"
+            for a in list(live):
+                if a.worker is None and (a.held or self.policy.cancel(a.spec.id)):
+                    a.held = False
+                    self._finalize(a, Status.ENV_LOST, None, why, 0.0, now)
+            return
+        if rec is not None and rec.status not in USABLE:
+            return
+        if rec is not None and rec.status is not EnvStatus.LIVE:
+            self.policy.close_env(env)   # no worker holds it: the next one to start an action there takes it
+        closing = self._env_closing.get(env)
+        for a in live:
+            if a.held and (closing is None or a.spec.id in closing):
+                a.held = False
+                self.policy.submit(a.spec, now)
+        self.dirty = True
+
+    def env_report(self, worker_id: str, items: list, now: float) -> int:
+        """A worker's ENV message (saved, unsaved, gone); returns how many items were malformed."""
+        bad = 0
+        for item in items:
+            try:
+                op, env, gen, detail = P.check_env_item(item)
+            except ValidationError:
+                bad += 1
+                continue
+            if op == P.ENV_SAVED:
+                if detail and self.envs.saved(worker_id, env, gen, detail):
+                    self._env_changed(env, now)
+            elif op == P.ENV_UNSAVED:
+                if self.envs.unsaved(worker_id, env, gen):
+                    log.warning("worker %s could not save environment %s (%s); it stays there", worker_id, env,
+                                detail)
+                    self.policy.update_worker(worker_id, envs=self.envs.held_by(worker_id), now=now)
+                    self._env_changed(env, now)
+            elif op == P.ENV_GONE:
+                if self.envs.gone(worker_id, env, gen):
+                    self.policy.close_env(env)
+                    self._env_changed(env, now)
+        return bad
+
+    def close_env(self, envs: list, now: float) -> None:
+        """CLOSE_ENV: end each environment once the actions already submitted in it have finished."""
+        for env in envs:
+            if not isinstance(env, str):
+                continue
+            live = self._env_live.get(env)
+            if live:
+                self._env_closing[env] = {a.spec.id for a in live}
+            else:
+                self._close_env_now(env, now)
+
+    def _close_env_now(self, env: str, now: float) -> None:
+        self._env_closing.pop(env, None)
+        dropped = self.envs.close(env)
+        if dropped is not None:
+            holder, item = dropped
+            self.outbox.env.setdefault(holder, []).append(item)
+            self.policy.update_worker(holder, envs=self.envs.held_by(holder), now=now)
+        self.policy.close_env(env)
+        self.counters.envs_closed += 1
+        self._env_changed(env, now)   # actions submitted after close_env start it afresh
+
+    def outcomes(self, worker_id: str, items: list, now: float) -> int:
+        """OUTCOMES: attempts that ended under an earlier registration of the worker.  One whose action
+        still waits (held back or pending, not running elsewhere) is its result; one of an action this
+        coordinator does not know is kept for a resubmission.  Returns the malformed items."""
+        bad = 0
+        policy = self.policy
+        for item in items:
+            try:
+                aid, attempt, status, output, error, started, finished, env_state = P.check_done(item)
+            except ValidationError:
+                bad += 1
+                continue
+            if status not in Status.FINAL:
+                continue
+            a = self._actions.get(aid)
+            if a is None:
+                if self._recent.get(aid) is None:
+                    self._orphans.put(aid, [attempt, status, output, error, started, finished, env_state, worker_id])
+                continue
+            if a.worker is not None:
+                continue   # a newer attempt runs: its result counts
+            env = _env_of(a.spec)
+            if env is not None:
+                rec = self.envs.get(env)
+                if rec is None or rec.holder != worker_id:
+                    continue   # the environment's live copy is not the one it ran in
+            if not (a.held or policy.cancel(aid)):
+                continue
+            a.held = False
+            self.counters.replayed += 1
+            a.worker = worker_id
+            self._finalize(a, status, output, error, started, finished, env_state)
+        self.dirty = True
+        return bad
 
     # -- scheduling ----------------------------------------------------------------
     def dispatch(self, now: float) -> None:
@@ -289,13 +572,24 @@ class ActionLedger:
                 # The policy placed something the ledger no longer tracks: give its cores back.
                 self.policy.finished(asg.action_id, now, ok=False)
                 continue
-            a.attempt += 1
+            env = _env_of(a.spec)
+            if env is None:
+                a.attempt += 1
+                item = [a.wire, a.attempt, asg.cores]
+            else:
+                grant = self.envs.grant(env, asg.worker_id)
+                if grant is None:
+                    self._misplaced(a, asg, now)
+                    continue
+                a.attempt += 1
+                a.in_env = True
+                item = [a.wire, a.attempt, asg.cores, grant]
+                self.attempt_log.append([a.spec.id, a.attempt])
             a.worker = w.info.id
             a.cores = asg.cores
             w.running.add(a.spec.id)
             w.busy_cores += asg.cores
             w.idle_since = None
-            item = [a.wire, a.attempt, asg.cores]
             items = assign.get(a.worker)
             if items is None:
                 assign[a.worker] = [item]
@@ -303,6 +597,21 @@ class ActionLedger:
                 items.append(item)
             if a.spec.timeout is not None:
                 heapq.heappush(self._deadlines, (now + a.spec.timeout + grace, a.spec.id, a.attempt))
+
+    def _misplaced(self, a: _Action, asg, now: float) -> None:
+        """The policy started an action away from the worker its environment is on (it should not):
+        give the cores back, pin the environment again and let the action wait its turn."""
+        self.policy.finished(asg.action_id, now, ok=False)
+        a.misplaced += 1
+        rec = self.envs.get(a.spec.env)
+        log.warning("policy placed %s on %s but environment %s is %s on %s", a.spec.id, asg.worker_id, a.spec.env,
+                    rec.status if rec else "unknown", rec.holder if rec else None)
+        if rec is not None and rec.status is EnvStatus.LIVE and rec.holder in self.workers.by_id:
+            self.policy.update_worker(rec.holder, envs=self.envs.held_by(rec.holder), now=now)
+        if a.misplaced < 3 and (rec is None or rec.status in USABLE):
+            self.policy.submit(a.spec, now)
+        else:
+            a.held = True   # released with the environment's next change
 
     def done(self, worker_id: str, items: list, now: float) -> int:
         """A worker's DONE batch; returns how many items were malformed (each is skipped alone)."""
@@ -316,7 +625,7 @@ class ActionLedger:
         bad = 0
         for item in items:
             try:
-                aid, attempt, status, output, error, started, finished = P.check_done(item)
+                aid, attempt, status, output, error, started, finished, env_state = P.check_done(item)
             except ValidationError:
                 bad += 1  # one broken item must not strand the rest of the batch
                 continue
@@ -334,12 +643,18 @@ class ActionLedger:
             w.busy_cores -= a.cores
             if not w.running:
                 w.idle_since = now
-            self._finalize(a, status, output, error, started, finished)
+            if a.in_env:
+                a.in_env = False
+                self._env_attempt_ended(a.spec.env)
+            self._finalize(a, status, output, error, started, finished, env_state)
         self.dirty = True
         return bad
 
     def expire(self, now: float) -> None:
-        """Time out running actions past ``timeout + timeout_grace_s``."""
+        """Time out running actions past ``timeout + timeout_grace_s``; give up environments awaited
+        past ``env_wait_s``."""
+        for env in self.envs.expire(now):
+            self._env_changed(env, now)
         dl = self._deadlines
         grace = self.config.timeout_grace_s
         while dl and dl[0][0] <= now:
@@ -367,20 +682,30 @@ class ActionLedger:
             self.policy.finished(a.spec.id, now, ok=False)
             return
         w.running.discard(a.spec.id)
-        w.zombies[a.spec.id] = (a.attempt, a.cores)
+        # A killed attempt may still be ending in its environment: it counts there until it has.
+        w.zombies[a.spec.id] = (a.attempt, a.cores, a.spec.env if a.in_env else None)
+        a.in_env = False
         self._zombies[a.spec.id] = wid
         if not w.running:
             w.idle_since = now
 
     def _bury(self, w: WorkerRecord, aid: str, now: float) -> None:
         """The worker reported a zombie's attempt ended: its cores are free now."""
-        _, cores = w.zombies.pop(aid)
+        _, cores, env = w.zombies.pop(aid)
         self._zombies.pop(aid, None)
         w.busy_cores -= cores
         self.policy.finished(aid, now, ok=False)
+        if env is not None:
+            self._env_attempt_ended(env)
+
+    def _env_attempt_ended(self, env: str) -> None:
+        ask = self.envs.ended(env)
+        if ask is not None:
+            holder, gen = ask
+            self.outbox.env.setdefault(holder, []).append([P.ENV_SAVE, env, gen])
 
     def _finalize(self, a: _Action, status: str, output: Any, error: str | None,
-                  started: float, finished: float) -> None:
+                  started: float, finished: float, env_state: str | None = None) -> None:
         spec = a.spec
         aid = spec.id
         del self._actions[aid]
@@ -389,7 +714,7 @@ class ActionLedger:
             self._client_pending[a.client] = n
         else:
             self._client_pending.pop(a.client, None)
-        res = [aid, status, output, error, a.submitted, started, finished, a.worker, a.cores, a.attempt]
+        res = [aid, status, output, error, a.submitted, started, finished, a.worker, a.cores, a.attempt, env_state]
         results = self.outbox.results
         mine = results.get(a.client)
         if mine is None:
@@ -411,3 +736,25 @@ class ActionLedger:
         bs[status] = bs.get(status, 0) + 1
         self.action_log.append([aid, spec.kind, spec.action_class, a.worker, a.cores, a.submitted, started,
                                 finished, status, a.attempt, spec.trajectory])
+        if spec.env is not None and spec.kind == "sandbox":
+            self._env_action_final(a, spec.env, max(finished, a.submitted))
+
+    def _env_action_final(self, a: _Action, env: str, now: float) -> None:
+        if a.in_env:   # finalised while its attempt runs (lost attempts were reset): counted until it ends
+            a.in_env = False
+            self._env_attempt_ended(env)
+        live = self._env_live.get(env)
+        if live is not None:
+            try:
+                live.remove(a)
+            except ValueError:
+                pass
+            if not live:
+                del self._env_live[env]
+        if a.attempt:
+            self.attempt_log.append([a.spec.id, 0])
+        closing = self._env_closing.get(env)
+        if closing is not None:
+            closing.discard(a.spec.id)
+            if not closing:
+                self._close_env_now(env, now)

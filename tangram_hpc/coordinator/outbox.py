@@ -22,12 +22,13 @@ class Outbox:
 
     assign: dict[str, list] = field(default_factory=dict)    # worker id -> [[action wire, attempt, cores], ...]
     kill: dict[str, list] = field(default_factory=dict)      # worker id -> [[action id, attempt], ...]
+    env: dict[str, list] = field(default_factory=dict)       # worker id -> [[op, environment id, generation], ...]
     results: dict[bytes, list] = field(default_factory=dict)  # client identity -> [result wire, ...]
     to_workers: list[tuple[bytes, int, Any]] = field(default_factory=list)  # (identity, type, body)
     to_clients: list[tuple[bytes, int, Any]] = field(default_factory=list)  # (identity, type, body)
 
     def __bool__(self) -> bool:
-        return bool(self.assign or self.kill or self.results or self.to_workers or self.to_clients)
+        return bool(self.assign or self.kill or self.env or self.results or self.to_workers or self.to_clients)
 
 
 @dataclass
@@ -43,4 +44,6 @@ class Counters:
     launch_failures: int = 0
     launches: int = 0
     reclaims: int = 0
+    envs_closed: int = 0
+    replayed: int = 0          # resubmitted actions answered by an outcome a worker kept, not run again
     by_status: dict = field(default_factory=dict)

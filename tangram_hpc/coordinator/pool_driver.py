@@ -146,7 +146,9 @@ class PoolDriver:
                 self._launch_failed(now, f"{ev.handle}{job}: {what} {now - rec.joined:.0f} s after its worker joined")
             wid = workers.by_handle.get(ev.handle)
             if wid is not None:
-                self.ledger.lose_worker(wid, now, f"backend job {ev.handle}{job} {what}")
+                self.ledger.lose_worker(wid, now, f"backend job {ev.handle}{job} {what}", dead=True)
+            else:
+                self.ledger.job_ended(ev.handle, now)   # a worker lost earlier: its environments can be adopted
 
     def _apply(self, rec: Allocation, state: JobState, reason: str, now: float) -> None:
         if rec.job_id is None:
@@ -284,7 +286,7 @@ class PoolDriver:
     def finish_drains(self, now: float) -> None:
         """Stop drained workers with nothing left running; cancel their jobs after the grace period."""
         for w in self.ledger.workers:
-            if w.state is WorkerState.DRAINING and not w.running:
+            if w.state is WorkerState.DRAINING and not w.running and not self.ledger.holds_moving_envs(w.info.id):
                 # STOP first: the worker snapshots its environments and exits by itself (taking any
                 # zombie attempt with it); the job is cancelled only if it is still there after the grace.
                 self.ledger.outbox.to_workers.append(

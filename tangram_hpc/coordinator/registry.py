@@ -31,12 +31,12 @@ class WorkerRecord:
     worker: those of its running actions and those of *zombies*, attempts
     already finalised for their client (timed out or cancelled) that the
     worker has not yet reported ended.  ``zombies`` maps such an action id to
-    ``(attempt, cores)``.
+    ``(attempt, cores, environment or None)``.
     """
 
     __slots__ = ("info", "ident", "last_seen", "running", "busy_cores", "zombies", "state", "drain_reason",
                  "idle_since", "services", "envs", "registered_at", "launched_shape", "launched_at",
-                 "service_counts")
+                 "service_counts", "leaving")
 
     def __init__(self, info: WorkerInfo, ident: bytes, now: float):
         self.info = info
@@ -44,7 +44,7 @@ class WorkerRecord:
         self.last_seen = now
         self.running: set[str] = set()
         self.busy_cores = 0
-        self.zombies: dict[str, tuple[int, int]] = {}
+        self.zombies: dict[str, tuple[int, int, str | None]] = {}
         self.state = WorkerState.OK
         self.drain_reason = ""
         self.idle_since: float | None = now
@@ -55,6 +55,7 @@ class WorkerRecord:
         self.launched_at: float | None = None            # ... and when it asked the backend for it
         # service -> (loads onto the device, evictions, queued inputs), as the worker last reported
         self.service_counts: dict[str, tuple[int, int, int]] = {}
+        self.leaving = ""                                # why, once it said it is leaving
 
     @property
     def id(self) -> str:
@@ -62,7 +63,7 @@ class WorkerRecord:
 
     @property
     def zombie_cores(self) -> int:
-        return sum(cores for _, cores in self.zombies.values())
+        return sum(z[1] for z in self.zombies.values())
 
 
 class WorkerRegistry:
@@ -95,7 +96,8 @@ class WorkerRegistry:
         return WorkerInfo(id=wid, cores=reg["cores"], mem_mb=reg["mem_mb"], gpus=reg["gpus"],
                           gpu_mem_mb=reg["gpu_mem_mb"], kinds=frozenset(reg["kinds"]),
                           services=frozenset(reg["services"]), handle=reg["handle"], host=reg["host"] or "",
-                          partition=reg["partition"], extra={"pid": reg["pid"]})
+                          partition=reg["partition"],
+                          extra={"pid": reg["pid"], "env_root": reg["env_root"], "envs": reg["envs"]})
 
     def add(self, info: WorkerInfo, ident: bytes, now: float) -> WorkerRecord:
         w = WorkerRecord(info, ident, now)

@@ -29,11 +29,13 @@ from ..netaddr import advertised_host
 from ..policy.base import PoolPolicy, SchedulingPolicy
 from ..runlog import RunLog
 from ..security import CurveKeys
+from .environments import EnvironmentDirectory
 from .ledger import ActionLedger
 from .metrics import CoordinatorMetrics
 from .outbox import Outbox
 from .pool_driver import PoolDriver
 from .registry import WorkerRecord, WorkerRegistry
+from .state_dir import StateDir
 
 log = logging.getLogger("tangram.coordinator")
 
@@ -59,8 +61,12 @@ class Coordinator:
         self._action_log = RunLog(run_dir / "actions.log")
         self._worker_log = RunLog(run_dir / "workers.log")
         self.outbox = Outbox()
+        # Environments and the attempts of unfinished actions outlive a restart (state_dir).
+        self.state = StateDir(config.state_dir)
+        envs = EnvironmentDirectory(config.env_wait_s)
+        attempts = self.state.load(envs, time.time())
         self.ledger = ActionLedger(config, policy, WorkerRegistry(self._worker_log), outbox=self.outbox,
-                                   action_log=self._action_log)
+                                   action_log=self._action_log, envs=envs, prior_attempts=attempts)
         self.workers = self.ledger.workers
         self.counters = self.ledger.counters
         self.metrics = CoordinatorMetrics()
@@ -76,6 +82,7 @@ class Coordinator:
         self._ctx: zmq.Context | None = None
         self.info: ConnectionInfo | None = None
         self._bad_frame_logged: set[str] = set()
+        self._unreachable: set[str] = set()     # workers a send failed to: lost after their last frames
 
     # -- sockets -----------------------------------------------------------
     def bind(self) -> ConnectionInfo:
@@ -190,6 +197,8 @@ class Coordinator:
                     self._drain(self.clients, self._on_client_frame)
                 if exporter is not None and exporter.fd in events:
                     exporter.answer()   # a scrape waits: build the figures now, between two turns
+                if self._unreachable:
+                    self._lose_unreachable()
                 if ledger.dirty:
                     ledger.dispatch(time.time())
                 self._flush()
@@ -207,16 +216,19 @@ class Coordinator:
         self._stop = True
 
     def close(self) -> None:
+        if self._ctx is not None:
+            bye = P.encode(P.STOP, {"reason": "coordinator shutting down", "reregister": False})
+            for w in self.workers:
+                self._send_ident(w.ident, bye)
+            self._await_workers_leaving()
         self._flush_logs()
+        self._flush_state(time.time())
         if self._metrics_server is not None:
             self._metrics_server.close()
             self._metrics_server = None
             self._scrape_target_file.unlink(missing_ok=True)
         if self._ctx is None:
             return
-        bye = P.encode(P.STOP, {"reason": "coordinator shutting down", "reregister": False})
-        for w in self.workers:
-            self._send_ident(w.ident, bye)
         if self.curve is not None:
             self.curve.stop()
         if self.backend is not None:
@@ -226,6 +238,28 @@ class Coordinator:
                 log.exception("backend shutdown failed")
         self._ctx.destroy(linger=0)
         self._ctx = None
+
+    def _await_workers_leaving(self) -> None:
+        """After STOP: hear the workers out (last results, environments they save) until each has left
+        or ``drain_grace_s`` passes, so a restarted coordinator finds their environments."""
+        deadline = time.monotonic() + min(self.config.drain_grace_s, 30.0)
+        poller = zmq.Poller()
+        poller.register(self.worker_socket, zmq.POLLIN)
+        while len(self.workers) and time.monotonic() < deadline:
+            if poller.poll(100):
+                self._drain(self.worker_socket, self._on_worker_frame)
+            if self._unreachable:
+                self._lose_unreachable()
+            elif self.pool_driver is not None:
+                self.pool_driver.poll(time.time())   # a worker whose process ended has left too
+            self.outbox.assign.clear()               # nothing new starts now
+            self._flush()
+
+    def _flush_state(self, now: float) -> None:
+        try:
+            self.state.flush(self.ledger.envs, self.ledger.attempt_log, self.ledger.live_env_attempts, now)
+        except OSError as e:
+            log.warning("could not write the state directory %s: %s", self.state.path, e)
 
     def _drain(self, sock: zmq.Socket, handler) -> None:
         for _ in range(_BATCH):
@@ -278,6 +312,8 @@ class Coordinator:
             self.clients.send_multipart([ident, P.encode(P.STATUS, self.status() | reply)], zmq.NOBLOCK)
         elif mtype == P.HELLO:
             self.clients.send_multipart([ident, P.encode(P.WELCOME, self._welcome())], zmq.NOBLOCK)
+        elif mtype == P.CLOSE_ENV:
+            self.ledger.close_env(P.check_env_ids(body), time.time())
 
     def _welcome(self) -> dict:
         c = self.config
@@ -295,13 +331,22 @@ class Coordinator:
             if self.pool_driver is not None:
                 self.pool_driver.joined(w)
             self._send_ident(ident, P.encode(P.WELCOME, {"coordinator": self.id,
-                                                         "heartbeat_s": self.config.heartbeat_s}))
+                                                         "heartbeat_s": self.config.heartbeat_s,
+                                                         "snapshot_dir": str(self.state.snapshots)}))
             log.info("worker %s registered: %d cores, %d GPUs, handle %s", wid, info.cores, info.gpus, info.handle)
+            return
+        if mtype == P.ENV:
+            # Fenced by generation and holder, so a worker declared lost may still hand an environment back.
+            bad = ledger.env_report(wid, body, now)
+            if bad:
+                raise P.ProtocolError("invalid", f"{bad} malformed ENV item(s) from worker {wid} ignored")
             return
         w = self.workers.get(wid)
         if w is None:
             if mtype == P.DONE:
                 ledger.done(wid, body, now)  # counted as stale: their actions were retried elsewhere
+            if mtype == P.HEARTBEAT and (body.get("left") or body.get("leaving")):
+                return   # on its way out (after a drain): nothing to say to it
             # A worker we declared lost (or one from before a restart): it must start over.
             self._send_ident(ident, P.encode(P.STOP, {"reason": "unknown worker: register again",
                                                       "reregister": True}))
@@ -312,18 +357,32 @@ class Coordinator:
             if bad:
                 raise P.ProtocolError("invalid", f"{bad} malformed DONE item(s) from worker {wid} ignored")
         elif mtype == P.HEARTBEAT:
-            if body.get("leaving"):
-                ledger.lose_worker(wid, now, f"worker {wid} is leaving: {body.get('leaving')}")
+            if body.get("left"):
+                ledger.worker_left(wid, now, str(body.get("left"))[:200])
+            elif body.get("leaving"):
+                ledger.worker_leaving(wid, str(body.get("leaving"))[:200], now)
             else:
                 ledger.worker_report(wid, body, now)
+        elif mtype == P.OUTCOMES:
+            bad = ledger.outcomes(wid, body, now)
+            if bad:
+                raise P.ProtocolError("invalid", f"{bad} malformed OUTCOMES item(s) from worker {wid} ignored")
 
     # -- frames out --------------------------------------------------------------
     def _flush(self) -> None:
         ob = self.outbox
+        ledger = self.ledger
+        if ledger.envs.changes or ledger.attempt_log:
+            # Before the ASSIGNs that carry them: a coordinator killed after sending a grant must still
+            # know the environment when it restarts, or it could grant the same id anew elsewhere.
+            self.state.write_changes(ledger.envs, ledger.attempt_log, ledger.live_env_attempts)
         if ob.to_workers:
             msgs, ob.to_workers = ob.to_workers, []
             for ident, mtype, body in msgs:
                 self._send_ident(ident, P.encode(mtype, body))
+        if ob.env:   # before the ASSIGNs: an assignment may rely on a keep or a drop of this turn
+            out, ob.env = ob.env, {}
+            self._send_workers(P.ENV, out)
         if ob.assign:
             out, ob.assign = ob.assign, {}
             self._send_workers(P.ASSIGN, out)
@@ -357,10 +416,18 @@ class Coordinator:
 
     def _send_worker(self, w: WorkerRecord, frame: bytes) -> None:
         if not self._send_ident(w.ident, frame) and w.info.id in self.workers.by_id:
-            now = time.time()
-            if self.pool_driver is not None:
-                self.pool_driver.poll(now)  # the backend usually knows why (exit status, job state)
-            self.ledger.lose_worker(w.info.id, now, "connection closed")
+            # Lost once what it sent before its connection closed has been read (next turn): a worker
+            # that leaves hands its environments back in its last frames.
+            self._unreachable.add(w.info.id)
+
+    def _lose_unreachable(self) -> None:
+        gone, self._unreachable = self._unreachable, set()
+        now = time.time()
+        if self.pool_driver is not None:
+            self.pool_driver.poll(now)  # the backend usually knows why (exit status, job state)
+        for wid in gone:
+            if wid in self.workers.by_id:
+                self.ledger.lose_worker(wid, now, "connection closed", dead=True)
 
     def _send_ident(self, ident: bytes, frame: bytes) -> bool:
         try:
@@ -385,6 +452,7 @@ class Coordinator:
             self.pool_driver.tick(now)
         self.ledger.fail_unplaceable(now)
         self._flush_logs()
+        self._flush_state(now)
         self.ledger.dirty = True
 
     def _flush_logs(self) -> None:
@@ -408,7 +476,8 @@ class Coordinator:
             "launches": c.launches, "reclaims": c.reclaims,
             "recent_launch_failures": [], "starting_workers": 0, "pool": "", "pool_decisions": [],
             "metrics_url": self.metrics_url,
-            "by_status": dict(c.by_status),
+            "by_status": dict(c.by_status), "replayed": c.replayed, "envs_closed": c.envs_closed,
+            "environments": self.ledger.envs.counts(),
             "workers": [
                 {"id": w.info.id, "host": w.info.host, "pid": w.info.extra.get("pid"), "handle": w.info.handle,
                  "cores": w.info.cores, "busy_cores": w.busy_cores, "zombie_cores": w.zombie_cores,

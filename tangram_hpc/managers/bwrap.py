@@ -165,7 +165,7 @@ class BwrapLayout:
         The wrapper gets :data:`WRAPPER_ENVIRON` only; the command's own variables
         are set after the privilege drop (:func:`~tangram_hpc.managers.limits.wrapper_argv`).
         """
-        argv = [self.bwrap, "--die-with-parent", "--new-session", "--as-pid-1", "--hostname", "sandbox"]
+        argv = [self.bwrap, "--die-with-parent", "--new-session", "--as-pid-1", "--hostname", "sandbox"]  # pid 1: _INIT
         argv += _unshare_args(self.root_mode, network)
         if self.root_mode:
             argv += _ROOT_CAPS
@@ -184,8 +184,18 @@ class BwrapLayout:
                  "--bind", str(env_dir), SANDBOX_DIR, "--chdir", SANDBOX_DIR, "--clearenv"]
         for k, v in WRAPPER_ENVIRON.items():
             argv += ["--setenv", k, v]
-        argv.append("--")
+        argv += ["--", *_INIT]
         return argv
+
+
+#: pid 1 of the sandbox's PID namespace: a shell that runs the wrapper chain as its child, waits and
+#: exits with its status.  bubblewrap's --die-with-parent gives it the parent-death signal, which it
+#: keeps (it has bubblewrap's uid; the command's uid is dropped later, which clears the signal, and a
+#: capability-less bubblewrap may not signal another uid): when the worker dies, even by SIGKILL,
+#: it dies and the kernel kills everything in the namespace, so no command outlives its worker to
+#: write into an environment another worker has taken over.  The command is not pid 1 either, so
+#: signals it sends itself work as usual.  Arguments reach it as "$@", never as shell text.
+_INIT = ["/bin/sh", "-c", '"$@"; exit $?', "tangram-init"]
 
 
 def _ancestors(path: str) -> list[str]:

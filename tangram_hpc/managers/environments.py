@@ -11,6 +11,14 @@ When the worker runs as root every environment gets its own unprivileged
 uid (the sandboxed command runs as that uid, see
 :mod:`tangram_hpc.managers.bwrap`) and its files are owned by it.
 
+Each environment has a *journal* beside its directory (``<dir>.journal``, out of
+the sandbox's sight): the outcomes of (at least) the last :data:`JOURNAL_KEEP`
+actions that ran in it.  It travels with the environment (inside its snapshot, in the tar's
+pax header; with its directory when a worker adopts it), so an action whose
+result was lost (its worker declared lost, the coordinator restarted) and that
+comes back to the environment is answered from the journal instead of running a
+second time on a state that already holds its effects.
+
 Sandboxed code controls what is inside an environment, and the worker may be
 root: every host-side operation on a path inside one (payload files, fetched
 files, snapshots) walks it one component at a time with ``O_NOFOLLOW`` (no
@@ -19,6 +27,7 @@ worker) and reads or writes regular files only.
 """
 from __future__ import annotations
 
+import base64
 import errno
 import hashlib
 import logging
@@ -26,6 +35,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -34,12 +44,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Protocol
+from typing import Any, Iterable, Mapping, Protocol
+
+import msgpack
 
 __all__ = [
     "Template", "EmptyTemplate", "TreeTemplate", "PythonEnvTemplate", "template_from_config",
     "Environment", "EnvStore", "EnvError", "UID_RANGE", "NOFOLLOW_DIR", "write_inside", "read_inside",
-    "is_plain_dir",
+    "is_plain_dir", "JOURNAL_KEEP", "snapshot_identity", "env_dirname",
 ]
 
 log = logging.getLogger(__name__)
@@ -50,6 +62,10 @@ _NOFOLLOW_FILE = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 #: Snapshots of deeper trees are refused (the walk holds one descriptor per level).
 _MAX_DEPTH = 256
 _CHANGED_MEANWHILE = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.ELOOP, errno.ENXIO})
+#: Outcomes kept in an environment's journal at least (it is compacted to this many once it holds twice as many).
+JOURNAL_KEEP = 32
+# pax header keys of a snapshot: the environment id, its generation, its journal (base64 msgpack)
+_PAX_ENV, _PAX_GEN, _PAX_JOURNAL = "TANGRAM.env", "TANGRAM.generation", "TANGRAM.journal"
 
 #: Uids handed to environments when the worker is root: far above normal
 #: user and subordinate-uid ranges.
@@ -172,13 +188,17 @@ class Environment:
     ready: threading.Event = field(default_factory=threading.Event, repr=False)
     failure: BaseException | None = field(default=None, repr=False)
     disk: Any = field(default=None, repr=False)   # its last disk-quota walk (diskquota.Measured)
+    journal: dict | None = field(default=None, repr=False)  # action id -> outcome record, once read
+    journal_appends: int = field(default=0, repr=False)     # records appended since the file was written whole
 
 
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]")
 
 
-def _dirname(env_id: str) -> str:
+def env_dirname(env_id: str) -> str:
+    """The directory name of an environment under a worker's root (readable, and unique by its hash)."""
     return f"{_SAFE.sub('_', env_id)[:48]}-{hashlib.sha1(env_id.encode()).hexdigest()[:12]}"
+
 
 
 class EnvStore:
@@ -305,7 +325,7 @@ class EnvStore:
                 creator = False
             else:
                 now = time.monotonic()
-                env = Environment(key, self.root / _dirname(key), template, None, now, now,
+                env = Environment(key, self.root / env_dirname(key), template, None, now, now,
                                   throwaway, busy=1)
                 self._envs[key] = env
                 creator = True
@@ -313,6 +333,8 @@ class EnvStore:
             try:
                 if env.path.exists():  # left behind by an earlier manager on this root
                     _rmtree(env.path)
+                if not throwaway:
+                    self._journal_path(key).unlink(missing_ok=True)
                 uid = self._take_warm(template, env.path)
                 env.uid = self._build(template, env.path) if uid is False else uid
             except BaseException as exc:
@@ -327,6 +349,10 @@ class EnvStore:
             if env.failure is not None:
                 raise EnvError(f"environment {key!r} failed to be created: {env.failure}")
         return env
+
+    def has(self, env_id: str) -> bool:
+        """Whether ``env_id`` is here and ready."""
+        return env_id in self.ids()
 
     def release(self, env: Environment) -> None:
         with self._lock:
@@ -354,6 +380,7 @@ class EnvStore:
         with self._lock:
             env = self._envs.pop(env_id, None)
         if env is None:
+            self._journal_path(env_id).unlink(missing_ok=True)
             return False
         env.ready.wait()
         self._remove(env)
@@ -375,13 +402,18 @@ class EnvStore:
 
     def _remove(self, env: Environment) -> None:
         _rmtree(env.path)
+        if not env.throwaway:
+            self._journal_path(env.id).unlink(missing_ok=True)
         self._free_uid(env.uid)
 
-    def close(self) -> None:
+    def close(self, keep: Iterable[str] = ()) -> None:
+        """Remove every environment but those in ``keep``, which stay on disk with their journals
+        (a leaving worker that could not hand them back: another worker may adopt them)."""
+        keep = frozenset(keep)
         with self._lock:
             self._closed = True
             self._lock.notify_all()
-            envs = list(self._envs.values())
+            envs = [e for e in self._envs.values() if e.id not in keep]
             self._envs.clear()
             warm = [p for pool in self._warm.values() for p, _ in pool]
             self._warm = {}
@@ -393,6 +425,45 @@ class EnvStore:
             _rmtree(p)
         _rmtree(self._warm_dir)
 
+    # -- journal -----------------------------------------------------------------
+    def _journal_path(self, env_id: str) -> Path:
+        return self.root / (env_dirname(env_id) + ".journal")
+
+    def _journal_of(self, env: Environment) -> dict:
+        if env.journal is None:
+            env.journal = {r[0]: r for r in _read_journal(self._journal_path(env.id))}
+        return env.journal
+
+    def journal_get(self, env_id: str, action_id: str) -> list | None:
+        """The outcome record ``[id, attempt, status, output, error, started, finished]`` of an action
+        that ran in ``env_id`` (among its last :data:`JOURNAL_KEEP`), or None."""
+        env = self.get(env_id)
+        with self._lock:
+            return self._journal_of(env).get(action_id)
+
+    def journal_add(self, env_id: str, record: list) -> None:
+        """Record the outcome of an action that ran in ``env_id``, before its result is reported."""
+        env = self.get(env_id)
+        with self._lock:
+            journal = self._journal_of(env)
+            journal.pop(record[0], None)
+            journal[record[0]] = record
+            env.journal_appends += 1
+            compact = env.journal_appends > JOURNAL_KEEP
+            if compact:
+                for old in list(journal)[:max(0, len(journal) - JOURNAL_KEEP)]:
+                    del journal[old]
+                env.journal_appends = 0
+                _write_journal(self._journal_path(env_id), list(journal.values()))
+            else:
+                with open(self._journal_path(env_id), "ab") as f:
+                    f.write(msgpack.packb(record, use_bin_type=True))
+
+    def _set_journal(self, env: Environment, records: list) -> None:
+        env.journal = {r[0]: r for r in records}
+        env.journal_appends = 0
+        _write_journal(self._journal_path(env.id), records)
+
     # -- files -----------------------------------------------------------------
     def write_files(self, env: Environment, files: Mapping[str, str | bytes]) -> None:
         """Write payload files into the environment without following links out of it."""
@@ -401,15 +472,20 @@ class EnvStore:
             write_inside(env.path, rel, data, env.uid)
 
     # -- snapshot / restore -----------------------------------------------------------
-    def snapshot(self, env_id: str, snapshot_dir: Path) -> str:
+    def snapshot(self, env_id: str, snapshot_dir: Path, generation: int = 0) -> str:
+        """Save ``env_id`` with its journal to ``<dir>-g<generation>-<time>-<rand>.tar.gz``; returns its path."""
         env = self.get(env_id)
         snapshot_dir = Path(snapshot_dir)
         snapshot_dir.mkdir(parents=True, exist_ok=True)
-        name = f"{_dirname(env_id)}-{int(time.time())}-{os.urandom(4).hex()}.tar.gz"
+        name = f"{env_dirname(env_id)}-g{generation}-{int(time.time())}-{os.urandom(4).hex()}.tar.gz"
         final = snapshot_dir / name
         part = snapshot_dir / (name + ".partial")
+        with self._lock:
+            journal = list(self._journal_of(env).values())[-JOURNAL_KEEP:]
+        headers = {_PAX_ENV: env_id, _PAX_GEN: str(generation),
+                   _PAX_JOURNAL: base64.b64encode(msgpack.packb(journal, use_bin_type=True)).decode()}
         try:
-            with tarfile.open(part, "w:gz", compresslevel=1) as tar:
+            with tarfile.open(part, "w:gz", compresslevel=1, format=tarfile.PAX_FORMAT, pax_headers=headers) as tar:
                 _tar_tree(tar, env.path)
             os.replace(part, final)
         except BaseException:
@@ -417,35 +493,59 @@ class EnvStore:
             raise
         return str(final)
 
-    def latest_snapshot(self, env_id: str, snapshot_dir: Path) -> str | None:
-        """The newest :meth:`snapshot` of ``env_id`` in ``snapshot_dir`` (by any worker), if any."""
-        if not Path(snapshot_dir).is_dir():
-            return None
-        pattern = re.compile(re.escape(_dirname(env_id)) + r"-(\d+)-[0-9a-f]{8}\.tar\.gz$")
-        best: tuple[int, str] | None = None
-        for entry in os.scandir(snapshot_dir):
-            m = pattern.match(entry.name)
-            if m and (best is None or (int(m.group(1)), entry.name) > best):
-                best = (int(m.group(1)), entry.name)
-        return str(Path(snapshot_dir) / best[1]) if best else None
-
     def restore(self, env_id: str, snapshot: str, template: str | None = None) -> Environment:
-        """Recreate ``env_id`` from a snapshot, replacing any local copy."""
+        """Recreate ``env_id`` (and its journal) from a snapshot, replacing any local copy."""
         src = Path(snapshot)
         if not src.is_file():
             raise EnvError(f"snapshot {snapshot} not found")
         self.drop(env_id)
-        uid = self._new_uid()
-        tmp = self._warm_dir / f".restore-{os.urandom(6).hex()}"
-        dest = self.root / _dirname(env_id)
-        try:
+        journal: list = []
+
+        def extract(tmp: Path) -> None:
+            nonlocal journal
             tmp.mkdir(mode=0o755)
             with tarfile.open(src, "r:*") as tar:
+                saved_id = tar.pax_headers.get(_PAX_ENV)
+                if saved_id is not None and saved_id != env_id:
+                    raise EnvError(f"snapshot {snapshot} holds environment {saved_id!r}, not {env_id!r}")
+                journal = _journal_from_header(tar.pax_headers.get(_PAX_JOURNAL))
                 members = [_safe_member(m) for m in tar.getmembers()]
                 if hasattr(tarfile, "tar_filter"):
                     tar.extractall(tmp, members=members, filter="tar")
                 else:
                     tar.extractall(tmp, members=members)
+
+        dest, uid = self._put_in_place(env_id, extract, f"restore {env_id!r} from {snapshot}")
+        return self._install(env_id, dest, uid, template, journal)
+
+    def adopt(self, env_id: str, source_root: str | os.PathLike, template: str | None = None) -> Environment:
+        """Take ``env_id`` over from the environment root of a worker that died, journal included.
+
+        The directory is copied (symlinks kept), not moved: a worker only believed dead could
+        still hold descriptors into it, and must not write into this copy.  The source is removed
+        afterwards.  Ownership is set to this environment's uid as for a restore.
+        """
+        src = Path(source_root) / env_dirname(env_id)
+        src_journal = Path(source_root) / (env_dirname(env_id) + ".journal")
+        if not is_plain_dir(Path(source_root), env_dirname(env_id)):
+            raise EnvError(f"environment {env_id!r} is not in {source_root} (its worker's directory is gone)")
+        _kill_leftovers(src)
+        journal = _read_journal(src_journal)
+        self.drop(env_id)
+        dest, uid = self._put_in_place(env_id, lambda tmp: shutil.copytree(src, tmp, symlinks=True),
+                                       f"adopt {env_id!r} from {src}")
+        env = self._install(env_id, dest, uid, template, journal)
+        _rmtree(src)
+        src_journal.unlink(missing_ok=True)
+        return env
+
+    def _put_in_place(self, env_id: str, fill, what: str) -> tuple[Path, int | None]:
+        """Make a directory with ``fill(path)``, give it a new uid and move it to ``env_id``'s place."""
+        uid = self._new_uid()
+        tmp = self._warm_dir / f".incoming-{os.urandom(6).hex()}"
+        dest = self.root / env_dirname(env_id)
+        try:
+            fill(tmp)
             os.chmod(tmp, 0o755)
             if uid is not None:
                 chown_tree(tmp, uid)
@@ -457,9 +557,14 @@ class EnvStore:
             _rmtree(tmp)
             if isinstance(exc, (EnvError, KeyboardInterrupt)):
                 raise
-            raise EnvError(f"cannot restore {env_id!r} from {snapshot}: {exc}") from exc
+            raise EnvError(f"cannot {what}: {exc}") from exc
+        return dest, uid
+
+    def _install(self, env_id: str, dest: Path, uid: int | None, template: str | None,
+                 journal: list) -> Environment:
         now = time.monotonic()
         env = Environment(env_id, dest, template or self.default_template, uid, now, now)
+        self._set_journal(env, journal)
         env.ready.set()
         with self._lock:
             old = self._envs.get(env_id)
@@ -467,6 +572,96 @@ class EnvStore:
         if old is not None and old.path != dest:
             self._remove(old)
         return env
+
+
+def _kill_leftovers(env_dir: Path) -> None:
+    """Kill what a dead worker's sandbox still runs in ``env_dir`` (on this machine), before the copy.
+
+    As root, a sandboxed command runs under its environment's own uid, and the parent-death signal
+    bubblewrap sets is cleared by that uid change (nor may a capability-less bubblewrap signal it),
+    so a command outlives a worker killed with SIGKILL and would go on writing into the environment.
+    Every process of that uid belongs to this environment's sandbox.
+    """
+    if os.geteuid() != 0:
+        return   # as a user, bubblewrap's --die-with-parent ends the sandbox with its worker
+    try:
+        uid = os.stat(env_dir, follow_symlinks=False).st_uid
+    except OSError:
+        return
+    if not UID_RANGE[0] <= uid < UID_RANGE[1]:
+        return
+    for _ in range(20):   # they may fork while being killed; the process limit bounds the rounds
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit() and _uid_of(p) == uid]
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.01)
+
+
+def _uid_of(pid: str) -> int | None:
+    """The real uid of a process (its /proc entry may be root's when it is not dumpable)."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Uid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def snapshot_identity(path: str | os.PathLike) -> tuple[str, int] | None:
+    """(environment id, generation) a snapshot was saved as, from its pax header; None if unreadable."""
+    try:
+        with tarfile.open(path, "r:*") as tar:
+            env_id = tar.pax_headers.get(_PAX_ENV)
+            gen = int(tar.pax_headers.get(_PAX_GEN, "0"))
+    except (OSError, tarfile.TarError, ValueError, EOFError):
+        return None
+    return (env_id, gen) if env_id else None
+
+
+def _journal_from_header(text: str | None) -> list:
+    if not text:
+        return []
+    try:
+        records = msgpack.unpackb(base64.b64decode(text), raw=False)
+    except Exception as exc:
+        raise EnvError(f"snapshot journal is unreadable: {exc}") from None
+    return [r for r in records if isinstance(r, list) and len(r) == 7 and isinstance(r[0], str)] \
+        if isinstance(records, list) else []
+
+
+def _read_journal(path: Path) -> list:
+    """The records of a journal file; a torn last record (a worker killed mid-write) is ignored."""
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        return []
+    out = []
+    with f:
+        try:
+            for rec in msgpack.Unpacker(f, raw=False):
+                if isinstance(rec, list) and len(rec) == 7 and isinstance(rec[0], str):
+                    out.append(rec)
+        except (ValueError, msgpack.exceptions.UnpackException):
+            pass
+    return out[-JOURNAL_KEEP:]
+
+
+def _write_journal(path: Path, records: list) -> None:
+    if not records:
+        path.unlink(missing_ok=True)
+        return
+    tmp = path.with_name(path.name + f".{os.urandom(4).hex()}.tmp")
+    with open(tmp, "wb") as f:
+        for r in records:
+            f.write(msgpack.packb(r, use_bin_type=True))
+    os.replace(tmp, path)
 
 
 def _safe_member(m: tarfile.TarInfo) -> tarfile.TarInfo:

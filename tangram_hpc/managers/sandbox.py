@@ -42,7 +42,6 @@ import resource
 import shutil
 import signal
 import sys
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, NamedTuple
@@ -205,7 +204,6 @@ class SandboxManager:
         drop = self.root_mode and (self.layout is not None or _traversable(self.root))
         self.envs = EnvStore(self.root, templates or {}, default_template, env_ttl, warm_pool, drop)
         self._closed = False
-        self._ensure_lock = threading.Lock()
 
     # -- public API ---------------------------------------------------------------
     @property
@@ -271,40 +269,22 @@ class SandboxManager:
             return SandboxOutcome(Status.FAILED, out, ran.note or _exit_text(res.returncode))
         return SandboxOutcome(Status.OK, out, None)
 
-    def snapshot(self, env_id: str) -> str:
-        """Save ``env_id`` to a tar.gz in ``snapshot_dir``; returns its path."""
+    def snapshot(self, env_id: str, generation: int = 0) -> str:
+        """Save ``env_id`` and its journal to a tar.gz in ``snapshot_dir``; returns its path.
+
+        Take it while no action runs in the environment (the coordinator waits for that).
+        """
         if self.snapshot_dir is None:
             raise EnvError("this sandbox manager has no snapshot_dir")
-        return self.envs.snapshot(env_id, self.snapshot_dir)
+        return self.envs.snapshot(env_id, self.snapshot_dir, generation)
 
     def restore(self, env_id: str, snapshot: str) -> None:
         """Recreate ``env_id`` here from a :meth:`snapshot` (of this or another worker)."""
         self.envs.restore(env_id, snapshot)
 
-    def latest_snapshot(self, env_id: str) -> str | None:
-        """The newest snapshot of ``env_id`` in ``snapshot_dir`` (by any worker), if any."""
-        return None if self.snapshot_dir is None else self.envs.latest_snapshot(env_id, self.snapshot_dir)
-
-    def ensure(self, env_id: str) -> bool:
-        """Before running in ``env_id``: restore it from a snapshot when this worker lacks it.
-
-        This is how an environment follows its trajectory to another worker after its
-        first worker was drained (which snapshots every environment it hosts).
-        """
-        with self._ensure_lock:  # two first actions of one environment restore it once
-            if env_id in self.envs.ids():
-                return False
-            snap = self.latest_snapshot(env_id)
-            if snap is None:
-                return False
-            self.restore(env_id, snap)
-            # Consumed: the environment lives here now, and a later drain writes a newer snapshot.
-            Path(snap).unlink(missing_ok=True)
-            return True
-
-    def snapshot_all(self) -> list[str]:
-        """Snapshot every environment (a worker being drained); returns the paths."""
-        return [self.snapshot(e) for e in sorted(self.environments())] if self.snapshot_dir else []
+    def adopt(self, env_id: str, source_root: str) -> None:
+        """Take ``env_id`` over from the environment root of a worker that died."""
+        self.envs.adopt(env_id, source_root)
 
     def drop(self, env_id: str) -> bool:
         return self.envs.drop(env_id)
@@ -316,10 +296,11 @@ class SandboxManager:
         """Remove environments idle past the TTL (``now``: ``time.monotonic()``)."""
         return self.envs.gc(now)
 
-    def close(self) -> None:
+    def close(self, keep: tuple[str, ...] | frozenset[str] = ()) -> None:
+        """Remove the environments (those in ``keep`` stay on disk for another worker to adopt)."""
         if not self._closed:
             self._closed = True
-            self.envs.close()
+            self.envs.close(keep)
             if self.cgroups is not None:
                 self.cgroups.sweep()
 

@@ -58,6 +58,13 @@ class SchedulingPolicy(ABC):
                       envs: frozenset[str] | None = None, now: float = 0.0) -> None:
         """Worker-reported state: GPU-resident services, hosted environments."""
 
+    def close_env(self, env: str) -> None:
+        """The environment ended or left its worker: stop pinning its actions to a worker.
+
+        Both drivers call it: the simulator when a trajectory ends, the coordinator when a client
+        closes an environment or the environment moves off its worker (drain, a lost worker).
+        """
+
     @abstractmethod
     def submit(self, action: ActionSpec, now: float) -> None: ...
 

@@ -1,0 +1,221 @@
+"""The environments one worker holds, under the coordinator's grants.
+
+The coordinator's :class:`~tangram_hpc.coordinator.environments.EnvironmentDirectory`
+decides where each environment's one live copy is; an ASSIGN of an action in
+an environment carries its *grant* ``[generation, source, path]``.  Before
+the action runs, :meth:`EnvHost.prepare` makes the local copy match it:
+
+* ``new``: a fresh environment (a stale local copy is dropped first);
+* ``held``: the copy this worker holds at that generation; if it has not got it,
+  the action fails with ``env_lost`` (never silently on an empty one);
+* ``restore``: restored from the snapshot at ``path`` (which is then consumed);
+* ``adopt``: copied from the environment root ``path`` of a worker that died.
+
+A grant older than the copy held is refused (fenced).  After the action the
+worker records its outcome in the environment's journal (:meth:`record`); a
+later attempt of the same action finds it there (:meth:`replay`) and is
+answered without running again.
+
+ENV messages: ``keep`` and the bookkeeping of ``drop`` apply at once (on the
+I/O thread: the ASSIGN after them relies on them); the slow parts (deleting,
+``save``: snapshot, drop, reply) run on one thread of their own, and the
+replies wait in :meth:`take_replies` for the I/O thread.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections import deque
+from typing import Any, Callable
+
+from .. import protocol as P
+from ..actions import ActionSpec, EnvState, Status
+from .environments import EnvError
+
+log = logging.getLogger("tangram.worker")
+
+#: How long a save waits for the actions still running in the environment.
+_SAVE_WAIT_S = 60.0
+
+
+class EnvHost:
+    def __init__(self, mgr: Any, wake: Callable[[], None]):
+        self.mgr = mgr                      # a SandboxManager
+        self._wake = wake
+        self._gen: dict[str, int] = {}      # environment -> generation held
+        self._lock = threading.Lock()
+        self._prep: dict[str, threading.Lock] = {}
+        self._ops: queue.SimpleQueue = queue.SimpleQueue()
+        self._replies: deque = deque()
+        self._thread = threading.Thread(target=self._serve_ops, name="env-ops", daemon=True)
+        self._thread.start()
+
+    # -- what this worker holds ------------------------------------------------------
+    def held(self) -> list[list]:
+        """``[[environment, generation], ...]`` of the copies here (for REGISTER)."""
+        present = self.mgr.environments()
+        with self._lock:
+            return [[e, g] for e, g in self._gen.items() if e in present]
+
+    def generation(self, env: str) -> int | None:
+        with self._lock:
+            return self._gen.get(env)
+
+    # -- before and after an action ------------------------------------------------------
+    def prepare(self, spec: ActionSpec, grant: list) -> tuple[str | None, tuple | None]:
+        """Make the local copy of ``spec.env`` the one ``grant`` names.
+
+        Returns (env_state, None) when the action may run, or (None, outcome) when it must not.
+        """
+        env = spec.env
+        try:
+            gen, source, path = grant
+        except (TypeError, ValueError):
+            return None, (Status.ERROR, None, f"malformed environment grant {grant!r}")
+        with self._lock:
+            lock = self._prep.get(env)
+            if lock is None:
+                lock = self._prep[env] = threading.Lock()
+        with lock:   # two first actions of one environment prepare it once
+            have = self.generation(env)
+            if have is not None and gen < have:
+                return None, (Status.ERROR, None, f"environment {env!r}: grant of generation {gen} is older than "
+                              f"the copy held here ({have}); it was fenced off")
+            if have == gen and self.mgr.envs.has(env):
+                return EnvState.KEPT, None
+            try:
+                if source == P.GRANT_HELD:
+                    return None, (Status.ENV_LOST, None, f"environment {env!r} (generation {gen}) is not on this "
+                                  "worker any more; close it (close_env) to start it again empty")
+                if source == P.GRANT_NEW:
+                    self.mgr.drop(env)
+                    template = spec.payload.get("template") if isinstance(spec.payload, dict) else None
+                    made = self.mgr.envs.acquire(env, template if isinstance(template, str) else None)
+                    self.mgr.envs.release(made)
+                    state = EnvState.CREATED
+                elif source == P.GRANT_RESTORE and isinstance(path, str):
+                    self.mgr.restore(env, path)
+                    try:
+                        os.unlink(path)   # consumed: the environment lives here now
+                    except OSError:
+                        pass
+                    state = EnvState.RESTORED
+                elif source == P.GRANT_ADOPT and isinstance(path, str):
+                    self.mgr.adopt(env, path)
+                    state = EnvState.ADOPTED
+                else:
+                    return None, (Status.ERROR, None, f"unknown environment grant {grant!r}")
+            except (EnvError, OSError) as e:
+                return None, (Status.ENV_LOST, None, f"environment {env!r} could not be {source}d here: {e}")
+            with self._lock:
+                self._gen[env] = gen
+            return state, None
+
+    def replay(self, env: str, action_id: str) -> list | None:
+        """The journal's record of ``action_id`` in ``env``: it ran there already."""
+        try:
+            return self.mgr.envs.journal_get(env, action_id)
+        except EnvError:
+            return None
+
+    def record(self, env: str, record: list) -> None:
+        try:
+            self.mgr.envs.journal_add(env, record)
+        except (EnvError, OSError) as e:
+            log.warning("could not journal %s in environment %s: %s", record[0], env, e)
+
+    # -- ENV messages ------------------------------------------------------------------
+    def apply(self, items: list) -> None:
+        """ENV items from the coordinator (called on the I/O thread)."""
+        for item in items:
+            if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str)
+                    and isinstance(item[1], str) and isinstance(item[2], int)):
+                continue
+            op, env, gen = item
+            if op == P.ENV_KEEP:
+                with self._lock:
+                    self._gen[env] = gen
+            elif op == P.ENV_DROP:
+                with self._lock:
+                    if self._gen.get(env, gen) > gen:
+                        continue   # a newer copy than the one it means
+                    self._gen.pop(env, None)
+                self._ops.put(("drop", env, gen))
+            elif op == P.ENV_SAVE:
+                self._ops.put(("save", env, gen))
+
+    def hand_back_all(self) -> threading.Event:
+        """Save every environment held (a leaving worker); the event is set once all are handled."""
+        done = threading.Event()
+        with self._lock:
+            held = list(self._gen.items())
+        for env, gen in held:
+            self._ops.put(("save", env, gen))
+        self._ops.put(("mark", done, None))
+        return done
+
+    def unsaved(self) -> frozenset[str]:
+        """Environments still here (their save failed): left on disk for another worker to adopt."""
+        return self.mgr.environments()
+
+    def gone(self, env_ids: list[str], why: str) -> None:
+        """Environments this worker removed itself (TTL): the coordinator forgets them."""
+        for env in env_ids:
+            with self._lock:
+                gen = self._gen.pop(env, None)
+            if gen is not None:
+                self._reply([P.ENV_GONE, env, gen, why])
+
+    def take_replies(self) -> list:
+        out = []
+        while self._replies:
+            out.append(self._replies.popleft())
+        return out
+
+    def close(self) -> None:
+        self._ops.put(None)
+        self._thread.join(timeout=_SAVE_WAIT_S + 10)
+
+    def _reply(self, item: list) -> None:
+        self._replies.append(item)
+        self._wake()
+
+    def _serve_ops(self) -> None:
+        while True:
+            op = self._ops.get()
+            if op is None:
+                return
+            kind, env, gen = op
+            try:
+                if kind == "mark":
+                    env.set()
+                elif kind == "drop":
+                    if self.generation(env) is None:
+                        self.mgr.drop(env)
+                elif kind == "save":
+                    self._save(env, gen)
+            except Exception:   # the thread must keep serving the next op
+                log.exception("environment operation %s on %s failed", kind, env)
+
+    def _save(self, env: str, gen: int) -> None:
+        have = self.generation(env)
+        if have != gen or not self.mgr.envs.has(env):
+            self._reply([P.ENV_UNSAVED, env, gen, f"not held here at generation {gen} (held: {have})"])
+            return
+        deadline = time.monotonic() + _SAVE_WAIT_S
+        while self.mgr.envs.get(env).busy and time.monotonic() < deadline:
+            time.sleep(0.05)   # an attempt killed a moment ago is still ending
+        try:
+            path = self.mgr.snapshot(env, gen)
+        except Exception as e:
+            log.error("could not save environment %s: %s", env, e)
+            self._reply([P.ENV_UNSAVED, env, gen, f"{type(e).__name__}: {e}"[:500]])
+            return
+        with self._lock:
+            if self._gen.get(env) == gen:
+                del self._gen[env]
+        self.mgr.drop(env)
+        self._reply([P.ENV_SAVED, env, gen, path])

@@ -1,0 +1,386 @@
+"""One live copy per environment: the fencing rule of the coordinator's environment directory, and the
+ledger driving it, in-process (no sockets, no clock, the real FIFO policy, the outbox read back)."""
+from __future__ import annotations
+
+from tangram_hpc import protocol as P
+from tangram_hpc.actions import ActionSpec, Status
+from tangram_hpc.config import CoordinatorSettings
+from tangram_hpc.coordinator import ActionLedger
+from tangram_hpc.coordinator.environments import EnvironmentDirectory, EnvStatus
+from tangram_hpc.policy.fifo import FifoPolicy
+from tangram_hpc.resources import WorkerInfo
+
+C1 = b"client-1"
+ROOT = {"w1": "/shared/run/worker-w1/envs", "w2": "/shared/run/worker-w2/envs",
+        "w3": "/shared/run/worker-w3/envs"}
+
+
+# -- the directory alone: the fencing rule --------------------------------------------------------
+
+def test_a_grant_gives_one_worker_the_environment_and_every_new_grant_a_newer_generation():
+    d = EnvironmentDirectory(wait_s=60)
+    g1 = d.grant("e", "w1")
+    assert g1[1] == P.GRANT_NEW and d.get("e").holder == "w1"
+    assert d.grant("e", "w1") == [g1[0], P.GRANT_HELD, None]     # its next action: the copy it holds
+    assert d.grant("e", "w2") is None                            # nobody else may use it meanwhile
+    d.ended("e"), d.ended("e")
+    assert d.worker_draining("w1", ask=True) == (["e"], [("e", g1[0])])
+    assert d.grant("e", "w2") is None                            # moving: its actions wait
+    assert d.saved("w1", "e", g1[0], "/snap/e-g1.tar.gz")
+    g2 = d.grant("e", "w2")
+    assert g2 == [g2[0], P.GRANT_RESTORE, "/snap/e-g1.tar.gz"] and g2[0] > g1[0]
+
+
+def test_a_silent_worker_loses_its_right_and_gets_it_back_only_with_the_copy_it_was_granted():
+    d = EnvironmentDirectory(wait_s=60)
+    d.worker_registered("w1", ROOT["w1"], "job-1", [], 0.0)
+    gen = d.grant("e", "w1")[0]
+    d.grant("f", "w1")
+    assert d.worker_lost("w1", dead=False, now=10.0) == ["e", "f"]
+    assert d.get("e").status is EnvStatus.AWAITED and d.grant("e", "w2") is None
+    # It comes back (after SIGCONT) with e at the generation it was granted, and f at an older one.
+    keep, drop, regained, lost = d.worker_registered("w1", ROOT["w1"], "job-1", [["e", gen], ["f", gen]], 12.0)
+    assert [k[:2] for k in keep] == [[P.ENV_KEEP, "e"]] and keep[0][2] > gen and regained == ["e"]
+    assert drop == [[P.ENV_DROP, "f", gen]]       # not the copy it was last granted: fenced off
+    assert d.get("e").status is EnvStatus.LIVE and d.get("e").holder == "w1"
+    assert d.get("f").status is EnvStatus.LOST and lost == ["f"]   # it came back without f's copy
+
+
+def test_a_dead_workers_environments_are_adopted_and_its_copies_fenced_when_it_returns():
+    d = EnvironmentDirectory(wait_s=60)
+    d.worker_registered("w1", ROOT["w1"], "job-1", [], 0.0)
+    gen = d.grant("e", "w1")[0]
+    assert d.worker_lost("w1", dead=True, now=1.0) == ["e"]
+    rec = d.get("e")
+    assert rec.status is EnvStatus.ORPHANED and rec.source == ROOT["w1"]
+    g2 = d.grant("e", "w2")
+    assert g2[1:] == [P.GRANT_ADOPT, ROOT["w1"]] and g2[0] > gen
+    # A worker that was only believed dead comes back: its copy and its hand-back are both fenced.
+    keep, drop, *_ = d.worker_registered("w1", ROOT["w1"], "job-1", [["e", gen]], 2.0)
+    assert keep == [] and drop == [[P.ENV_DROP, "e", gen]]
+    assert not d.saved("w1", "e", gen, "/snap/late.tar.gz")
+    assert d.garbage == [("/snap/late.tar.gz", None)]        # the stale snapshot is deleted
+    assert d.get("e").holder == "w2" and d.get("e").gen == g2[0]
+
+
+def test_a_hand_back_that_arrives_after_its_worker_was_declared_dead_still_counts_until_adopted():
+    """A leaving worker's last frames (its hand-backs) may be read after its closed connection made it
+    'dead': its snapshot is then the state, not the directory it removed."""
+    d = EnvironmentDirectory(wait_s=60)
+    d.worker_registered("w1", ROOT["w1"], None, [], 0.0)
+    ge, gf = d.grant("e", "w1")[0], d.grant("f", "w1")[0]
+    d.worker_lost("w1", dead=True, now=1.0)
+    assert d.saved("w1", "e", ge, "/snap/e.tar.gz")
+    assert d.grant("e", "w2")[1:] == [P.GRANT_RESTORE, "/snap/e.tar.gz"]
+    d.grant("f", "w2")                                   # f was adopted first: its late hand-back is stale
+    assert not d.saved("w1", "f", gf, "/snap/f.tar.gz") and d.garbage == [("/snap/f.tar.gz", None)]
+    assert not d.saved("w3", "e", ge, "/snap/x.tar.gz")  # and never from another worker
+
+
+def test_an_awaited_environment_is_adopted_after_wait_s_or_lost_when_nobody_knows_where_it_is():
+    d = EnvironmentDirectory(wait_s=30)
+    d.worker_registered("w1", ROOT["w1"], "job-1", [], 0.0)
+    d.grant("e", "w1")
+    d.grant("x", "w9")                                   # w9 never said where its environments are
+    d.worker_lost("w1", dead=False, now=0.0)
+    d.worker_lost("w9", dead=False, now=0.0)
+    assert d.expire(29.0) == []
+    assert d.expire(30.0) == ["e", "x"]
+    assert d.get("e").status is EnvStatus.ORPHANED
+    assert d.get("x").status is EnvStatus.LOST and "silent for 30s" in d.get("x").why
+    assert d.grant("x", "w2") is None
+
+
+def test_a_lost_worker_whose_job_then_ends_has_its_environments_adopted_at_once():
+    d = EnvironmentDirectory(wait_s=600)
+    d.worker_registered("w1", ROOT["w1"], "job-1", [], 0.0)
+    d.grant("e", "w1")
+    d.worker_lost("w1", dead=False, now=0.0)
+    assert d.worker_of_handle("job-1") == "w1"
+    assert d.worker_dead("w1") == ["e"] and d.get("e").status is EnvStatus.ORPHANED
+
+
+def test_a_closed_environment_is_dropped_and_a_stale_copy_cannot_bring_it_back():
+    d = EnvironmentDirectory(wait_s=60)
+    gen = d.grant("e", "w1")[0]
+    d.ended("e")
+    assert d.close("e") == ["w1", [P.ENV_DROP, "e", gen]]
+    assert d.get("e") is None
+    keep, drop, *_ = d.worker_registered("w1", ROOT["w1"], None, [["e", gen]], 1.0)
+    assert keep == [] and drop == [[P.ENV_DROP, "e", gen]]
+    assert d.grant("e", "w2")[1] == P.GRANT_NEW          # the id names a new, empty environment now
+
+
+def test_the_state_file_records_bring_held_environments_back_as_awaited():
+    d = EnvironmentDirectory(wait_s=60)
+    d.worker_registered("w1", ROOT["w1"], None, [], 0.0)
+    g_e = d.grant("e", "w1")[0]
+    d.grant("s", "w1")
+    d.ended("s")
+    d.worker_draining("w1", ask=True)
+    d.saved("w1", "s", d.get("s").gen, "/snap/s.tar.gz")
+    d.grant("gone", "w1")
+    d.ended("gone")
+    d.close("gone")
+    records = list(d.changes)
+    again = EnvironmentDirectory(wait_s=60)
+    again.load(records, 100.0)
+    assert again.get("e").status is EnvStatus.AWAITED and again.get("e").holder == "w1"
+    assert again.get("s").status is EnvStatus.SAVED and again.get("s").source == "/snap/s.tar.gz"
+    assert again.get("gone") is None and again.counter == d.counter
+    assert again.roots == {"w1": ROOT["w1"]}
+    # The worker re-registers with its copy: it keeps it, at a generation above every earlier one.
+    keep, *_ = again.worker_registered("w1", ROOT["w1"], None, [["e", g_e]], 101.0)
+    assert keep[0][:2] == [P.ENV_KEEP, "e"] and keep[0][2] > d.counter
+    assert again.found_snapshot("s", 1, "/x") is False
+
+
+# -- the ledger: actions follow their environment ------------------------------------------
+
+class RecordingFifo(FifoPolicy):
+    """The FIFO policy, noting the close_env calls it gets (the simulator makes the same ones)."""
+
+    def __init__(self):
+        super().__init__()
+        self.closed: list[str] = []
+
+    def close_env(self, env: str) -> None:
+        self.closed.append(env)
+        super().close_env(env)
+
+
+def make(**settings) -> ActionLedger:
+    return ActionLedger(CoordinatorSettings(**settings), RecordingFifo())
+
+
+def join(ledger: ActionLedger, wid: str, cores: int = 1, now: float = 0.0, envs=()) -> None:
+    ledger.add_worker(WorkerInfo(id=wid, cores=cores, handle=f"job-{wid}",
+                                 extra={"env_root": ROOT[wid], "envs": [list(e) for e in envs]}),
+                      wid.encode(), now)
+
+
+def act(env: str, n: int = 0) -> ActionSpec:
+    return ActionSpec("sandbox", {"cmd": f"echo {n} >> log"}, env=env)
+
+
+def submit(ledger: ActionLedger, *specs: ActionSpec, now: float = 0.0) -> None:
+    ledger.submit(C1, [s.to_wire() for s in specs], now)
+
+
+def assigned(ledger: ActionLedger, now: float = 0.0) -> dict[str, list]:
+    """{worker: [(action id, attempt, grant), ...]} sent this turn."""
+    if ledger.dirty:
+        ledger.dispatch(now)
+    out, ledger.outbox.assign = ledger.outbox.assign, {}
+    return {w: [(i[0]["i"], i[1], i[3] if len(i) > 3 else None) for i in items] for w, items in out.items()}
+
+
+def env_msgs(ledger: ActionLedger) -> dict[str, list]:
+    out, ledger.outbox.env = ledger.outbox.env, {}
+    return out
+
+
+def results(ledger: ActionLedger) -> dict[str, list]:
+    out, ledger.outbox.results = ledger.outbox.results, {}
+    return {r[0]: r for r in out.get(C1, [])}
+
+
+def running_in_e_on_w1(**settings) -> tuple[ActionLedger, ActionSpec, int]:
+    """Workers w1 and w2; an action in environment e runs on w1 (attempt 1).  Returns e's generation."""
+    ledger = make(**settings)
+    join(ledger, "w1")
+    join(ledger, "w2")
+    a = act("e")
+    submit(ledger, a)
+    [(_, _, grant)] = assigned(ledger)["w1"]
+    assert grant[1] == P.GRANT_NEW
+    return ledger, a, grant[0]
+
+
+def done(ledger, wid, aid, attempt, env_state="kept", now=1.0, status="ok"):
+    assert ledger.done(wid, [[aid, attempt, status, "out", None, now - 0.5, now, env_state]], now) == 0
+
+
+def test_actions_of_a_silent_workers_environment_wait_for_it_and_never_run_elsewhere():
+    ledger = make()
+    join(ledger, "w1")
+    join(ledger, "w2")
+    a = act("e", 1)
+    submit(ledger, a)
+    [(aid, _, grant)] = assigned(ledger)["w1"]
+    gen = grant[0]
+    b = act("e", 2)
+    submit(ledger, b)                                 # queued behind a on w1
+    ledger.lose_worker("w1", 5.0, "no heartbeat for 5.0s")
+    assert assigned(ledger, 5.0) == {}                # not a's retry, not b: e's state is on w1
+    assert ledger.counters.retried == 1
+    # w1 comes back (SIGCONT) with the copy it was granted: it gets e again, and both actions.
+    join(ledger, "w1", now=8.0, envs=[("e", gen)])
+    keep = env_msgs(ledger)["w1"]
+    assert keep[0][:2] == [P.ENV_KEEP, "e"] and keep[0][2] > gen
+    starts = assigned(ledger, 8.0)
+    assert list(starts) == ["w1"] and starts["w1"][0][:2] == (a.id, 2)
+    assert starts["w1"][0][2] == [keep[0][2], P.GRANT_HELD, None]
+
+
+def test_outcomes_kept_by_a_returning_worker_answer_the_actions_still_waiting():
+    ledger, a, gen = running_in_e_on_w1()
+    ledger.lose_worker("w1", 5.0, "no heartbeat")
+    join(ledger, "w1", now=8.0, envs=[("e", gen)])
+    env_msgs(ledger)
+    # Before its retry is dispatched, the worker sends the outcome of attempt 1, which did finish.
+    assert ledger.outcomes("w1", [[a.id, 1, "ok", "ran once", None, 4.0, 6.0, "created"]], 8.0) == 0
+    r = results(ledger)[a.id]
+    assert r[1] == "ok" and r[2] == "ran once" and r[10] == "created"
+    assert assigned(ledger, 8.0) == {} and a.id not in ledger and ledger.counters.replayed == 1
+
+
+def test_a_dead_workers_environment_is_adopted_by_the_next_worker_to_run_its_action():
+    ledger, a, gen = running_in_e_on_w1()
+    ledger.lose_worker("w1", 2.0, "backend job job-w1 failed", dead=True)
+    [(aid, attempt, grant)] = assigned(ledger, 2.0)["w2"]
+    assert (aid, attempt) == (a.id, 2) and grant[1:] == [P.GRANT_ADOPT, ROOT["w1"]] and grant[0] > gen
+    done(ledger, "w2", a.id, 2, env_state="adopted", now=3.0)
+    r = results(ledger)[a.id]
+    assert r[1] == "ok" and r[9] == 2 and r[10] == "adopted"
+
+
+def test_drain_moves_environments_off_between_actions_and_the_worker_waits_for_the_saves():
+    ledger = make()
+    join(ledger, "w1")
+    join(ledger, "w2")
+    a = act("e", 1)
+    submit(ledger, a)
+    gen = assigned(ledger)["w1"][0][2][0]
+    ledger.drain("w1", "time limit", 1.0)
+    assert env_msgs(ledger) == {}                     # a still runs in e: the save waits for it
+    assert ledger.holds_moving_envs("w1")
+    b = act("e", 2)
+    submit(ledger, b, now=1.5)
+    assert assigned(ledger, 1.5) == {}                # e is moving: b waits
+    done(ledger, "w1", a.id, 1, env_state="created", now=2.0)
+    assert env_msgs(ledger) == {"w1": [[P.ENV_SAVE, "e", gen]]}
+    assert ledger.env_report("w1", [[P.ENV_SAVED, "e", gen, "/snap/e.tar.gz"]], 3.0) == 0
+    assert not ledger.holds_moving_envs("w1")        # the pool driver may stop it now
+    [(aid, attempt, grant)] = assigned(ledger, 3.0)["w2"]
+    assert aid == b.id and grant[1:] == [P.GRANT_RESTORE, "/snap/e.tar.gz"]
+    assert "e" in ledger.policy.closed                # its pin to w1 went with it
+
+
+def test_a_leaving_worker_hands_back_on_its_own_and_its_interrupted_attempts_are_retried():
+    ledger = make()
+    join(ledger, "w1", cores=2)
+    join(ledger, "w2")
+    a, b = act("e", 1), act("f", 2)
+    submit(ledger, a, b)
+    grants = {aid: g for aid, _, g in assigned(ledger)["w1"]}
+    ledger.worker_leaving("w1", "SIGTERM", 1.0)
+    assert env_msgs(ledger) == {}                     # it saves them itself
+    done(ledger, "w1", a.id, 1, now=1.5)              # a finished in its grace
+    ledger.env_report("w1", [[P.ENV_SAVED, "e", grants[a.id][0], "/s/e"],
+                             [P.ENV_SAVED, "f", grants[b.id][0], "/s/f"]], 2.0)
+    ledger.worker_left("w1", 2.0, "SIGTERM")          # b was interrupted: no DONE
+    [(aid, attempt, grant)] = assigned(ledger, 2.0)["w2"]
+    assert (aid, attempt) == (b.id, 2) and grant[1:] == [P.GRANT_RESTORE, "/s/f"]
+    assert results(ledger)[a.id][1] == "ok"
+
+
+def test_a_lost_environment_fails_its_actions_with_env_lost_until_the_client_closes_it():
+    ledger = make(env_wait_s=10)
+    join(ledger, "w1")
+    join(ledger, "w2")
+    ledger.envs.roots.clear()                          # nobody knows where w1 keeps its environments
+    a = act("e", 1)
+    submit(ledger, a)
+    assigned(ledger)
+    ledger.lose_worker("w1", 1.0, "no heartbeat")
+    ledger.envs.roots.pop("w1", None)
+    b = act("e", 2)
+    submit(ledger, b, now=2.0)
+    ledger.expire(11.0)
+    res = results(ledger)
+    assert {res[a.id][1], res[b.id][1]} == {Status.ENV_LOST}
+    assert "silent for 10s" in res[b.id][3]
+    c = act("e", 3)
+    submit(ledger, c, now=12.0)
+    r = results(ledger)[c.id]
+    assert r[1] == Status.ENV_LOST and "close it" in r[3]
+    ledger.close_env(["e"], 13.0)
+    d = act("e", 4)
+    submit(ledger, d, now=14.0)
+    [(aid, _, grant)] = assigned(ledger, 14.0)["w2"]
+    assert aid == d.id and grant[1] == P.GRANT_NEW
+
+
+def test_close_env_waits_for_the_actions_already_submitted_then_drops_the_copy():
+    ledger = make()
+    join(ledger, "w1")
+    a = act("e", 1)
+    submit(ledger, a)
+    gen = assigned(ledger)["w1"][0][2][0]
+    ledger.close_env(["e"], 0.5)
+    later = act("e", 2)
+    submit(ledger, later, now=0.6)                    # after close_env: for a new environment
+    assert env_msgs(ledger) == {} and assigned(ledger, 0.6) == {}
+    done(ledger, "w1", a.id, 1, now=1.0)
+    assert env_msgs(ledger) == {"w1": [[P.ENV_DROP, "e", gen]]}
+    assert ledger.policy.closed == ["e"] and ledger.counters.envs_closed == 1
+    [(aid, _, grant)] = assigned(ledger, 1.0)["w1"]
+    assert aid == later.id and grant[1] == P.GRANT_NEW and grant[0] > gen
+
+
+def test_a_late_hand_back_of_a_fenced_copy_changes_nothing():
+    ledger, a, gen = running_in_e_on_w1()
+    ledger.lose_worker("w1", 1.0, "connection closed", dead=True)
+    new = assigned(ledger, 1.0)["w2"][0][2][0]
+    ledger.env_report("w1", [[P.ENV_SAVED, "e", gen, "/snap/old.tar.gz"]], 2.0)
+    rec = ledger.envs.get("e")
+    assert rec.status is EnvStatus.LIVE and rec.holder == "w2" and rec.gen == new
+    assert ledger.envs.garbage == [("/snap/old.tar.gz", None)]
+
+
+def test_attempts_started_under_a_previous_coordinator_continue_their_count():
+    a = act("e")
+    ledger = ActionLedger(CoordinatorSettings(), RecordingFifo(), prior_attempts={a.id: 1})
+    join(ledger, "w1")
+    submit(ledger, a)
+    [(aid, attempt, _)] = assigned(ledger)["w1"]
+    assert attempt == 2
+    assert ledger.attempt_log == [[a.id, 2]]
+    done(ledger, "w1", a.id, 2)
+    assert ledger.attempt_log[-1] == [a.id, 0]
+
+
+def test_the_simulator_and_the_coordinator_end_environments_through_the_same_policy_call():
+    """A trajectory's end in the simulator and close_env from a client in the coordinator both reach
+    the scheduling policy as close_env(env), so a simulated run pins and frees environments as a
+    live one does."""
+    from tangram_hpc.sim.engine import simulate
+    from tangram_hpc.sim.workload import parse_workload
+    doc = {"format_version": 1, "name": "t",
+           "rollout": {"steps": 1, "trajectories_per_step": 3, "turns": 2, "think_s": 1.0},
+           "cluster": {"cpu_workers": 2, "cpu_cores": 1},
+           "actions": [{"name": "job", "kind": "sandbox", "weight": 1.0, "duration_s": 2.0}]}
+    simulated = RecordingFifo()
+    simulate(parse_workload(doc).sample(), simulated)
+    assert sorted(simulated.closed) == ["s0t0", "s0t1", "s0t2"]
+    assert all(simulated.env_host(e) is None for e in simulated.closed)
+    live = make()
+    join(live, "w1")
+    a = act("s0t0")
+    submit(live, a)
+    assigned(live)
+    assert live.policy.env_host("s0t0") == "w1"
+    done(live, "w1", a.id, 1)
+    live.close_env(["s0t0"], 2.0)
+    assert live.policy.closed == ["s0t0"] and live.policy.env_host("s0t0") is None
+
+
+def test_env_of_another_kind_is_only_a_placement_hint():
+    """Environments are sandbox state: a function action naming an env gets no grant and no hold."""
+    ledger = make()
+    join(ledger, "w1")
+    f = ActionSpec("function", {"fn": "math:sqrt", "args": [4]}, env="e")
+    submit(ledger, f)
+    [(aid, _, grant)] = assigned(ledger)["w1"]
+    assert aid == f.id and grant is None and ledger.envs.get("e") is None

@@ -1,0 +1,158 @@
+"""The worker's side of environment grants: preparing the granted copy, the journal that answers an
+action run before, hand-back by snapshot, and what a dead worker's sandbox may not do (real bubblewrap)."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tangram_hpc import protocol as P
+from tangram_hpc.actions import ActionSpec, EnvState, Status
+from tangram_hpc.managers import SandboxManager
+from tangram_hpc.managers.bwrap import probe_bwrap
+from tangram_hpc.managers.env_host import EnvHost
+from tangram_hpc.managers.environments import JOURNAL_KEEP, env_dirname, snapshot_identity
+from support import act, wait_until
+
+pytestmark = [
+    pytest.mark.sandbox,
+    pytest.mark.skipif(probe_bwrap(shutil.which("bwrap") or "") is not None,
+                       reason="bubblewrap missing or unusable here"),
+]
+
+CPU = [sorted(os.sched_getaffinity(0))[0]]
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def hosts(tmp_path):
+    made = []
+
+    def host(name: str) -> EnvHost:
+        mgr = SandboxManager(tmp_path / name / "envs", tmp_path / "snapshots")
+        h = EnvHost(mgr, lambda: None)
+        made.append(h)
+        return h
+    yield host
+    for h in made:
+        h.close()
+        h.mgr.close()
+
+
+def run_in(h: EnvHost, spec: ActionSpec, grant: list, attempt: int = 1):
+    """What the worker does with an assignment: prepare, answer from the journal or run and journal."""
+    state, refused = h.prepare(spec, grant)
+    if refused is not None:
+        return refused, None
+    seen = h.replay(spec.env, spec.id)
+    if seen is not None:
+        return (seen[2], seen[3], seen[4]), EnvState.REPLAYED
+    o = h.mgr.run(spec, CPU)
+    h.record(spec.env, [spec.id, attempt, o.status, o.output, o.error, 0.0, 1.0])
+    return (o.status, o.output, o.error), state
+
+
+def test_a_grant_makes_the_local_copy_the_granted_one(hosts):
+    h = hosts("w1")
+    (st, out, _), state = run_in(h, act("echo 1 >> log", env="e"), [5, P.GRANT_NEW, None])
+    assert st == Status.OK and state == EnvState.CREATED
+    (st, out, _), state = run_in(h, act("cat log", env="e"), [5, P.GRANT_HELD, None])
+    assert state == EnvState.KEPT and out["stdout"] == "1\n"
+    # An older grant is fenced; a "held" grant for a copy this worker does not have is env_lost.
+    (st, _, err), _ = run_in(h, act("true", env="e"), [4, P.GRANT_HELD, None])
+    assert st == Status.ERROR and "fenced" in err
+    (st, _, err), _ = run_in(h, act("true", env="other"), [6, P.GRANT_HELD, None])
+    assert st == Status.ENV_LOST and "not on this worker" in err
+    # A new grant of the same id means a new environment: the stale copy goes.
+    (st, out, _), state = run_in(h, act("cat log || echo empty", env="e"), [9, P.GRANT_NEW, None])
+    assert state == EnvState.CREATED and out["stdout"] == "empty\n"
+
+
+def test_the_journal_answers_an_action_that_ran_and_travels_with_the_snapshot(hosts):
+    w1, w2 = hosts("w1"), hosts("w2")
+    spec = act("echo once >> log; echo ran", env="e")
+    (st, out, _), _ = run_in(w1, spec, [1, P.GRANT_NEW, None])
+    assert st == Status.OK
+    w1.apply([[P.ENV_SAVE, "e", 1]])
+    [[op, env, gen, path]] = wait_until(w1.take_replies, 30, 0.02, "the save")
+    assert (op, env, gen) == (P.ENV_SAVED, "e", 1) and snapshot_identity(path) == ("e", 1)
+    assert "e" not in w1.mgr.environments()            # handed back: no second live copy
+    # The retry of the same action on w2 (its result was lost) is answered, not run again.
+    (st, out, _), state = run_in(w2, spec, [2, P.GRANT_RESTORE, path], attempt=2)
+    assert state == EnvState.REPLAYED and out["stdout"] == "ran\n"
+    assert not os.path.exists(path)                     # consumed by the restore
+    (_, out, _), state = run_in(w2, act("cat log", env="e"), [2, P.GRANT_HELD, None])
+    assert out["stdout"] == "once\n" and state == EnvState.KEPT
+
+
+def test_the_journal_keeps_the_last_outcomes_and_stays_small(hosts):
+    h = hosts("w1")
+    run_in(h, act("true", env="e"), [1, P.GRANT_NEW, None])
+    n = 3 * JOURNAL_KEEP
+    for i in range(n):
+        h.record("e", [f"a{i}", 1, "ok", i, None, 0.0, 1.0])
+    assert h.replay("e", "a0") is None
+    assert all(h.replay("e", f"a{i}")[3] == i for i in range(n - JOURNAL_KEEP, n))
+    journal = h.mgr.envs.root / (env_dirname("e") + ".journal")
+    assert journal.stat().st_size < 2 * JOURNAL_KEEP * 40
+
+
+def test_a_drop_removes_the_copy_and_a_keep_grants_it_again(hosts):
+    h = hosts("w1")
+    run_in(h, act("echo x > f", env="e"), [3, P.GRANT_NEW, None])
+    h.apply([[P.ENV_KEEP, "e", 7]])                    # re-granted after this worker came back
+    (_, out, _), state = run_in(h, act("cat f", env="e"), [7, P.GRANT_HELD, None])
+    assert state == EnvState.KEPT and out["stdout"] == "x\n"
+    h.apply([[P.ENV_DROP, "e", 7]])
+    wait_until(lambda: "e" not in h.mgr.environments(), 10, 0.02, "the drop")
+    assert h.held() == []
+
+
+def test_a_save_waits_for_the_action_still_ending_in_the_environment(hosts):
+    h = hosts("w1")
+    run_in(h, act("true", env="e"), [1, P.GRANT_NEW, None])
+    slow = threading.Thread(target=h.mgr.run, args=(act("sleep 1; echo late > f", env="e"), CPU))
+    slow.start()
+    time.sleep(0.3)
+    h.apply([[P.ENV_SAVE, "e", 1]])
+    [[op, _, _, path]] = wait_until(h.take_replies, 30, 0.02, "the save")
+    slow.join()
+    other = hosts("w2")
+    run_in(other, act("true", env="e"), [2, P.GRANT_RESTORE, path])
+    (_, out, _), _ = run_in(other, act("cat f", env="e"), [2, P.GRANT_HELD, None])
+    assert out["stdout"] == "late\n"
+
+
+_VICTIM = """
+import sys, threading
+sys.path.insert(0, {repo!r})
+from tangram_hpc.managers import SandboxManager
+from tangram_hpc.actions import ActionSpec
+m = SandboxManager({root!r})
+m.run(ActionSpec("sandbox", {{"cmd": "echo before >> log"}}, env="e"), [{cpu}])
+print("ready", flush=True)
+m.run(ActionSpec("sandbox", {{"cmd": "sleep 1.5; echo after-death >> log"}}, env="e"), [{cpu}])
+"""
+
+
+def test_a_sandbox_dies_with_its_worker_and_cannot_write_into_an_adopted_copy(tmp_path, hosts):
+    """SIGKILL of a worker mid-action: its command must not go on writing into the environment."""
+    root = tmp_path / "dead" / "envs"
+    victim = subprocess.Popen([sys.executable, "-c", _VICTIM.format(repo=str(REPO), root=str(root), cpu=CPU[0])],
+                              stdout=subprocess.PIPE, text=True)
+    assert victim.stdout.readline().strip() == "ready"
+    time.sleep(0.5)                                     # inside its sleep
+    victim.kill()
+    victim.wait()
+    time.sleep(2.0)                                     # past the time it would have written
+    assert (root / env_dirname("e") / "log").read_text() == "before\n"
+    h = hosts("w2")
+    (st, out, _), state = run_in(h, act("cat log", env="e"), [3, P.GRANT_ADOPT, str(root)])
+    assert state == EnvState.ADOPTED and out["stdout"] == "before\n"
+    assert not (root / env_dirname("e")).exists()       # taken over: the dead worker's copy is gone
