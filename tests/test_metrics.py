@@ -124,7 +124,7 @@ def test_finished_actions_queues_workers_and_services_are_read_from_the_ledger()
     # Two finish well, one fails: ACT 2 s, 3 s and 4 s; each started 1 s after its submission.
     for i, s in enumerate(quick):
         wid = ledger.attempt_of(s.id)[1]
-        ledger.done(wid, [[s.id, 1, "ok" if i < 2 else "failed", None, None, 11.0, 12.0 + i]], 12.0 + i)
+        ledger.done(wid, [[s.id, 1, "ok" if i < 2 else "failed", None, None, 11.0, 12.0 + i, None]], 12.0 + i)
     # Two 4-core actions nobody can run yet, and one cancelled while it waited.
     big = [ActionSpec(kind="sandbox", payload={"cmd": "true"}, demand=Demand(4, 4), env=f"e{i}") for i in range(2)]
     ledger.submit(b"c", [big[0].to_wire()], 20.0)

@@ -118,8 +118,13 @@ def test_scancelled_worker_loses_no_action(coordinator):
     # The cancelled worker left (SIGTERM): what it ran finished within its leave grace, or was
     # retried elsewhere once it had left; either way each action has its one ok result.
     assert any(r.worker == victim["id"] or r.attempts > 1 for r in results)
-    st = c.status()
-    assert st["workers_lost"] >= 1
+    # It is gone from the pool, and its allocation's history says its job ended.
+    def ended():
+        st = c.status(allocations=True)
+        [alloc] = [a for a in st["allocations"] if a["handle"] == victim["handle"]]
+        return alloc if alloc["ended"] and victim["id"] not in {w["id"] for w in st["workers"]} else None
+    alloc = wait_until(ended, 60, what="the cancelled worker's job to end")
+    assert alloc["worker"] == victim["id"] and alloc["state"] != "RUNNING", alloc
     wait_until(lambda: not worker_jobs(view), 60, what="idle workers to be reclaimed")
 
 
