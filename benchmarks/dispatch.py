@@ -9,7 +9,11 @@ Starts a coordinator with local workers, then
   round-trip percentiles seen under that load;
 * latency: one client sends ``--latency`` no-ops one at a time (an unloaded
   round trip client -> coordinator -> worker -> client) and prints p50/p99;
-* the CPU seconds each process used, per 1000 actions.
+* the CPU seconds each process used, per 1000 actions;
+* a baseline measured in the same run: a bare two-hop ZMQ relay in Python (the
+  same numbers of client and worker processes, one msgpack frame per request,
+  no scheduling, no checks), so throughput reads as a ratio to what Python and
+  ZMQ allow on this machine.
 """
 from __future__ import annotations
 
@@ -59,8 +63,10 @@ def main() -> int:
     ap.add_argument("--policy", default=None)
     ap.add_argument("--action-cores", type=int, nargs="+", default=[0, 1],
                     help="core demand of the no-ops; 0 = light actions pipelined to workers (default: 0 and 1)")
+    ap.add_argument("--no-relay", action="store_true", help="skip the bare-relay baseline")
     args = ap.parse_args()
 
+    args.relay_rate = None if args.no_relay else relay_throughput(args)
     with LocalCluster(workers=args.workers, cores=args.cores, policy=args.policy) as cl:
         st = cl.wait_for_workers(args.workers)
         worker_pids = [w["pid"] for w in st["workers"]]
@@ -163,6 +169,8 @@ def throughput(cl, args, cores: int, worker_pids: list[int]) -> int:
     print(f"throughput, {cores}-core no-ops: {total} from {args.clients} clients through {args.workers} workers: "
           f"{total / busy:,.0f} actions/s (first submit to last result {busy:.2f}s; with process start "
           f"{wall:.2f}s); wrong or failed results: {bad}")
+    if args.relay_rate:
+        print(f"  {total / busy / args.relay_rate:.2f}x the bare relay's rate")
     print(f"  ACT under load (coordinator clock): p50 {pct(lats, 50) * 1e3:.2f} ms  p99 {pct(lats, 99) * 1e3:.2f} ms")
     cpu_c = procs_after[cl.proc.pid] - procs_before[cl.proc.pid]
     cpu_w = sum(procs_after[p] - procs_before[p] for p in worker_pids)
@@ -170,6 +178,96 @@ def throughput(cl, args, cores: int, worker_pids: list[int]) -> int:
     print(f"  CPU seconds per 1000 actions: coordinator {cpu_c / k:.3f}, workers {cpu_w / k:.3f}, "
           f"clients {client_cpu / k:.3f} (client figure includes interpreter start-up)")
     return bad
+
+
+# -- the baseline: a bare two-hop relay ----------------------------------------------
+
+def _relay_proc(front: str, back: str, n_workers: int) -> None:
+    import zmq
+    ctx = zmq.Context()
+    f, b = ctx.socket(zmq.ROUTER), ctx.socket(zmq.ROUTER)
+    f.bind(front)
+    b.bind(back)
+    workers = [b.recv_multipart()[0] for _ in range(n_workers)]   # each says hello first
+    poller = zmq.Poller()
+    poller.register(f, zmq.POLLIN)
+    poller.register(b, zmq.POLLIN)
+    k = 0
+    while True:
+        for sock, _ in poller.poll():
+            if sock is f:
+                cid, payload = f.recv_multipart()
+                if payload == b"stop":
+                    for w in workers:
+                        b.send_multipart([w, b"", b"stop"])
+                    return
+                b.send_multipart([workers[k], cid, payload])
+                k = (k + 1) % n_workers
+            else:
+                _, cid, payload = b.recv_multipart()
+                f.send_multipart([cid, payload])
+
+
+def _relay_worker(back: str) -> None:
+    import msgpack
+    import zmq
+    s = zmq.Context().socket(zmq.DEALER)
+    s.connect(back)
+    s.send_multipart([b"", b"hello"])
+    while True:
+        cid, payload = s.recv_multipart()
+        if payload == b"stop":
+            return
+        req = msgpack.unpackb(payload)
+        s.send_multipart([cid, msgpack.packb([req[0], "ok", req[2]])])
+
+
+def _relay_client(front: str, n: int, q) -> None:
+    import msgpack
+    import zmq
+    s = zmq.Context().socket(zmq.DEALER)
+    s.connect(front)
+    time.sleep(0.2)                       # connected before the clock starts, as a Client is
+    sent = time.time()
+    for i in range(n):
+        s.send(msgpack.packb([i, "noop", i]))
+    bad = sum(msgpack.unpackb(s.recv())[2] is None for _ in range(n))
+    q.put((sent, time.time(), bad))
+
+
+def relay_throughput(args) -> float:
+    import socket
+
+    def port() -> str:
+        with socket.socket() as so:
+            so.bind(("127.0.0.1", 0))
+            return f"tcp://127.0.0.1:{so.getsockname()[1]}"
+    front, back = port(), port()
+    relay = mp.Process(target=_relay_proc, args=(front, back, args.workers))
+    relay.start()
+    workers = [mp.Process(target=_relay_worker, args=(back,)) for _ in range(args.workers)]
+    for w in workers:
+        w.start()
+    per = args.actions // args.clients
+    q = mp.Queue()
+    clients = [mp.Process(target=_relay_client, args=(front, per, q)) for _ in range(args.clients)]
+    for c in clients:
+        c.start()
+    outs = [q.get(timeout=600) for _ in clients]
+    for c in clients:
+        c.join()
+    import zmq
+    stop = zmq.Context.instance().socket(zmq.DEALER)
+    stop.connect(front)
+    stop.send(b"stop")
+    for p in [relay] + workers:
+        p.join(10)
+    stop.close(0)
+    busy = max(o[1] for o in outs) - min(o[0] for o in outs)
+    rate = per * args.clients / busy
+    print(f"baseline, bare two-hop ZMQ relay: {per * args.clients} requests from {args.clients} clients through "
+          f"{args.workers} workers: {rate:,.0f} requests/s")
+    return rate
 
 
 if __name__ == "__main__":
