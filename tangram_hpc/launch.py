@@ -25,6 +25,7 @@ from .backends.guards import LaunchThrottle
 from .config import ConfigError, CoordinatorSettings, Settings, default_run_dir
 from .config_cli import add_arguments, settings_from_args, worker_flags
 from .connection import ConnectionInfo, wait_for_file
+from .daemon import tune_gc
 from .coordinator import Coordinator
 from .policy.base import SchedulingPolicy
 from .policy.static import StaticPool
@@ -133,6 +134,7 @@ def coordinator_main(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, lambda *_: coord.stop())
     print(f"coordinator {info.coordinator_id} listening: clients {info.client_address}, "
           f"workers {info.worker_address}; connection file {coord.config.connection_file}", flush=True)
+    tune_gc()
     coord.serve()
     return 0
 

@@ -51,6 +51,7 @@ from . import protocol as P
 from .actions import BUILTIN_KINDS, ActionSpec, EnvState, Status, ValidationError
 from .config import ConfigError, Settings, WorkerSettings
 from .connection import ConnectionInfo
+from .daemon import tune_gc
 from .handlers import FunctionHandler, Handler, resolve
 
 log = logging.getLogger("tangram.worker")
@@ -901,6 +902,7 @@ def run_worker(cfg: WorkerConfig) -> int:
     signal.signal(signal.SIGINT, lambda *_: w.leave("SIGINT"))
     # Slurm sends SIGUSR2 (submitit asks for it) shortly before the time limit.
     signal.signal(signal.SIGUSR2, lambda *_: w.leave("time limit"))
+    tune_gc()
     return w.run()
 
 
