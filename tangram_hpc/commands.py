@@ -140,6 +140,14 @@ def format_status(st: dict) -> str:
     lines = [f"coordinator {st['coordinator']}  up {st['uptime_s']:.0f}s  pending {st['pending']}  "
              f"running {st['running']}  completed {st['completed']}  failed {st['failed']}  "
              f"retried {st['retried']}  rejected {st['rejected']}  bad frames {st['bad_frames']}"]
+    faults = [f"{k.replace('_', ' ')} {st[k]}" for k in ("workers_lost", "stale_results", "replayed", "launch_failures")
+              if st.get(k)]
+    if faults:
+        lines.append("; ".join(faults))
+    envs = st.get("environments")
+    if envs:
+        lines.append("environments: " + ", ".join(f"{n} {state}" for state, n in sorted(envs.items()))
+                     + (f"; {st['envs_closed']} closed" if st.get("envs_closed") else ""))
     if st.get("zombie_cores"):
         lines.append(f"zombie cores: {st['zombie_cores']} (held by timed-out or cancelled actions their workers "
                      "have not yet reported ended)")

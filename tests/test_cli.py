@@ -110,3 +110,20 @@ def test_submit_wait_timeout_is_a_message_not_a_traceback(cluster):
     r = cli("submit", "-c", str(cluster.connection_file), "--wait", "0.5", "sleep 30")
     assert r.returncode == 124 and "no result within 0.5 s (--wait)" in r.stderr and "cancelled" in r.stderr
     assert "Traceback" not in r.stderr and "The coordinator has 2 workers" in r.stderr
+
+
+def test_text_status_shows_environments_and_faults(cluster):
+    from tangram_hpc import sandbox
+    conn = str(cluster.connection_file)
+    with cluster.client() as c:
+        for e in ("st-a", "st-b"):
+            assert c.submit(sandbox("echo hi > f", env=e)).result(60).ok
+        c.close_env("st-b")
+        assert c.status()["envs_closed"] >= 1   # same socket: answered after the CLOSE_ENV
+    r = cli("status", "-c", conn)
+    assert r.returncode == 0, r.stderr
+    st = json.loads(cli("status", "-c", conn, "--json").stdout)
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("environments: "))
+    for state, n in st["environments"].items():
+        assert f"{n} {state}" in line
+    assert st["environments"].get("live", 0) >= 1 and "closed" in line
