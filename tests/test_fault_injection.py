@@ -345,7 +345,10 @@ def test_coordinator_killed_while_streaming_to_many_clients(tmp_path):
         assert 0 < resubmitted <= total - done_before
         st = clients[0].status()
         assert len(st["workers"]) == 2  # the workers found the new coordinator by themselves
-        assert st["submitted"] == resubmitted  # the new incarnation ran exactly what was unfinished
+        # The new incarnation admitted nothing but what was unfinished; what it did not admit was
+        # answered with the outcome its worker reported again (OUTCOMES: an attempt that ended while
+        # no coordinator listened), which may also answer an admitted action that still waited.
+        assert st["submitted"] <= resubmitted <= st["submitted"] + st["replayed"], st
     finally:
         for c in clients:
             c.close()
