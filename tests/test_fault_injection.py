@@ -26,6 +26,7 @@ from tangram_hpc import Client, Status, function, sandbox
 from tangram_hpc import protocol as P
 from tangram_hpc.connection import ConnectionInfo, wait_for_file
 from tangram_hpc.launch import LocalCluster
+from tangram_hpc.managers.environments import env_dirname
 from tangram_hpc.security import CurveKeys
 
 from support import wait_until
@@ -121,11 +122,17 @@ def test_sigstop_worker_then_resume_delivers_each_result_once(tmp_path):
         stopped = [r for r in results if r.worker == victim["id"] and r.attempts <= 2 and
                    r.env_state in ("created", "replayed")]
         assert len(stopped) >= 2
-        marks = sorted(int(ln) for f in (tmp_path / "run").glob("worker-*/envs/*/marks")
-                       for ln in f.read_text().splitlines())
-        assert marks == list(range(8)), "an action ran twice or in another copy of its environment"
         st = c.status()
         assert st["stale_results"] <= 2 and st["retried"] == 2 and st["workers_lost"] == 1
+        # No copy on a worker holds its line twice...
+        copies = [(i, f) for i in range(8)
+                  for f in (tmp_path / "run").glob(f"worker-*/envs/{env_dirname(f'mark-{i}')}/marks")]
+        assert copies and all(f.read_text() == f"{i}\n" for i, f in copies), [(i, f.read_text()) for i, f in copies]
+        # ...and each environment, read back through its next action wherever its live copy now is
+        # (a worker's directory, or a snapshot if the pool gave back the worker holding it), holds
+        # its own line once: its action ran once, in that copy.
+        for i, r in enumerate(c.gather(c.submit_many([sandbox("cat marks", env=f"mark-{i}") for i in range(8)]))):
+            assert r.ok and r.output["stdout"] == f"{i}\n", (i, r.error, r.output)
         # It rejoins (as a new registration of the same id) and serves again.
         _wait(lambda: victim["id"] in {w["id"] for w in c.status()["workers"]}, 15, "the worker to rejoin")
         time.sleep(0.5)  # any stray third delivery would land now
