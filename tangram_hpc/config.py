@@ -258,7 +258,8 @@ class SlurmSettings:
     gpu_worker_cores: int = key(2, "cores per GPU worker job", minimum=1)
     idle_s: float = key(30.0, "reclaim a worker idle this long while nothing waits", flag="--slurm-idle",
                         env="TANGRAM_IDLE", minimum=0)
-    replace_before_s: float = key(120.0, "drain and replace a worker this long before its job's time limit",
+    replace_before_s: float = key(180.0, "drain and replace a worker this long before its job's time limit "
+                                  "(at least 150: Slurm may send its warning signal up to 150 s before)",
                                   flag="--slurm-replace-before", minimum=0)
     env_idle_s: float | None = key(None, "idle time before a worker hosting sandbox environments is drained; its "
                                    "environments are snapshotted and follow their trajectories (default: twice "

@@ -218,10 +218,10 @@ def run_fault(fault: str, workdir: Path, *, envs: int = 50, steps: int = 3, slee
                TANGRAM_EXTRA_ARGS="--slurm-startup 5")
     env.pop("TANGRAM_CONNECTION_FILE", None)
     if fault == "drain":
-        # Each worker drains 60 s into its 3-minute job (120 s before its end, 30 s before Slurm's
-        # warning signal; the shortest service the coordinator accepts), under continuous load; its
-        # replacement takes its environments.
-        env.update(TANGRAM_WORKER_TIME="3", TANGRAM_EXTRA_ARGS="--slurm-startup 5 --slurm-replace-before 120")
+        # Each worker drains 80 s into its 4-minute job (160 s before its end: Slurm's warning signal
+        # comes 90 s before the end, or up to 60 s earlier), under continuous load; its replacement
+        # takes its environments.
+        env.update(TANGRAM_WORKER_TIME="4", TANGRAM_EXTRA_ARGS="--slurm-startup 5 --slurm-replace-before 160")
     if fault == "crash-restart":
         env.update(TANGRAM_RUN_DIR=str(shared / "runs" / "fixed"))
     coord = Coordinator(shared, env, f"tgenv-{fault}")
@@ -248,9 +248,9 @@ def run_fault(fault: str, workdir: Path, *, envs: int = 50, steps: int = 3, slee
                 os.kill(victim["pid"], signal.SIGKILL)
             traj.pump(time.monotonic() + 300, more=False)
         elif fault == "drain":
-            traj.pump(time.monotonic() + 80, more=True)   # past the first workers' drains
+            traj.pump(time.monotonic() + 95, more=True)   # past the first workers' drains
             st = client.status()
-            log(f"[drain] after 80s: {len(st['workers'])} workers, lost {st['workers_lost']}, "
+            log(f"[drain] after 95s: {len(st['workers'])} workers, lost {st['workers_lost']}, "
                 f"environments {st['environments']}")
             traj.pump(time.monotonic() + 300, more=False)
         else:

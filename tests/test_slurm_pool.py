@@ -32,14 +32,17 @@ ONE = WorkerShape(cores=1)
 # -- pure: time limits -------------------------------------------------------------------------
 
 def test_time_limits_that_leave_a_worker_no_time_are_refused():
-    check_time_limits(SlurmSettings())                                   # 60 min, replaced 120 s before
-    check_time_limits(SlurmSettings(time_min=3))                         # 60 s to serve: the least allowed
-    with pytest.raises(ConfigError, match=r"--slurm-time\) = 1 min leaves a worker 0 s to serve.*3 min or more"):
+    check_time_limits(SlurmSettings())                                   # 60 min, replaced 180 s before
+    check_time_limits(SlurmSettings(time_min=4))                         # 60 s to serve: the least allowed
+    with pytest.raises(ConfigError, match=r"--slurm-time\) = 1 min leaves a worker 0 s to serve.*4 min or more"):
         check_time_limits(SlurmSettings(time_min=1))
-    with pytest.raises(ConfigError, match=r"twice \[slurm\] startup_s.*5 min or more"):
-        check_time_limits(SlurmSettings(time_min=4, startup_s=90))       # 120 s to serve, 180 s needed
-    with pytest.raises(ConfigError, match=r"--slurm-replace-before\) = 30 s is shorter than the 90 s"):
-        check_time_limits(SlurmSettings(replace_before_s=30))
+    with pytest.raises(ConfigError, match=r"twice \[slurm\] startup_s.*6 min or more"):
+        check_time_limits(SlurmSettings(time_min=5, startup_s=90))       # 120 s to serve, 180 s needed
+    # Slurm may send submitit's warning (90 s before the limit) up to 60 s early: a drain 120 s
+    # before the limit can come after it.
+    with pytest.raises(ConfigError, match=r"--slurm-replace-before\) = 120 s is shorter than the 150 s.*60 s early"):
+        check_time_limits(SlurmSettings(replace_before_s=120))
+    check_time_limits(SlurmSettings(replace_before_s=150, time_min=4))   # 90 s to serve
 
 
 # -- pure: withdrawing launches nobody needs ----------------------------------------------------

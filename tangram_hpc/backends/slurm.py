@@ -57,6 +57,9 @@ _DEFAULT = SlurmSettings()
 #: Seconds before its time limit at which Slurm sends a worker job SIGUSR2 (submitit's warning);
 #: the worker then leaves, so it must have been drained by then.
 SIGNAL_DELAY_S = 90
+#: How much earlier than asked Slurm may send that signal ("due to the resolution of event
+#: handling", sbatch(1) --signal): seen on the dev cluster 30 s early.
+SIGNAL_EARLY_S = 60
 #: The shortest time a worker job must be able to serve between starting and being drained.
 MIN_SERVE_S = 60.0
 
@@ -465,15 +468,18 @@ def check_time_limits(s: SlurmSettings, signal_delay_s: int = SIGNAL_DELAY_S) ->
     """Refuse worker time limits that leave a worker no time to serve.
 
     A worker is drained ``replace_before_s`` before its job's time limit (and a replacement
-    launched), and Slurm signals it ``signal_delay_s`` before the limit, when it leaves with
-    whatever still runs.  With too short a limit every worker would be "expiring at birth":
-    drained as soon as it joins while the pool launches replacement after replacement.
+    launched), and Slurm signals it ``signal_delay_s`` before the limit (up to a minute earlier),
+    when it leaves with whatever still runs.  With too short a limit every worker would be
+    "expiring at birth": drained as soon as it joins while the pool launches replacement after
+    replacement.
     """
-    if s.replace_before_s < signal_delay_s:
+    lead = signal_delay_s + SIGNAL_EARLY_S
+    if s.replace_before_s < lead:
         raise ConfigError(
-            f"{_flag('replace_before_s')} = {s.replace_before_s:g} s is shorter than the {signal_delay_s} s before "
-            f"its time limit at which Slurm signals a worker job (submitit's USR2 warning): the worker would leave "
-            f"with its actions running before it is drained. Use at least {signal_delay_s}.")
+            f"{_flag('replace_before_s')} = {s.replace_before_s:g} s is shorter than the {lead} s before its time "
+            f"limit at which Slurm may signal a worker job (submitit's USR2 warning at {signal_delay_s} s, which "
+            f"Slurm may send up to {SIGNAL_EARLY_S} s early): the worker would leave with its actions running "
+            f"before it is drained. Use at least {lead}.")
     serve = s.time_min * 60 - s.replace_before_s
     need = max(MIN_SERVE_S, 2 * s.startup_s)
     if serve < need:
@@ -482,7 +488,7 @@ def check_time_limits(s: SlurmSettings, signal_delay_s: int = SIGNAL_DELAY_S) ->
             f"{_flag('time_min')} = {s.time_min} min leaves a worker {max(serve, 0):g} s to serve: it is drained and "
             f"replaced {_flag('replace_before_s')} = {s.replace_before_s:g} s before its time limit, so every worker "
             f"would expire at birth (it needs at least {need:g} s: one minute, and twice {_flag('startup_s')}). Use "
-            f"a time of {shortest} min or more, or a smaller replace_before_s (not under {signal_delay_s} s).")
+            f"a time of {shortest} min or more, or a smaller replace_before_s (not under {lead} s).")
 
 
 def slurm_shapes(s: SlurmSettings) -> list[WorkerShape]:
