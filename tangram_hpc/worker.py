@@ -902,7 +902,7 @@ def run_worker(cfg: WorkerConfig) -> int:
     signal.signal(signal.SIGINT, lambda *_: w.leave("SIGINT"))
     # Slurm sends SIGUSR2 (submitit asks for it) shortly before the time limit.
     signal.signal(signal.SIGUSR2, lambda *_: w.leave("time limit"))
-    tune_gc()
+    tune_gc(older=(10, 10))
     return w.run()
 
 
