@@ -88,19 +88,18 @@ class TopView:
         return cur.minus(Histogram.from_wire(before)) if before is not None else cur
 
     # -- the frame -----------------------------------------------------------------
-    def frame(self, now: float | None = None):
+    def frame(self):
         """A ``rich`` renderable of the latest reply."""
         from rich.console import Group
         from rich.text import Text
 
-        now = time.time() if now is None else now
         if not self.history:
             return Text(self.error or "waiting for the coordinator ...", style="bold red" if self.error else "")
         st = self.history[-1][1]
         parts = [self._header(st)]
         if self.error:
             parts.append(Text(f"coordinator not answering: {self.error} (showing the last answer)", style="bold red"))
-        parts += [self._workers(st, now), self._queues(st), self._act(st), self._decisions(st)]
+        parts += [self._workers(st), self._queues(st), self._act(st), self._decisions(st)]
         return Group(*[p for p in parts if p is not None])
 
     def _header(self, st: dict):
@@ -143,7 +142,7 @@ class TopView:
                 t.append(f", {failed_rate:,.1f} failed/s", style="red")
         return t
 
-    def _workers(self, st: dict, now: float):
+    def _workers(self, st: dict):
         from rich.table import Table
         from rich.text import Text
 
@@ -167,7 +166,7 @@ class TopView:
             table.add_row(
                 Text(w.get("id", "?")), Text(_job(w)), Text(w.get("host", "")),
                 Text(state, style="yellow" if state != "ok" else ""), busy_text,
-                str(w.get("running", 0)), _time_left(w, now), str(w.get("envs", 0)),
+                str(w.get("running", 0)), _time_left(w), str(w.get("envs", 0)),
                 Text(", ".join(w.get("services") or []) or "-"))
         return table
 
@@ -289,16 +288,14 @@ def _bar(used: int, total: int, width: int) -> str:
 
 def _job(w: dict) -> str:
     """The Slurm job id when the coordinator gives one, else the backend handle."""
-    job = w.get("job_id") or w.get("slurm_job_id")
+    job = w.get("job_id")
     return str(job) if job else (w.get("handle") or "-")
 
 
-def _time_left(w: dict, now: float):
+def _time_left(w: dict):
     from rich.text import Text
 
     left = w.get("time_left_s")
-    if left is None and w.get("ends_at"):
-        left = w["ends_at"] - now
     if left is None:
         return "-"
     return Text(_dur(max(0.0, left)), style="red" if left < 300 else "")

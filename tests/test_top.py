@@ -1,7 +1,7 @@
 """``tangram-hpc top``: frames drawn from status replies, and the live command in a pseudo-terminal.
 
 The frame tests feed :class:`TopView` status maps (with the per-worker Slurm fields the
-coordinator may add: ``job_id``, ``time_left_s``, ``ends_at``) and read the text a terminal would
+coordinator adds: ``job_id``, ``time_left_s``) and read the text a terminal would
 show.  The terminal test runs the real command in a pty against a real coordinator, reads its
 screen, presses ``q`` and checks the terminal is given back as it was.
 """
@@ -26,9 +26,9 @@ from tangram_hpc.top import TopView
 from pty_support import press_and_drain, read_screen_until, run_in_pty
 
 
-def text_of(view: TopView, now: float, width: int = 160) -> str:
+def text_of(view: TopView, width: int = 160) -> str:
     console = Console(file=io.StringIO(), width=width, record=True, color_system=None)
-    console.print(view.frame(now))
+    console.print(view.frame())
     return console.export_text()
 
 
@@ -49,7 +49,7 @@ def status(**over) -> dict:
              "time_left_s": 3000.0},
             {"id": "w-node2-12-bbbb", "host": "node2", "handle": "tgw-run-0002", "cores": 2, "busy_cores": 0,
              "zombie_cores": 0, "running": 0, "envs": 0, "services": ["judge"], "state": "draining",
-             "ends_at": 10_120.0},
+             "time_left_s": 120.0},
         ],
         "queues": [{"kind": "sandbox", "service": "", "min_cores": 2, "mem_mb": 2048, "gpu_mem_mb": 0,
                     "pending": 6, "env_bound": 4, "oldest_s": 95.0},
@@ -73,9 +73,9 @@ def status(**over) -> dict:
 def test_a_frame_shows_workers_with_their_job_and_time_left_queues_and_decisions():
     view = TopView()
     view.add(status(), 10_000.0)
-    out = text_of(view, 10_000.0)
+    out = text_of(view)
     w1 = next(line for line in out.splitlines() if line.startswith("w-node1-11-aaaa"))
-    # Slurm job id where the coordinator gives one, else the handle; time left from either field.
+    # Slurm job id where the coordinator gives one, else the handle; the time left of each.
     assert "4242" in w1 and "3/4" in w1 and "1 zombie" in w1 and "50m00s" in w1 and " 5 " in w1
     w2 = next(line for line in out.splitlines() if line.startswith("w-node2-12-bbbb"))
     assert "tgw-run-0002" in w2 and "draining" in w2 and "2m00s" in w2 and "judge" in w2
@@ -104,7 +104,7 @@ def test_rates_and_percentiles_cover_the_window_between_replies():
     assert view.rate("completed") == pytest.approx(10.0) and view.rate("failed") == pytest.approx(0.1)
     win = view.recent("act", "sandbox")
     assert win.count == 4 and 25.0 <= win.quantile(0.5) <= 50.0
-    out = text_of(view, 1030.0)
+    out = text_of(view)
     assert "last 30.0s: 10.0 done/s, 0.1 failed/s" in out and "over the last 30.0s" in out
     assert view.recent("act", "function").count == 0
     # Replies older than the window are dropped, keeping one to take differences against.
@@ -120,13 +120,13 @@ def test_rates_and_percentiles_cover_the_window_between_replies():
 
 def test_a_silent_coordinator_is_shown_over_the_last_answer_and_empty_sections_say_so():
     view = TopView()
-    assert "waiting for the coordinator" in text_of(view, 0.0)
+    assert "waiting for the coordinator" in text_of(view)
     view.failed("no status within 2s")
-    assert "no status within 2s" in text_of(view, 0.0)
+    assert "no status within 2s" in text_of(view)
     view.add(status(workers=[], queues=[], act={}, queue_time={}, pool_decisions=[], recent_launch_failures=[],
                     starting_workers=0, zombie_cores=0), 5.0)
     view.failed("no status within 2s")
-    out = text_of(view, 6.0, width=100)
+    out = text_of(view, width=100)
     assert "coordinator not answering: no status within 2s (showing the last answer)" in out
     for empty in ("(no workers registered)", "(nothing waiting)", "(no action finished yet)", "(no decisions yet)"):
         assert empty in out

@@ -324,10 +324,6 @@ class EnvironmentDirectory:
         rec.status, rec.source, rec.why, rec.running = EnvStatus.LOST, None, why, 0
         self._changed(rec)
 
-    def lost_reason(self, env: str) -> str:
-        rec = self.envs.get(env)
-        return rec.why if rec is not None else ""
-
     # -- ending ------------------------------------------------------------------
     def close(self, env: str) -> list | None:
         """The client ended ``env`` (nothing of it runs): forget it.  Returns the ENV drop item for its
