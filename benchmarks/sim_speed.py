@@ -38,7 +38,8 @@ def run(preset: str, trajectories: int, steps: int, learn: bool) -> dict:
     pred = Predictor(learn_parallel=learn)
     cfg = PoolConfig(list(shapes.values()), max_workers={"cpu": w.cluster.cpu_workers, "gpu": w.cluster.gpu_workers},
                      startup_s=w.cluster.startup_s, idle_ttl_s=w.cluster.idle_ttl_s)
-    sched = ElasticScheduler(pred, shapes=list(shapes.values()), services=service_infos(w))
+    sched = ElasticScheduler(pred, shapes=list(shapes.values()), services=service_infos(w),
+                             env_move_s=w.cluster.env_move_s)
     c0 = time.process_time()
     r = simulate(plan, sched, pool=PoolController(cfg, pred),
                  workers={"cpu": w.cluster.cpu_workers, "gpu": w.cluster.gpu_workers})

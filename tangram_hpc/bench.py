@@ -82,7 +82,8 @@ def tangram_run(plan: Plan, *, cpu_workers: int | None = None, gpu_workers: int 
     # decide() states the launches it wants; throttling submissions is the pool driver's business
     cfg = PoolConfig(list(shapes.values()), max_workers={_CPU: cpu, _GPU: gpu}, startup_s=w.cluster.startup_s,
                      idle_ttl_s=w.cluster.idle_ttl_s)
-    sched = ElasticScheduler(pred, shapes=list(shapes.values()), services=service_infos(w))
+    sched = ElasticScheduler(pred, shapes=list(shapes.values()), services=service_infos(w),
+                             env_move_s=w.cluster.env_move_s)
     return simulate(plan, sched, pool=PoolController(cfg, pred), name=name,
                     workers={_CPU: cpu, _GPU: gpu}, progress=progress)
 

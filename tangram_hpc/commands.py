@@ -147,7 +147,8 @@ def format_status(st: dict) -> str:
     envs = st.get("environments")
     if envs:
         lines.append("environments: " + ", ".join(f"{n} {state}" for state, n in sorted(envs.items()))
-                     + (f"; {st['envs_closed']} closed" if st.get("envs_closed") else ""))
+                     + (f"; {st['envs_closed']} closed" if st.get("envs_closed") else "")
+                     + (f"; {st['env_moves']} moved by the scheduler" if st.get("env_moves") else ""))
     if st.get("zombie_cores"):
         lines.append(f"zombie cores: {st['zombie_cores']} (held by timed-out or cancelled actions their workers "
                      "have not yet reported ended)")

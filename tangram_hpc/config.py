@@ -114,6 +114,10 @@ class CoordinatorSettings:
     policy: str = key("elastic", "placement policy", env="TANGRAM_POLICY", choices=("elastic", "fifo"))
     pipeline_below_s: float = key(PlacementPolicy.PIPELINE_BELOW_S, "core-bound actions whose class is learned to "
                                   "take less than this run pipelined, binding no core (0: never)", minimum=0)
+    env_move_s: float = key(10.0, "first guess of the seconds it takes to move a stateful environment to another "
+                            "worker (its holder saves it, the next one restores it); the scheduler moves one "
+                            "when its waiting action would finish sooner elsewhere, and learns the real cost "
+                            "from each move (0: environments never move)", minimum=0)
     max_attempts: int = key(3, "attempts per action across worker losses", minimum=1)
     worker_timeout_s: float = key(5.0, "seconds of silence before a worker is lost", flag="--worker-timeout",
                                   minimum=0.1)

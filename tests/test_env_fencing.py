@@ -267,6 +267,56 @@ def test_drain_moves_environments_off_between_actions_and_the_worker_waits_for_t
     assert "e" in ledger.policy.closed                # its pin to w1 went with it
 
 
+class MovingFifo(RecordingFifo):
+    """FIFO that asks for the moves a test scripts, and notes the move times it is told."""
+
+    def __init__(self):
+        super().__init__()
+        self.want: list[str] = []
+        self.observed: list[float] = []
+
+    def env_moves(self) -> list[str]:
+        out, self.want = self.want, []
+        return out
+
+    def observe_env_move(self, seconds: float) -> None:
+        self.observed.append(seconds)
+
+
+def test_a_move_the_policy_asks_for_saves_the_environment_and_its_next_action_restores_it_elsewhere():
+    ledger = ActionLedger(CoordinatorSettings(), MovingFifo())
+    join(ledger, "w1")
+    join(ledger, "w2")
+    a = act("e", 1)
+    submit(ledger, a)
+    gen = assigned(ledger)["w1"][0][2][0]
+    # asked while a runs in e: the save waits for it, and the next action waits for the save
+    ledger.policy.want = ["e"]
+    ledger.dirty = True
+    assert assigned(ledger, 0.5) == {} and env_msgs(ledger) == {}
+    b = act("e", 2)
+    submit(ledger, b, now=0.6)
+    assert assigned(ledger, 0.6) == {}
+    done(ledger, "w1", a.id, 1, env_state="created", now=1.0)
+    busy = ActionSpec("sandbox", {"cmd": "sleep 9"}, env="other")
+    submit(ledger, busy, now=1.0)
+    assert [x[0] for x in assigned(ledger, 1.0)["w1"]] == [busy.id]     # w1's core is taken again
+    assert env_msgs(ledger) == {"w1": [[P.ENV_SAVE, "e", gen]]}
+    assert ledger.env_report("w1", [[P.ENV_SAVED, "e", gen, "/snap/e.tar.gz"]], 3.0) == 0
+    [(aid, attempt, grant)] = assigned(ledger, 3.0)["w2"]
+    assert (aid, attempt) == (b.id, 1) and grant[1:] == [P.GRANT_RESTORE, "/snap/e.tar.gz"] and grant[0] > gen
+    assert "e" in ledger.policy.closed and ledger.policy.observed == [4.0]   # 2 x the save: from 1.0, when it was asked, to 3.0
+    assert ledger.counters.env_moves == 1
+    # moved again while b runs in it (its save waits for b); one that no worker holds is left alone
+    ledger.policy.want = ["e", "never-seen"]
+    ledger.dirty = True
+    assert assigned(ledger, 3.5) == {} and env_msgs(ledger) == {}
+    assert ledger.envs.get("e").status is EnvStatus.MOVING and ledger.envs.get("never-seen") is None
+    assert ledger.counters.env_moves == 2
+    done(ledger, "w2", b.id, 1, env_state="restored", now=4.0)
+    assert env_msgs(ledger) == {"w2": [[P.ENV_SAVE, "e", grant[0]]]}
+
+
 def test_a_leaving_worker_hands_back_on_its_own_and_its_interrupted_attempts_are_retried():
     ledger = make()
     join(ledger, "w1", cores=2)

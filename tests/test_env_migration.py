@@ -6,6 +6,7 @@ import sys
 import time
 
 from tangram_hpc import Client, sandbox
+from tangram_hpc.commands import format_status
 from tangram_hpc.connection import wait_for_file
 
 
@@ -49,6 +50,55 @@ def test_environment_moves_to_another_worker_when_its_worker_leaves(tmp_path):
             assert r.worker != worker_a and r.env_state == "restored" and r.attempts == 1
             assert r.output["stdout"] == "state of turn 1\nx\n"
             assert os.listdir(snapshots) == []   # consumed by the restore
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def _wait_workers(c, n, deadline):
+    while len(c.status()["workers"]) < n:
+        assert time.time() < deadline, f"{n} workers did not register"
+        time.sleep(0.1)
+
+
+def test_scheduler_moves_an_environment_off_a_busy_worker_with_its_state(tmp_path):
+    """Its host's cores are all taken: the action's environment moves to the idle worker, state and all."""
+    conn = tmp_path / "connection.json"
+    coord = subprocess.Popen([sys.executable, "-m", "tangram_hpc.cli", "coordinator", "--run-dir", str(tmp_path),
+                              "--backend", "none", "--env-move-s", "0.01"],
+                             stdout=open(tmp_path / "coord.log", "ab"), stderr=subprocess.STDOUT)
+    procs = [coord]
+    try:
+        wait_for_file(conn, 30)
+        a = _worker(conn, tmp_path / "a.log")
+        procs.append(a)
+        with Client(connection_file=str(conn)) as c:
+            deadline = time.time() + 60
+            _wait_workers(c, 1, deadline)
+            first = c.submit(sandbox("echo 'turn 1' > notes.txt", env="moved")).result(30)
+            busy = c.submit(sandbox("true", env="busy")).result(30)
+            assert first.ok and busy.ok, (first.error, busy.error)
+            worker_a = first.worker
+            b = _worker(conn, tmp_path / "b.log")
+            procs.append(b)
+            _wait_workers(c, 2, deadline)
+            # the only core of A: a long command of another environment hosted there
+            long = c.submit(sandbox("sleep 30", env="busy", duration_hint=30.0))
+            while c.status()["running"] < 1:
+                assert time.time() < deadline
+                time.sleep(0.05)
+            r = c.submit(sandbox("cat notes.txt && echo 'turn 2' >> notes.txt", env="moved")).result(30)
+            assert r.ok, r.error
+            assert r.worker != worker_a and r.env_state == "restored"
+            assert r.output["stdout"] == "turn 1\n"
+            st = c.status()
+            assert st["env_moves"] == 1 and st["environments"].get("live") == 2
+            assert "1 moved by the scheduler" in format_status(st)
+            # one live copy: the next action sees what the moved one wrote, on the same worker
+            again = c.submit(sandbox("cat notes.txt", env="moved")).result(30)
+            assert again.ok and again.worker == r.worker and again.env_state == "kept"
+            assert again.output["stdout"] == "turn 1\nturn 2\n"
+            assert not long.done()          # the busy environment stayed where it runs
     finally:
         for p in procs:
             p.kill()

@@ -1,6 +1,8 @@
 """Invariants of the action-level policies (elastic and FIFO) under random event sequences."""
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -97,6 +99,18 @@ def _replay(policy_cls, events):
                 host = env_host.setdefault(spec.env, asg.worker_id)
                 assert host == asg.worker_id, "environment affinity broken"
             decisions.append((now, asg.action_id, asg.worker_id, asg.cores))
+        for env in p.env_moves():      # as the drivers do: take its waiting actions back, unpin, resubmit
+            assert not any(v[2].env == env for v in running.values()), "moved an environment in use"
+            assert env in env_host
+            waiting = [s for s in p.pending_actions() if s.env == env]
+            assert waiting
+            for s in waiting:
+                assert p.cancel(s.id)
+            p.close_env(env)
+            del env_host[env]
+            decisions.append((now, "move", env, 0))
+            for s in waiting:
+                p.submit(s, now)
         # capacity never exceeded
         for wid, info in workers.items():
             on = [v for v in running.values() if v[0] == wid]
@@ -113,7 +127,8 @@ def _is_pending(p, aid: str) -> bool:
     return any(s.id == aid for s in p.pending_actions())
 
 
-@pytest.mark.parametrize("policy_cls", [ElasticScheduler, FifoPolicy])
+@pytest.mark.parametrize("policy_cls", [ElasticScheduler, FifoPolicy, partial(ElasticScheduler, env_move_s=0.5)],
+                         ids=["elastic", "fifo", "elastic-moving-envs"])
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(events=st.lists(event, min_size=5, max_size=120))
 def test_capacity_affinity_and_determinism(policy_cls, events):
@@ -143,6 +158,44 @@ def test_env_actions_follow_their_environment():
     lost = p.remove_worker(host, 2)
     assert p.env_host("E") is None
     assert sorted(lost) == ["hog", "x2", "x3"]
+
+
+def test_environment_moves_off_a_full_host_when_its_action_would_finish_sooner_elsewhere():
+    def setup(move_s):
+        p = ElasticScheduler(env_move_s=move_s)
+        p.add_worker(WorkerInfo("w1", 1, kinds=CPU), 0)
+        p.submit(ActionSpec("sandbox", id="e1", env="E", duration_hint=1.0), 0)
+        assert [a.worker_id for a in p.schedule(0)] == ["w1"]
+        p.finished("e1", 1, run_time=1.0)
+        # w1's only core: a long action of another environment it hosts
+        p.submit(ActionSpec("sandbox", id="f1", env="F", duration_hint=100.0), 1)
+        assert [a.worker_id for a in p.schedule(1)] == ["w1"]
+        p.add_worker(WorkerInfo("w2", 2, kinds=CPU), 1)
+        p.submit(ActionSpec("sandbox", id="e2", env="E", duration_hint=1.0), 2)
+        return p, p.schedule(2)
+
+    p, starts = setup(None)        # environments stay put: E's action waits for w1
+    assert starts == [] and p.env_moves() == [] and p.env_host("E") == "w1"
+    p, starts = setup(2.0)
+    assert starts == [] and p.env_moves() == ["E"] and p.env_moves() == []      # asked once
+    # the driver takes E's action back, unpins E and submits it again once E is saved
+    assert p.cancel("e2")
+    p.close_env("E")
+    p.submit(ActionSpec("sandbox", id="e2", env="E", duration_hint=1.0), 4)
+    assert [(a.action_id, a.worker_id) for a in p.schedule(4)] == [("e2", "w2")]
+    assert p.env_host("E") == "w2" and p.env_host("F") == "w1"
+    p, _ = setup(1000.0)           # a move that costs more than the wait is not asked for
+    assert p.env_moves() == []
+
+
+def test_an_environment_with_an_action_running_is_not_moved():
+    p = ElasticScheduler(env_move_s=0.0)
+    p.add_worker(WorkerInfo("w1", 1, kinds=CPU), 0)
+    p.submit(ActionSpec("sandbox", id="e1", env="E", duration_hint=50.0), 0)
+    assert [a.worker_id for a in p.schedule(0)] == ["w1"]
+    p.add_worker(WorkerInfo("w2", 4, kinds=CPU), 1)
+    p.submit(ActionSpec("sandbox", id="e2", env="E", duration_hint=1.0), 1)
+    assert p.schedule(1) == [] and p.env_moves() == []
 
 
 def test_no_starvation_under_a_stream_of_short_high_priority_actions():

@@ -13,7 +13,7 @@ from tangram_hpc.policy.elastic import ElasticScheduler
 from tangram_hpc.policy.fifo import FifoPolicy
 from tangram_hpc.policy.predict import Predictor
 from tangram_hpc.sim.baselines import TrajectoryBoundPolicy
-from tangram_hpc.sim.engine import simulate
+from tangram_hpc.sim.engine import Simulation, simulate
 from tangram_hpc.sim.workload import WorkloadError, load_workload, parse_workload, preset_names
 
 
@@ -72,6 +72,22 @@ def test_services_preloaded_at_start_and_load_time_paid_once():
     # trajectory-bound preloads statically, one service per worker when they do not fit together
     t = simulate(plan, TrajectoryBoundPolicy(1, {"rm": 500, "big": 800}), workers={"cpu": 1, "gpu": 2})
     assert t.act.tolist() == [2.0, 2.0, 2.0]
+
+
+def test_environments_move_off_busy_workers_when_moving_is_cheap():
+    base = load_workload("swe").scaled(trajectories=0.25, cluster=0.25, steps=1)
+    runs = {}
+    for move_s in (None, 1.0, 1000.0):
+        w = base.with_cluster(env_move_s=move_s or 1.0)
+        sim = Simulation(w.sample(), ElasticScheduler(env_move_s=move_s))
+        r = sim.run()
+        # every action ran once, in its trajectory's order, after its submit
+        assert (r.finish > 0).all() and (r.start >= r.submit).all() and (r.finish >= r.start).all()
+        runs[move_s] = (sim.moves, float(r.act.mean()))
+    assert runs[None][0] == 0 and runs[1000.0][0] == 0
+    assert runs[1.0][0] > 10
+    assert runs[1.0][1] < 0.95 * runs[None][1]          # its actions no longer wait on a full worker
+    assert runs[1000.0][1] == runs[None][1]               # a move dearer than any wait is never made
 
 
 def test_trajectory_bound_holds_the_sandbox_between_actions():

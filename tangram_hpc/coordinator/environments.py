@@ -7,7 +7,7 @@ environment is one of:
 status     meaning
 ========== ====================================================================
 LIVE       one worker (``holder``) has the live copy; its actions run there
-MOVING     its holder is handing it back (drain, leave): actions wait
+MOVING     its holder is handing it back (drain, leave, or the policy moves it): actions wait
 SAVED      a snapshot (``source``) is the live state; the next worker restores it
 AWAITED    its holder was declared lost but may come back (a hang, SIGSTOP): actions
            wait up to ``wait_s``
@@ -180,13 +180,26 @@ class EnvironmentDirectory:
             rec = self.envs[env]
             if rec.status is not EnvStatus.LIVE:
                 continue
-            rec.status = EnvStatus.MOVING
-            rec.save_sent = not ask
             moving.append(env)
-            if ask and rec.running == 0:
-                rec.save_sent = True
+            if self._start_move(rec, ask=ask):
                 save_now.append((env, rec.gen))
         return moving, save_now
+
+    def move(self, env: str) -> tuple[str, int, bool] | None:
+        """Move one live environment off its holder (the scheduling policy wants it elsewhere): the
+        holder is asked to save it once nothing runs in it.  Returns (holder, generation, whether to
+        ask it now), or None when it is not live on a worker."""
+        rec = self.envs.get(env)
+        if rec is None or rec.status is not EnvStatus.LIVE or rec.holder is None:
+            return None
+        return rec.holder, rec.gen, self._start_move(rec, ask=True)
+
+    @staticmethod
+    def _start_move(rec: EnvRecord, *, ask: bool) -> bool:
+        """LIVE -> MOVING; True when the holder should be asked to save it now."""
+        rec.status = EnvStatus.MOVING
+        rec.save_sent = not ask or rec.running == 0
+        return ask and rec.running == 0
 
     def saved(self, worker: str, env: str, gen: int, path: str) -> bool:
         """The holder saved ``env`` at ``gen`` to ``path`` and gave its copy up.  False when fenced

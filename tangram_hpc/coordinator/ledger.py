@@ -127,6 +127,7 @@ class ActionLedger:
         self.envs = envs if envs is not None else EnvironmentDirectory(config.env_wait_s)
         self._env_live: dict[str, list[_Action]] = {}     # environment -> its live actions, oldest first
         self._env_closing: dict[str, set[str]] = {}       # environment -> live actions it closes after
+        self._moving_since: dict[str, float] = {}         # environment the policy moves -> when it asked
         self._orphans = RecentMap(min(config.result_cache, 100_000))  # action id -> outcome of an earlier registration
         #: attempts started under a previous coordinator (from its state file), by action id
         self._prior_attempts = dict(prior_attempts or {})
@@ -358,6 +359,22 @@ class ActionLedger:
         if moving:
             self.dirty = True
 
+    def _move_envs(self, envs: list[str], now: float) -> None:
+        """The policy wants these environments on another worker: their holders save them, their
+        waiting actions wait for that and go to the policy again, unpinned, once they are saved."""
+        for env in envs:
+            move = self.envs.move(env)
+            if move is None:
+                continue
+            holder, gen, ask_now = move
+            self._hold_back(env)
+            self.policy.close_env(env)
+            self._moving_since[env] = now
+            self.counters.env_moves += 1
+            if ask_now:
+                self.outbox.env.setdefault(holder, []).append([P.ENV_SAVE, env, gen])
+            self.dirty = True
+
     def holds_moving_envs(self, worker_id: str) -> bool:
         """Whether environments are still being saved off ``worker_id`` (a drained worker waits for that)."""
         return self.envs.moving_from(worker_id)
@@ -452,6 +469,8 @@ class ActionLedger:
     def _env_changed(self, env: str, now: float) -> None:
         """The environment's status changed: release its held actions if it can be used, fail them if lost."""
         rec = self.envs.get(env)
+        if rec is None or rec.status is not EnvStatus.MOVING:
+            self._moving_since.pop(env, None)
         live = self._env_live.get(env)
         if not live:
             return
@@ -484,6 +503,10 @@ class ActionLedger:
                 continue
             if op == P.ENV_SAVED:
                 if detail and self.envs.saved(worker_id, env, gen, detail):
+                    asked = self._moving_since.pop(env, None)
+                    if asked is not None:
+                        # the restore is not seen from here: count it as long as the save
+                        self.policy.observe_env_move(2.0 * (now - asked))
                     self._env_changed(env, now)
             elif op == P.ENV_UNSAVED:
                 if self.envs.unsaved(worker_id, env, gen):
@@ -559,8 +582,13 @@ class ActionLedger:
         """Ask the policy for starts and queue one ASSIGN item per start."""
         self.dirty = False
         assignments = self.policy.schedule(now)
-        if not assignments:
-            return
+        if assignments:
+            self._assign(assignments, now)
+        moves = self.policy.env_moves()
+        if moves:       # after the starts: one the policy made in an environment it moves runs first
+            self._move_envs(moves, now)
+
+    def _assign(self, assignments: list, now: float) -> None:
         actions = self._actions
         workers = self.workers.by_id
         assign = self.outbox.assign
@@ -645,7 +673,7 @@ class ActionLedger:
                 w.idle_since = now
             if a.in_env:
                 a.in_env = False
-                self._env_attempt_ended(a.spec.env)
+                self._env_attempt_ended(a.spec.env, now)
             self._finalize(a, status, output, error, started, finished, env_state)
         self.dirty = True
         return bad
@@ -696,13 +724,15 @@ class ActionLedger:
         w.busy_cores -= cores
         self.policy.finished(aid, now, ok=False)
         if env is not None:
-            self._env_attempt_ended(env)
+            self._env_attempt_ended(env, now)
 
-    def _env_attempt_ended(self, env: str) -> None:
+    def _env_attempt_ended(self, env: str, now: float) -> None:
         ask = self.envs.ended(env)
         if ask is not None:
             holder, gen = ask
             self.outbox.env.setdefault(holder, []).append([P.ENV_SAVE, env, gen])
+            if env in self._moving_since:
+                self._moving_since[env] = now       # a move's cost counts from the save
 
     def _finalize(self, a: _Action, status: str, output: Any, error: str | None,
                   started: float, finished: float, env_state: str | None = None) -> None:
@@ -742,7 +772,7 @@ class ActionLedger:
     def _env_action_final(self, a: _Action, env: str, now: float) -> None:
         if a.in_env:   # finalised while its attempt runs (lost attempts were reset): counted until it ends
             a.in_env = False
-            self._env_attempt_ended(env)
+            self._env_attempt_ended(env, now)
         live = self._env_live.get(env)
         if live is not None:
             try:

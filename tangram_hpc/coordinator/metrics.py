@@ -169,6 +169,8 @@ class CoordinatorMetrics:
                 queued.add(n_queued, s, wid)
         family("tangram_workers_lost_total", "counter",
                "workers lost (silent, exited, job ended) with their running actions retried").add(c.workers_lost)
+        family("tangram_env_moves_total", "counter",
+               "environments moved to another worker because the scheduler asked").add(c.env_moves)
         family("tangram_worker_launches_total", "counter", "workers the pool asked its backend for").add(c.launches)
         family("tangram_worker_reclaims_total", "counter",
                "drained workers the pool stopped and gave back").add(c.reclaims)

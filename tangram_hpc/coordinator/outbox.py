@@ -46,4 +46,5 @@ class Counters:
     reclaims: int = 0
     envs_closed: int = 0
     replayed: int = 0          # resubmitted actions answered by an outcome a worker kept, not run again
+    env_moves: int = 0         # environments moved to another worker because the policy asked
     by_status: dict = field(default_factory=dict)

@@ -477,6 +477,7 @@ class Coordinator:
             "recent_launch_failures": [], "starting_workers": 0, "pool": "", "pool_decisions": [],
             "metrics_url": self.metrics_url,
             "by_status": dict(c.by_status), "replayed": c.replayed, "envs_closed": c.envs_closed,
+            "env_moves": c.env_moves,
             "environments": self.ledger.envs.counts(),
             "workers": [
                 {"id": w.info.id, "host": w.info.host, "pid": w.info.extra.get("pid"), "handle": w.info.handle,

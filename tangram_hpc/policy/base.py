@@ -65,6 +65,18 @@ class SchedulingPolicy(ABC):
         closes an environment or the environment moves off its worker (drain, a lost worker).
         """
 
+    def env_moves(self) -> list[str]:
+        """Environments to move off their worker, decided since the last call (then forgotten).
+
+        The driver takes each one's waiting actions back (:meth:`cancel`), has its holder save it,
+        calls :meth:`close_env` and submits the actions again once it is saved.  An environment
+        that cannot move (it is not live on a worker) is simply left where it is.
+        """
+        return []
+
+    def observe_env_move(self, seconds: float) -> None:
+        """How long a move took, from the request to the environment being usable elsewhere."""
+
     @abstractmethod
     def submit(self, action: ActionSpec, now: float) -> None: ...
 

@@ -105,13 +105,16 @@ class ElasticScheduler(PlacementPolicy):
     service_util: busiest a service's replicas may run (arrival rate x
         service time / slots) before another replica is loaded.
     rate_window_s: time constant of the arrival-rate estimate per service.
+    env_move_s: predicted seconds to move an environment to another worker
+        (save and restore); None keeps every environment where it started
+        (see "Moving environments" in :mod:`tangram_hpc.policy.placement`).
     """
 
     def __init__(self, predictor: Predictor | None = None, *, shapes: Sequence[WorkerShape] = (),
                  services: Mapping[str, ServiceInfo] | None = None,
                  aging: float = 0.5, priority_weight: float = 30.0, priority_clamp: int = 16,
                  min_gain: float = 0.01, service_util: float = 0.85, rate_window_s: float = 30.0,
-                 pipeline_below_s: float | None = None):
+                 pipeline_below_s: float | None = None, env_move_s: float | None = None):
         if aging <= 0:
             raise ValueError("aging must be positive (it bounds the wait of every action)")
         self.aging = aging
@@ -121,7 +124,8 @@ class ElasticScheduler(PlacementPolicy):
         self.service_util = service_util
         self.rate_window_s = rate_window_s
         self._rates: dict[str, list[float]] = {}     # service -> [rate per second, at time]
-        super().__init__(predictor, shapes=shapes, services=services, pipeline_below_s=pipeline_below_s)
+        super().__init__(predictor, shapes=shapes, services=services, pipeline_below_s=pipeline_below_s,
+                         env_move_s=env_move_s)
 
     def wait_bound(self, size: float, priority_gap: int) -> float:
         """Time after which no newly submitted action outranks one of ``size``.
@@ -186,21 +190,6 @@ class ElasticScheduler(PlacementPolicy):
         # that decide a step's end
         gain = (rec.time_at(max(free, rec.spec.demand.min_cores)) - rec.time_at(target)) * rec.tail
         return gain <= self._wait_for_cores(w, target - free, now)
-
-    def _wait_for_cores(self, w: WorkerRecord, need: int, now: float) -> float:
-        """Expected seconds until ``need`` more cores are free on ``w`` (from its actions' predicted ends)."""
-        ends = []
-        for r in w.running.values():
-            if r.cores:
-                t = r.expect
-                ends.append((max(0.25 * t, r.started + t - now), r.cores))
-        ends.sort()
-        got = 0
-        for left, cores in ends:
-            got += cores
-            if got >= need:
-                return left
-        return float("inf")
 
     def _best_cores(self, rec: ActionRecord) -> int:
         d = rec.spec.demand

@@ -50,6 +50,24 @@ takes ``min_cores``; once everything placeable has started, elastic starts
 grow to their grant (:meth:`_grant`), which sees what is still waiting
 (:meth:`waiting_for`).  So the cores the waiting work could use are not handed
 out before it had its chance.
+
+Moving environments.  An environment pins its actions to one worker, so a
+worker whose cores are all taken makes them wait while other workers idle.
+With ``env_move_s`` set, when the head of a worker's env queue cannot start
+there the policy compares its predicted finish there (the wait for cores,
+from the running actions' predicted ends, plus its run time) with moving the
+environment to the worker with the most free cores (the move's cost plus its
+run time there), and asks for the move when that is sooner
+(:meth:`env_moves`).  Moving is cheaper still while nobody waits for the
+environment: when an action ends on a worker whose own queue has actions
+waiting for cores, its environment is moved off while its agent thinks, if a
+move takes under half the learned think time (the gap between an
+environment's actions) and another worker has clearly more free cores.  Only
+an environment with nothing running is moved.  The driver carries a move out
+like a drain does for one environment: it takes the environment's waiting
+actions back, has the holder save it, calls :meth:`close_env`, and submits
+them again once it is saved; the next worker restores it.
+:meth:`observe_env_move` keeps the cost estimate honest.
 """
 from __future__ import annotations
 
@@ -297,10 +315,20 @@ class PlacementPolicy(SchedulingPolicy):
 
     #: Core-bound actions whose class is learned to take less than this run pipelined (see submit).
     PIPELINE_BELOW_S = 0.001
+    #: An environment leaves a crowded worker only for one with at least this many more free cores.
+    REBALANCE_MARGIN_CORES = 8
 
     def __init__(self, predictor: Predictor | None = None, *, shapes: Sequence[WorkerShape] = (),
-                 services: Mapping[str, ServiceInfo] | None = None, pipeline_below_s: float | None = None):
+                 services: Mapping[str, ServiceInfo] | None = None, pipeline_below_s: float | None = None,
+                 env_move_s: float | None = None):
+        if env_move_s is not None and env_move_s < 0:
+            raise ValueError("env_move_s must be >= 0 (or None: environments never move)")
         self.predictor = predictor if predictor is not None else Predictor()
+        #: predicted seconds to move an environment (save, restore); None: environments stay put
+        self.env_move_s = env_move_s
+        self._moves: list[str] = []
+        self._env_idle: dict[str, float] = {}     # environment -> when its last action ended
+        self._think_s: float | None = None        # mean gap between an environment's actions (learned)
         self.pipeline_below_s = self.PIPELINE_BELOW_S if pipeline_below_s is None else pipeline_below_s
         self.tally = Tally()
         self._recs: dict[str, ActionRecord] = {}
@@ -605,6 +633,11 @@ class PlacementPolicy(SchedulingPolicy):
             action = _pipelined(action)
         rec = ActionRecord(action, now, self._seq, self._kind(action.kind))
         self._recs[aid] = rec
+        if self.env_move_s is not None and action.env is not None:
+            idle = self._env_idle.pop(action.env, None)
+            if idle is not None:        # the gap between an environment's actions: its agent's think time
+                gap = now - idle
+                self._think_s = gap if self._think_s is None else 0.95 * self._think_s + 0.05 * gap
         self._waiting[aid] = rec
         rec.d1, rec.p, rec.tail = self.predictor.estimate(action)
         if not rec.light:
@@ -752,6 +785,10 @@ class PlacementPolicy(SchedulingPolicy):
         if w is not None:
             del w.running[action_id]
             self._touch(w)
+            env = rec.spec.env
+            if env is not None and self.env_move_s is not None:
+                self._env_idle[env] = now
+                self._rebalance(rec.spec.kind, env, w)
         spec = rec.spec
         if not ok or run_time is None:
             self.predictor.observe(spec, None, rec.cores, now)
@@ -796,6 +833,8 @@ class PlacementPolicy(SchedulingPolicy):
             w = q.worker
             if w is not None and w.free_cores < h[0][2].spec.demand.min_cores:
                 del self._armed[q.idx]
+                if self.env_move_s is not None:
+                    self._consider_move(h[0][2], w, now)
                 continue
             heads.append((h[0][0], h[0][1], q.idx, q))
         if not heads:
@@ -945,6 +984,11 @@ class PlacementPolicy(SchedulingPolicy):
         w = q.worker
         if w is not None:                       # env queue: only that worker
             if rec.spec.kind not in w.kinds or not self._fits(w, d):
+                if self.env_move_s is not None and not rec.light:
+                    self._consider_move(rec, w, now)
+                return False
+            if (self.env_move_s is not None and rec.elastic and w.free_cores < d.max_cores
+                    and self._consider_move(rec, w, now)):
                 return False
             if d.service and not self._service_ready_on(w, rec, now):
                 return False
@@ -964,6 +1008,78 @@ class PlacementPolicy(SchedulingPolicy):
     def _startable(self, rec: ActionRecord, w: WorkerRecord, now: float) -> bool:
         """Whether an elastic action should start on ``w`` now rather than wait there for more cores."""
         return True
+
+    @staticmethod
+    def _wait_for_cores(w: WorkerRecord, need: int, now: float) -> float:
+        """Expected seconds until ``need`` more cores are free on ``w`` (from its actions' predicted ends)."""
+        if need <= 0:
+            return 0.0
+        ends = []
+        for r in w.running.values():
+            if r.cores:
+                t = r.expect
+                ends.append((max(0.25 * t, r.started + t - now), r.cores))
+        ends.sort()
+        got = 0
+        for left, cores in ends:
+            got += cores
+            if got >= need:
+                return left
+        return _INF
+
+    # -- moving environments -------------------------------------------------------
+    def _consider_move(self, rec: ActionRecord, w: WorkerRecord, now: float) -> bool:
+        """Ask to move ``rec``'s environment off ``w``, its host, when ``rec`` would finish sooner on
+        the worker with the most free cores, the move included, than on ``w`` (now on what is free
+        there, or after waiting for cores).  Returns whether it asked."""
+        env = rec.spec.env
+        if env is None or env in self._moves or self._env_host.get(env) is not w:
+            return False
+        for r in w.running.values():
+            if r.spec.env == env:
+                return False            # its copy is in use: a move waits for that anyway
+        d = rec.spec.demand
+        there = self._best_worker(rec.spec.kind, d)
+        if there is None or there is w:
+            return False
+        lo, free, tail = d.min_cores, w.free_cores, rec.tail
+        c = max(lo, min(d.max_cores, there.free_cores)) if rec.elastic else lo
+        moved = self.env_move_s + rec.time_at(c) * tail
+        here = self._wait_for_cores(w, lo - free, now) + rec.time_at(lo) * tail
+        if rec.elastic and moved < here:
+            if free > lo:
+                here = min(here, rec.time_at(min(free, d.max_cores)) * tail)
+            if c > free:
+                here = min(here, self._wait_for_cores(w, c - free, now) + rec.time_at(c) * tail)
+        if moved < here:
+            self._moves.append(env)
+            return True
+        return False
+
+    def _rebalance(self, kind: str, env: str, w: WorkerRecord) -> None:
+        """An action of ``env`` ended on ``w``, a worker whose own queue has actions waiting for
+        cores: move ``env`` while its agent thinks, when a move takes under half the mean think
+        time (most next actions then find it moved) and another worker has clearly more free
+        cores (its next action goes there)."""
+        q = w.env_queue
+        if q is None or not q.live or w.draining or not self._think_s or 2.0 * self.env_move_s >= self._think_s:
+            return
+        if env in self._moves or self._env_host.get(env) is not w:
+            return
+        for r in w.running.values():
+            if r.spec.env == env:
+                return
+        there = self._best_worker(kind, _ONE_CORE)
+        if there is not None and there is not w and there.free_cores >= w.free_cores + self.REBALANCE_MARGIN_CORES:
+            self._moves.append(env)
+
+    def env_moves(self) -> list[str]:
+        self._moves, out = [], self._moves
+        return out
+
+    def observe_env_move(self, seconds: float) -> None:
+        if self.env_move_s is not None and seconds >= 0:
+            self.env_move_s = 0.8 * self.env_move_s + 0.2 * seconds
 
     @staticmethod
     def _can_host(w: WorkerRecord, svc: str) -> bool:
@@ -1099,6 +1215,7 @@ class PlacementPolicy(SchedulingPolicy):
 
     def close_env(self, env: str) -> None:
         """The environment was destroyed (its trajectory ended): stop pinning actions to it."""
+        self._env_idle.pop(env, None)
         w = self._env_host.pop(env, None)
         if w is not None:
             w.envs.discard(env)
@@ -1128,6 +1245,7 @@ def water_level(cores: float, by_max: dict[int, int]) -> float:
 
 
 _NO_CORE = Demand(0, 0)
+_ONE_CORE = Demand(1, 1)
 
 
 def _pipelined(spec: ActionSpec) -> ActionSpec:

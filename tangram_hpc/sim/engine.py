@@ -51,7 +51,7 @@ from .workload import Plan, Service, Workload
 __all__ = ["SimResult", "Simulation", "simulate", "cluster_shapes", "action_specs_for", "service_infos",
            "CPU_KINDS", "GPU_KINDS"]
 
-_FINISH, _SUBMIT, _UP, _STEP, _TICK = 0, 1, 2, 3, 4
+_FINISH, _SUBMIT, _UP, _STEP, _TICK, _MOVED = 0, 1, 2, 3, 4, 5
 
 CPU_KINDS = frozenset({"sandbox", "function"})
 GPU_KINDS = frozenset({"reward"})
@@ -275,12 +275,16 @@ class Simulation:
         self.traj_end = array("q", (starts + lens).astype(np.int64).tobytes())
         self.traj_next = array("q", bytes(8 * len(starts)))
         self.traj_left = array("i", bytes(4 * len(starts)))
+        self.traj_group = array("q", bytes(8 * len(starts)))     # the first action of its current group
         self.traj_names: list[str] = []
         self.traj_step = array("i")
         for s, st in enumerate(plan.step_traj_start):
             self.traj_names.extend(f"s{s}t{j}" for j in range(len(st)))
             self.traj_step.extend([s] * len(st))
         self.env_worker: dict[int, SimWorker] = {}
+        self.traj_index: dict[str, int] | None = None    # environment (trajectory) name -> index, on first move
+        self.moving: dict[int, list[int]] = {}   # trajectory whose environment moves -> actions held back
+        self.moves = 0
         self.attempt: dict[int, int] = {}       # actions resubmitted after their worker was reclaimed
         # workers
         self.workers: dict[str, SimWorker] = {}
@@ -319,6 +323,7 @@ class Simulation:
         self._traj_done = getattr(policy, "trajectory_done", None)
         self._preloaded = getattr(policy, "preloaded_services", None)
         self._offered = getattr(policy, "offered_load", None)
+        self._env_moves = getattr(policy, "env_moves", None)
 
     # -- events ------------------------------------------------------------------
     def _push(self, t: float, typ: int, arg) -> None:
@@ -344,7 +349,8 @@ class Simulation:
         self._push(0.0, _STEP, 0)
         if self.pool is not None:
             self._push(0.0, _TICK, 0)
-        handlers = (self._on_finish, self._on_submit, self._on_worker_up, self._on_step, self._on_pool_tick)
+        handlers = (self._on_finish, self._on_submit, self._on_worker_up, self._on_step, self._on_pool_tick,
+                    self._on_moved)
         q = self.events_q
         pop = q.pop
         more_at = q.more_at
@@ -398,6 +404,7 @@ class Simulation:
         end = self.traj_end[g]
         joined = self.joined
         k = i
+        self.traj_group[g] = i
         self._submit_one(k, g, now)
         while k + 1 < end and joined[k + 1]:
             k += 1
@@ -405,14 +412,46 @@ class Simulation:
         self.traj_next[g] = k + 1
         self.traj_left[g] = k - i + 1
 
-    def _submit_one(self, i: int, g: int, now: float) -> None:
+    def _submit_one(self, i: int, g: int, now: float, *, first: bool = True) -> None:
         row = self.classes[self.cls[i]]
         tid = self.traj_names[g]
         hint = self.hint[i]
         spec = ActionSpec(row.kind, None, tid if row.uses_env else None, row.demand, hint or None, None, 0,
                           tid, self.traj_step[g], row.label, None, str(i))
-        self.submit_t[i] = now
+        if first:
+            self.submit_t[i] = now
+        held = self.moving.get(g) if self.moving else None
+        if held is not None:
+            held.append(i)              # its environment is on its way to another worker
+            return
         self.policy.submit(spec, now)
+
+    # -- moving environments ---------------------------------------------------------
+    def _move_envs(self, envs: list[str], now: float) -> None:
+        """Carry out the policy's moves as the coordinator does: take the environment's waiting
+        actions back, release it from its worker, and submit them again once it has moved."""
+        if self.traj_index is None:
+            self.traj_index = {name: g for g, name in enumerate(self.traj_names)}
+        move_s = self.w.cluster.env_move_s
+        for env in envs:
+            g = self.traj_index.get(env)
+            ew = self.env_worker.get(g) if g is not None else None
+            if ew is None or g in self.moving:
+                continue                 # not live on a worker: nothing to move
+            first, last = self.traj_group[g], self.traj_next[g]
+            if any(self.start_t[i] > 0.0 and self.finish_t[i] == 0.0 for i in range(first, last)):
+                continue                 # it runs there (the policy does not ask for that)
+            self.moving[g] = [i for i in range(first, last) if self.policy.cancel(str(i))]
+            del self.env_worker[g]
+            ew.status.envs -= 1
+            self._close_env(env)
+            self.moves += 1
+            self._push(now + move_s, _MOVED, g)
+
+    def _on_moved(self, g: int) -> None:
+        self.policy.observe_env_move(self.w.cluster.env_move_s)
+        for i in self.moving.pop(g):
+            self._submit_one(i, g, self.now, first=False)
 
     def _on_finish(self, arg) -> None:
         i, att, sw = arg
@@ -575,6 +614,10 @@ class Simulation:
     # -- starts ------------------------------------------------------------------
     def _dispatch(self, now: float) -> None:
         starts = self.policy.schedule(now)
+        if self._env_moves is not None:
+            envs = self._env_moves()
+            if envs:
+                self._move_envs(envs, now)
         if not starts:
             return
         workers = self.workers

@@ -167,6 +167,7 @@ class Cluster:
     gpu_slots: int = 0           # concurrent reward requests a GPU worker serves (its cores)
     startup_s: float = 60.0
     idle_ttl_s: float = 300.0
+    env_move_s: float = 10.0     # to move an environment between workers (save, transfer, restore)
 
     @property
     def slots_per_gpu(self) -> int:
@@ -480,7 +481,7 @@ def parse_workload(data: dict, source: str = "<memory>") -> Workload:
     if not isinstance(cl, dict):
         raise WorkloadError(f"{source}: missing [cluster] table")
     _check_keys(cl, {"cpu_workers", "cpu_cores", "cpu_mem_mb", "gpu_workers", "gpus", "gpu_mem_mb",
-                     "gpu_slots", "startup_s", "idle_ttl_s"}, "cluster")
+                     "gpu_slots", "startup_s", "idle_ttl_s", "env_move_s"}, "cluster")
     cluster = Cluster(
         cpu_workers=_get(cl, "cpu_workers", "cluster", int, nonneg=True),
         cpu_cores=_get(cl, "cpu_cores", "cluster", int, positive=True),
@@ -490,7 +491,8 @@ def parse_workload(data: dict, source: str = "<memory>") -> Workload:
         gpu_mem_mb=_get(cl, "gpu_mem_mb", "cluster", int, 0, nonneg=True),
         gpu_slots=_get(cl, "gpu_slots", "cluster", int, 0, nonneg=True),
         startup_s=_get(cl, "startup_s", "cluster", float, 60.0, nonneg=True),
-        idle_ttl_s=_get(cl, "idle_ttl_s", "cluster", float, 300.0, nonneg=True))
+        idle_ttl_s=_get(cl, "idle_ttl_s", "cluster", float, 300.0, nonneg=True),
+        env_move_s=_get(cl, "env_move_s", "cluster", float, 10.0, nonneg=True))
     if cluster.gpu_workers and not (cluster.gpus and cluster.gpu_mem_mb and cluster.gpu_slots):
         raise WorkloadError("cluster: gpu_workers > 0 needs gpus, gpu_mem_mb and gpu_slots")
 
