@@ -317,6 +317,31 @@ def test_a_move_the_policy_asks_for_saves_the_environment_and_its_next_action_re
     assert env_msgs(ledger) == {"w2": [[P.ENV_SAVE, "e", grant[0]]]}
 
 
+def test_an_environment_its_holder_could_not_save_stays_and_is_not_asked_to_move_again():
+    ledger = ActionLedger(CoordinatorSettings(), MovingFifo())
+    join(ledger, "w1")
+    join(ledger, "w2")
+    a = act("e", 1)
+    submit(ledger, a)
+    gen = assigned(ledger)["w1"][0][2][0]
+    done(ledger, "w1", a.id, 1, env_state="created", now=1.0)
+    ledger.policy.want = ["e"]
+    b = act("e", 2)
+    submit(ledger, b, now=1.0)
+    assert assigned(ledger, 1.0) == {"w1": [(b.id, 1, [gen, P.GRANT_HELD, None])]}   # started before the move
+    done(ledger, "w1", b.id, 1, now=2.0)
+    assert env_msgs(ledger) == {"w1": [[P.ENV_SAVE, "e", gen]]}
+    ledger.env_report("w1", [[P.ENV_UNSAVED, "e", gen, "OSError: disk full"]], 2.5)
+    c = act("e", 3)
+    submit(ledger, c, now=3.0)
+    assert assigned(ledger, 3.0) == {"w1": [(c.id, 1, [gen, P.GRANT_HELD, None])]}   # it stayed on w1
+    ledger.policy.want = ["e"]
+    ledger.dirty = True
+    assigned(ledger, 3.5)
+    assert ledger.envs.get("e").status is EnvStatus.LIVE and ledger.counters.env_moves == 1
+    assert ledger.policy.observed == []
+
+
 def test_a_leaving_worker_hands_back_on_its_own_and_its_interrupted_attempts_are_retried():
     ledger = make()
     join(ledger, "w1", cores=2)

@@ -128,6 +128,7 @@ class ActionLedger:
         self._env_live: dict[str, list[_Action]] = {}     # environment -> its live actions, oldest first
         self._env_closing: dict[str, set[str]] = {}       # environment -> live actions it closes after
         self._moving_since: dict[str, float] = {}         # environment the policy moves -> when it asked
+        self._unmovable: set[str] = set()                 # environments whose holder could not save them
         self._orphans = RecentMap(min(config.result_cache, 100_000))  # action id -> outcome of an earlier registration
         #: attempts started under a previous coordinator (from its state file), by action id
         self._prior_attempts = dict(prior_attempts or {})
@@ -363,6 +364,8 @@ class ActionLedger:
         """The policy wants these environments on another worker: their holders save them, their
         waiting actions wait for that and go to the policy again, unpinned, once they are saved."""
         for env in envs:
+            if env in self._unmovable:
+                continue
             move = self.envs.move(env)
             if move is None:
                 continue
@@ -509,6 +512,8 @@ class ActionLedger:
                         self.policy.observe_env_move(2.0 * (now - asked))
                     self._env_changed(env, now)
             elif op == P.ENV_UNSAVED:
+                if self._moving_since.pop(env, None) is not None:
+                    self._unmovable.add(env)    # asking again would only fail again
                 if self.envs.unsaved(worker_id, env, gen):
                     log.warning("worker %s could not save environment %s (%s); it stays there", worker_id, env,
                                 detail)
@@ -533,6 +538,7 @@ class ActionLedger:
 
     def _close_env_now(self, env: str, now: float) -> None:
         self._env_closing.pop(env, None)
+        self._unmovable.discard(env)
         dropped = self.envs.close(env)
         if dropped is not None:
             holder, item = dropped
