@@ -102,3 +102,42 @@ def test_scheduler_moves_an_environment_off_a_busy_worker_with_its_state(tmp_pat
     finally:
         for p in procs:
             p.kill()
+
+
+def test_environments_moved_under_load_keep_every_ok_action_once_in_order(tmp_path):
+    """Many moves between two busy workers: each environment's log holds its actions' lines once, in order."""
+    conn = tmp_path / "connection.json"
+    coord = subprocess.Popen([sys.executable, "-m", "tangram_hpc.cli", "coordinator", "--run-dir", str(tmp_path),
+                              "--backend", "none", "--env-move-s", "0.01"],
+                             stdout=open(tmp_path / "coord.log", "ab"), stderr=subprocess.STDOUT)
+    procs = [coord]
+    envs = [f"e{k}" for k in range(10)]
+    try:
+        wait_for_file(conn, 30)
+        for name in ("a", "b"):
+            procs.append(subprocess.Popen([sys.executable, "-m", "tangram_hpc.worker", "--connection-file",
+                                           str(conn), "--cores", "2"], stdout=open(tmp_path / f"{name}.log", "ab"),
+                                          stderr=subprocess.STDOUT))
+        with Client(connection_file=str(conn)) as c:
+            _wait_workers(c, 2, time.time() + 60)
+            written: dict[str, list[str]] = {e: [] for e in envs}
+            workers: dict[str, set] = {e: set() for e in envs}
+            for turn in range(6):
+                # uneven lengths: a worker runs dry while the other's environments still queue
+                futs = {e: c.submit(sandbox(f"sleep {0.05 + 0.3 * ((k + turn) % 4 == 0)} && echo {e}-{turn} >> log.txt",
+                                            env=e, duration_hint=0.05 + 0.3 * ((k + turn) % 4 == 0)))
+                        for k, e in enumerate(envs)}
+                for e, f in futs.items():
+                    r = f.result(60)
+                    assert r.ok, (e, turn, r.error)
+                    written[e].append(f"{e}-{turn}")
+                    workers[e].add(r.worker)
+            moves = c.status()["env_moves"]
+            for e in envs:
+                r = c.submit(sandbox("cat log.txt", env=e)).result(60)
+                assert r.ok and r.output["stdout"].split() == written[e], (e, r.output, r.env_state)
+        assert moves > 0, "no environment moved: the scenario did not exercise moves"
+        assert sum(len(w) > 1 for w in workers.values()) > 0
+    finally:
+        for p in procs:
+            p.kill()
