@@ -45,6 +45,7 @@ same predictions.
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -112,6 +113,12 @@ _BUCKET_CAP = 200.0     # a core count's mean log time forgets after about this 
 _CENSORED_CAP = 128     # running actions counted in a warm-up estimate
 
 
+@functools.lru_cache(maxsize=None)     # one entry per core count ever granted: a few
+def _log_amdahl(cores: int) -> tuple[float, ...]:
+    """``log((1 - p) + p / cores)`` at every ``p`` of the grid (a refit would otherwise take 41 logs per core count)."""
+    return tuple(math.log((1.0 - p) + p / cores) for p in _P_GRID)
+
+
 def fit_parallel_fraction(by_cores: dict, prior: float, noise_var: float, prior_sd: float) -> float:
     """Posterior mode of Amdahl's p given the mean log run time at each core count.
 
@@ -120,12 +127,12 @@ def fit_parallel_fraction(by_cores: dict, prior: float, noise_var: float, prior_
     standard deviation ``prior_sd``.
     """
     best, best_cost = prior, float("inf")
-    items = [(c, wm[0], wm[1]) for c, wm in by_cores.items()]
-    wsum = sum(w for _, w, _ in items)
+    items = [(wm[0], wm[1], _log_amdahl(c)) for c, wm in by_cores.items()]
+    wsum = sum(w for w, _, _ in items)
     inv_noise = 1.0 / max(noise_var, 0.01)
     inv_prior = 1.0 / (prior_sd * prior_sd)
-    for p in _P_GRID:
-        res = [(w, m - math.log((1.0 - p) + p / c)) for c, w, m in items]
+    for j, p in enumerate(_P_GRID):
+        res = [(w, m - logs[j]) for w, m, logs in items]
         mean = sum(w * r for w, r in res) / wsum
         cost = inv_noise * sum(w * (r - mean) ** 2 for w, r in res) + inv_prior * (p - prior) ** 2
         if cost < best_cost:
