@@ -1015,10 +1015,17 @@ class PlacementPolicy(SchedulingPolicy):
         if need <= 0:
             return 0.0
         ends = []
+        held = 0
         for r in w.running.values():
-            if r.cores:
+            c = r.cores
+            if c:
                 t = r.expect
-                ends.append((max(0.25 * t, r.started + t - now), r.cores))
+                left = r.started + t - now
+                soonest = 0.25 * t
+                ends.append((left if left > soonest else soonest, c))
+                held += c
+        if held < need:
+            return _INF             # not even when all of them have ended
         ends.sort()
         got = 0
         for left, cores in ends:
