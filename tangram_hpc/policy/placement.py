@@ -40,10 +40,13 @@ joins it): such queues are *armed*.  :meth:`schedule` merges the heads of
 armed queues in one small heap and places them in key order, so a call costs
 ``O(A + k log(A + W))`` for ``A`` armed queues, ``W`` workers and ``k``
 starts -- independent of how many actions wait.  Free capacity is a max-heap
-of workers by free cores per set of kinds served, with lazy invalidation (a
-worker's entry is valid while its version matches): capacity that rises is
-pushed at once, capacity that falls is refreshed when the entry is read, so
-the index always overstates and a search may stop at the first entry too small.
+of workers by free cores per set of kinds served, with lazy invalidation (an
+entry is valid while its count is the worker's free cores): capacity that
+rises is pushed at once unless the worker has an entry at that count already,
+capacity that falls is refreshed when the entry is read, so the index always
+overstates and a search may stop at the first entry too small.  A worker
+whose free cores go up and down between a few counts (an action ends, the
+next starts) so pushes nothing most of the time.
 
 Cores are granted in two phases.  Every start of a :meth:`schedule` call first
 takes ``min_cores``; once everything placeable has started, elastic starts
@@ -150,7 +153,7 @@ class WorkerRecord:
     """The policy's belief about one registered worker (see the module docstring for why it is its own)."""
 
     __slots__ = ("id", "info", "seq", "cores", "free_cores", "mem", "free_mem", "gpu_mem",
-                 "gpu_used", "services", "draining", "running", "envs", "kinds", "version", "listed",
+                 "gpu_used", "services", "draining", "running", "envs", "kinds", "listed",
                  "env_queue", "light", "light_cap")
 
     def __init__(self, info: WorkerInfo, seq: int):
@@ -168,8 +171,7 @@ class WorkerRecord:
         self.running: dict[str, ActionRecord] = {}
         self.envs: set[str] = set()
         self.kinds = info.kinds
-        self.version = 0
-        self.listed = -1                     # the version its free-capacity index entry has
+        self.listed: set[int] = set()        # the free-core counts of its entries in the free-capacity index
         self.env_queue: PlacementQueue | None = None
         self.light = 0                       # zero-core actions it holds
         self.light_cap = light_capacity(info)
@@ -486,7 +488,6 @@ class PlacementPolicy(SchedulingPolicy):
             reps = self._svc_replicas.get(svc)
             if reps is not None:
                 reps.pop(w.id, None)
-        w.version += 1      # invalidates its free-capacity entries
         for env in list(w.envs):
             if self._env_host.get(env) is w:
                 del self._env_host[env]
@@ -546,17 +547,12 @@ class PlacementPolicy(SchedulingPolicy):
                 if self._env_host.get(env) is w:
                     del self._env_host[env]
 
-    def _fell(self, w: WorkerRecord) -> None:
-        """A worker's free capacity fell: its index entry is stale, refreshed lazily when read.
-
-        A stale entry overstates the free cores, so the index stays an upper
-        bound and :meth:`_best_worker` may stop early; rising capacity is pushed at once.
-        """
-        w.version += 1
-
     def _touch(self, w: WorkerRecord) -> None:
-        """A worker gained capacity (or joined): re-index it and arm the queues it may serve."""
-        w.version += 1
+        """A worker gained capacity (or joined): re-index it and arm the queues it may serve.
+
+        (Capacity that falls needs nothing: the worker's entries above its free cores are stale,
+        and overstate it until they are read.)
+        """
         q = w.env_queue
         if q is not None and q.live:
             self._armed[q.idx] = q
@@ -571,7 +567,10 @@ class PlacementPolicy(SchedulingPolicy):
                         self._armed[sq.idx] = sq
 
     def _list(self, w: WorkerRecord) -> None:
-        """Push the worker's current free cores into the index of the kinds it serves."""
+        """Index the worker's current free cores under the kinds it serves (unless an entry has them)."""
+        free = w.free_cores
+        if free in w.listed:
+            return
         heap = self._index.get(w.kinds)
         if heap is None:
             heap = self._index[w.kinds] = []
@@ -580,12 +579,15 @@ class PlacementPolicy(SchedulingPolicy):
         if len(heap) > 4 * len(self._workers) + 64:      # mostly stale entries: rebuild
             heap.clear()
             for o in self._workers.values():
-                if o.kinds == w.kinds and not o.draining and o is not w:
-                    heap.append((-o.free_cores, o.seq, o.version, o))
-                    o.listed = o.version
+                if o.kinds == w.kinds:
+                    o.listed.clear()
+                    if not o.draining and o is not w:
+                        heap.append((-o.free_cores, o.seq, o))
+                        o.listed.add(o.free_cores)
             heapq.heapify(heap)
-        heapq.heappush(heap, (-w.free_cores, w.seq, w.version, w))
-        w.listed = w.version
+            w.listed.clear()
+        heapq.heappush(heap, (-free, w.seq, w))
+        w.listed.add(free)
 
     # -- residency ---------------------------------------------------------------
     def _service_mem(self, svc: str, default: int) -> int:
@@ -896,7 +898,6 @@ class PlacementPolicy(SchedulingPolicy):
                 extra = min(self._grant(rec, w), rec.spec.demand.max_cores) - rec.cores
                 if 0 < extra <= w.free_cores:
                     self.tally.regranted(rec, w, extra)
-                    self._fell(w)
                 continue
             heap = []
             for rec in recs:
@@ -913,7 +914,6 @@ class PlacementPolicy(SchedulingPolicy):
                 c = rec.cores
                 if c < cap:
                     heapq.heappush(heap, (-scale / (c * (c + 1)), rec.seq, rec, cap, scale))
-            self._fell(w)
 
     @staticmethod
     def waiting_for(rec: ActionRecord, w: WorkerRecord) -> tuple[int, float]:
@@ -959,15 +959,18 @@ class PlacementPolicy(SchedulingPolicy):
         found = None
         workers = self._workers
         while heap:
-            negfree, seq, ver, w = heap[0]
-            if w.version != ver:
-                heapq.heappop(heap)
-                if w.listed != w.version and not w.draining and workers.get(w.id) is w:
-                    heapq.heappush(heap, (-w.free_cores, w.seq, w.version, w))   # refresh a fallen one
-                    w.listed = w.version
-                continue
+            negfree, seq, w = heap[0]
             if w.draining or workers.get(w.id) is not w:
                 heapq.heappop(heap)
+                w.listed.discard(-negfree)
+                continue
+            free = w.free_cores
+            if -negfree != free:
+                heapq.heappop(heap)
+                w.listed.discard(-negfree)
+                if free not in w.listed:
+                    heapq.heappush(heap, (-free, w.seq, w))   # refresh a fallen one
+                    w.listed.add(free)
                 continue
             if d.min_cores and -negfree < d.min_cores:
                 break            # nothing below has the cores either
@@ -1193,7 +1196,6 @@ class PlacementPolicy(SchedulingPolicy):
             del self._env_first[env]
         if rec.elastic:
             self._grow.append((rec, w))
-        self._fell(w)
         started.append(rec)
 
     # -- views -------------------------------------------------------------------
