@@ -196,6 +196,7 @@ class Predictor:
         self.default_load_time = default_load_time
         self._classes: dict[str, ClassStats] = {}
         self._keys: dict[tuple, str] = {}
+        self._by_ck: dict[tuple, ClassStats] = {}   # (kind, label, service) -> its class's stats, once they exist
         self._load: dict[str, float] = {}
 
     # -- reading -------------------------------------------------------------
@@ -212,6 +213,10 @@ class Predictor:
         return feature_key(spec)
 
     def _stats_of(self, spec: ActionSpec) -> ClassStats | None:
+        if spec.label or spec.demand.service:       # three look-ups per action: skip the key string
+            st = self._by_ck.get((spec.kind, spec.label, spec.demand.service))
+            if st is not None:
+                return st
         return self._classes.get(self._key(spec))
 
     def parallel_fraction(self, spec: ActionSpec, st: ClassStats | None = None) -> float:
@@ -278,10 +283,17 @@ class Predictor:
 
     # -- learning ------------------------------------------------------------
     def _class(self, spec: ActionSpec) -> ClassStats:
+        labelled = spec.label or spec.demand.service
+        if labelled:
+            st = self._by_ck.get((spec.kind, spec.label, spec.demand.service))
+            if st is not None:
+                return st
         key = self._key(spec)
         st = self._classes.get(key)
         if st is None:
             st = self._classes[key] = ClassStats()
+        if labelled:
+            self._by_ck[(spec.kind, spec.label, spec.demand.service)] = st
         return st
 
     def started(self, spec: ActionSpec, cores: int, now: float) -> None:
