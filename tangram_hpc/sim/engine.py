@@ -163,13 +163,13 @@ class EventCalendar:
     An event is a tuple ``(time, type, seq, ...)``: its handler's arguments
     follow inline (a nested tuple would be one more allocation per event), and
     ``seq``, drawn from :attr:`seq`, keeps events of one time and type in the
-    order they were pushed.
+    order they were pushed.  ``cur`` and ``keys`` stay the same list objects
+    for the calendar's life, so the simulation loop may read them directly.
 
     A single heap of every pending event costs ``log2`` of a few hundred
     thousand comparisons per pop at 100,000 trajectories.  Events here sit in
     buckets of ``width`` simulated seconds; only the current bucket is a heap,
-    later ones are plain lists until their turn comes.  ``cur`` stays the same
-    list object for the calendar's life, so the simulation loop may pop it directly.
+    later ones are plain lists until their turn comes.
     """
 
     __slots__ = ("width", "buckets", "keys", "cur", "cur_key", "seq")
@@ -362,13 +362,13 @@ class Simulation:
                     self._on_moved)
         q = self.events_q
         pop = q.pop
-        cur = q.cur
+        cur, later = q.cur, q.keys
         heappop = heapq.heappop
         policy = self.policy
         next_report = time.perf_counter() + 2.0
         events = 0
         now = 0.0
-        while q and not self.done:
+        while (cur or later) and not self.done:
             # the calendar's current bucket, popped in place (the common case), else the calendar refills it
             e = heappop(cur) if cur else pop()
             now = e[0]
