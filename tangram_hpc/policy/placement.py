@@ -1084,7 +1084,9 @@ class PlacementPolicy(SchedulingPolicy):
             self._moves.append(env)
 
     def env_moves(self) -> list[str]:
-        self._moves, out = [], self._moves
+        out = self._moves
+        if out:             # asked after every schedule(): no new list while there is nothing to move
+            self._moves = []
         return out
 
     def observe_env_move(self, seconds: float) -> None:
