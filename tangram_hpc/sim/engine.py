@@ -79,6 +79,11 @@ def _info(wid: str, shape: WorkerShape, services: frozenset[str]) -> WorkerInfo:
     return WorkerInfo(wid, shape.cores, shape.mem_mb, kinds=CPU_KINDS)
 
 
+def _view(a: np.ndarray, dtype: type) -> memoryview:
+    """A flat view of ``a`` as ``dtype`` (a copy only if it is not that already) whose items read as Python scalars."""
+    return memoryview(np.ascontiguousarray(a, dtype=dtype))
+
+
 @dataclass(slots=True, frozen=True)
 class _ActionClassRow:
     kind: str
@@ -261,13 +266,14 @@ class Simulation:
         self.svc_defs: dict[str, Service] = w.services
         self.svc_names = frozenset(w.services)
         n = plan.n_actions
-        # per action, compact (a 100,000-trajectory plan has millions of actions)
-        self.cls = array("i", plan.cls.astype(np.int32).tobytes())
-        self.d1 = array("d", plan.d1.astype(np.float64).tobytes())
-        self.think = array("d", plan.think.astype(np.float64).tobytes())
-        self.hint = array("d", plan.hint.astype(np.float64).tobytes())
-        self.joined = bytes(plan.joined.astype(np.uint8))
-        self.turn = array("i", plan.turn.astype(np.int32).tobytes())
+        # per action, compact (a 100,000-trajectory plan has millions of actions); the plan's
+        # arrays are read through typed views (as fast per item as an array, and no second copy)
+        self.cls = _view(plan.cls, np.int32)
+        self.d1 = _view(plan.d1, np.float64)
+        self.think = _view(plan.think, np.float64)
+        self.hint = _view(plan.hint, np.float64)
+        self.joined = _view(plan.joined, np.bool_)
+        self.turn = _view(plan.turn, np.int32)
         self.submit_t = array("d", bytes(8 * n))
         self.start_t = array("d", bytes(8 * n))
         self.finish_t = array("d", bytes(8 * n))
