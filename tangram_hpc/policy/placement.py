@@ -338,7 +338,7 @@ class PlacementPolicy(SchedulingPolicy):
         self._workers: dict[str, WorkerRecord] = {}
         self._queues: dict[tuple, PlacementQueue] = {}
         self._armed: dict[int, PlacementQueue] = {}     # queues whose head may be placeable now
-        self._shared: dict[str, dict[int, PlacementQueue]] = {}   # kind -> its non-env queues
+        self._shared: dict[str, dict[int, PlacementQueue]] = {}   # kind -> its non-env queues with live entries
         self._kinds: dict[str, KindLoad] = {}
         # free-capacity index: per set of kinds served, a max-heap of (-free cores, seq, version, worker)
         self._index: dict[frozenset[str], list] = {}
@@ -562,9 +562,7 @@ class PlacementPolicy(SchedulingPolicy):
         for k in w.kinds:
             shared = self._shared.get(k)
             if shared:
-                for sq in shared.values():
-                    if sq.live:
-                        self._armed[sq.idx] = sq
+                self._armed.update(shared)
 
     def _list(self, w: WorkerRecord) -> None:
         """Index the worker's current free cores under the kinds it serves (unless an entry has them)."""
@@ -725,16 +723,21 @@ class PlacementPolicy(SchedulingPolicy):
             self._qseq += 1
             q = self._queues[qk] = PlacementQueue(self._qseq, rec.spec.kind, d.service, d.min_cores,
                                                   d.mem_mb, gpu)
-            self._shared.setdefault(rec.spec.kind, {})[q.idx] = q
         self._push(q, rec)
 
     def _push(self, q: PlacementQueue, rec: ActionRecord) -> None:
         rec.queue = q
         q.live += 1
         q.work += rec.work
-        if q.worker is None and not rec.light:
-            rec.load.queued += 1
-            rec.load.queued_work += rec.work
+        if q.worker is None:
+            if q.live == 1:     # kept apart, so that a worker's every change does not look at idle queues
+                shared = self._shared.get(q.kind)
+                if shared is None:
+                    shared = self._shared[q.kind] = {}
+                shared[q.idx] = q
+            if not rec.light:
+                rec.load.queued += 1
+                rec.load.queued_work += rec.work
         heapq.heappush(q.heap, (rec.key, rec.seq, rec))
         self._armed[q.idx] = q
         if self._heads is not None:     # routed during schedule(): eligible in this same call
@@ -747,9 +750,12 @@ class PlacementPolicy(SchedulingPolicy):
             return
         q.live -= 1
         q.work -= rec.work
-        if q.worker is None and not rec.light:
-            rec.load.queued -= 1
-            rec.load.queued_work -= rec.work
+        if q.worker is None:
+            if q.live == 0:
+                del self._shared[q.kind][q.idx]
+            if not rec.light:
+                rec.load.queued -= 1
+                rec.load.queued_work -= rec.work
         rec.queue = None
 
     def cancel(self, action_id: str) -> bool:
