@@ -340,7 +340,7 @@ class PlacementPolicy(SchedulingPolicy):
         self._armed: dict[int, PlacementQueue] = {}     # queues whose head may be placeable now
         self._shared: dict[str, dict[int, PlacementQueue]] = {}   # kind -> its non-env queues with live entries
         self._kinds: dict[str, KindLoad] = {}
-        # free-capacity index: per set of kinds served, a max-heap of (-free cores, seq, version, worker)
+        # free-capacity index: per set of kinds served, a max-heap of (-free cores, seq, worker)
         self._index: dict[frozenset[str], list] = {}
         self._kind_index: dict[str, list[list]] = {}    # kind -> the heaps of the workers serving it
         self._env_host: dict[str, WorkerRecord] = {}
@@ -583,7 +583,6 @@ class PlacementPolicy(SchedulingPolicy):
                         heap.append((-o.free_cores, o.seq, o))
                         o.listed.add(o.free_cores)
             heapq.heapify(heap)
-            w.listed.clear()
         heapq.heappush(heap, (-free, w.seq, w))
         w.listed.add(free)
 
