@@ -40,10 +40,13 @@ joins it): such queues are *armed*.  :meth:`schedule` merges the heads of
 armed queues in one small heap and places them in key order, so a call costs
 ``O(A + k log(A + W))`` for ``A`` armed queues, ``W`` workers and ``k``
 starts -- independent of how many actions wait.  Free capacity is a max-heap
-of workers by free cores per set of kinds served, with lazy invalidation (a
-worker's entry is valid while its version matches): capacity that rises is
-pushed at once, capacity that falls is refreshed when the entry is read, so
-the index always overstates and a search may stop at the first entry too small.
+of workers by free cores per set of kinds served, with lazy invalidation (an
+entry is valid while its count is the worker's free cores): capacity that
+rises is pushed at once unless the worker has an entry at that count already,
+capacity that falls is refreshed when the entry is read, so the index always
+overstates and a search may stop at the first entry too small.  A worker
+whose free cores go up and down between a few counts (an action ends, the
+next starts) so pushes nothing most of the time.
 
 Cores are granted in two phases.  Every start of a :meth:`schedule` call first
 takes ``min_cores``; once everything placeable has started, elastic starts
@@ -150,7 +153,7 @@ class WorkerRecord:
     """The policy's belief about one registered worker (see the module docstring for why it is its own)."""
 
     __slots__ = ("id", "info", "seq", "cores", "free_cores", "mem", "free_mem", "gpu_mem",
-                 "gpu_used", "services", "draining", "running", "envs", "kinds", "version", "listed",
+                 "gpu_used", "services", "draining", "running", "envs", "kinds", "listed",
                  "env_queue", "light", "light_cap")
 
     def __init__(self, info: WorkerInfo, seq: int):
@@ -168,8 +171,7 @@ class WorkerRecord:
         self.running: dict[str, ActionRecord] = {}
         self.envs: set[str] = set()
         self.kinds = info.kinds
-        self.version = 0
-        self.listed = -1                     # the version its free-capacity index entry has
+        self.listed: set[int] = set()        # the free-core counts of its entries in the free-capacity index
         self.env_queue: PlacementQueue | None = None
         self.light = 0                       # zero-core actions it holds
         self.light_cap = light_capacity(info)
@@ -336,9 +338,9 @@ class PlacementPolicy(SchedulingPolicy):
         self._workers: dict[str, WorkerRecord] = {}
         self._queues: dict[tuple, PlacementQueue] = {}
         self._armed: dict[int, PlacementQueue] = {}     # queues whose head may be placeable now
-        self._shared: dict[str, dict[int, PlacementQueue]] = {}   # kind -> its non-env queues
+        self._shared: dict[str, dict[int, PlacementQueue]] = {}   # kind -> its non-env queues with live entries
         self._kinds: dict[str, KindLoad] = {}
-        # free-capacity index: per set of kinds served, a max-heap of (-free cores, seq, version, worker)
+        # free-capacity index: per set of kinds served, a max-heap of (-free cores, seq, worker)
         self._index: dict[frozenset[str], list] = {}
         self._kind_index: dict[str, list[list]] = {}    # kind -> the heaps of the workers serving it
         self._env_host: dict[str, WorkerRecord] = {}
@@ -486,7 +488,6 @@ class PlacementPolicy(SchedulingPolicy):
             reps = self._svc_replicas.get(svc)
             if reps is not None:
                 reps.pop(w.id, None)
-        w.version += 1      # invalidates its free-capacity entries
         for env in list(w.envs):
             if self._env_host.get(env) is w:
                 del self._env_host[env]
@@ -546,17 +547,12 @@ class PlacementPolicy(SchedulingPolicy):
                 if self._env_host.get(env) is w:
                     del self._env_host[env]
 
-    def _fell(self, w: WorkerRecord) -> None:
-        """A worker's free capacity fell: its index entry is stale, refreshed lazily when read.
-
-        A stale entry overstates the free cores, so the index stays an upper
-        bound and :meth:`_best_worker` may stop early; rising capacity is pushed at once.
-        """
-        w.version += 1
-
     def _touch(self, w: WorkerRecord) -> None:
-        """A worker gained capacity (or joined): re-index it and arm the queues it may serve."""
-        w.version += 1
+        """A worker gained capacity (or joined): re-index it and arm the queues it may serve.
+
+        (Capacity that falls needs nothing: the worker's entries above its free cores are stale,
+        and overstate it until they are read.)
+        """
         q = w.env_queue
         if q is not None and q.live:
             self._armed[q.idx] = q
@@ -566,12 +562,13 @@ class PlacementPolicy(SchedulingPolicy):
         for k in w.kinds:
             shared = self._shared.get(k)
             if shared:
-                for sq in shared.values():
-                    if sq.live:
-                        self._armed[sq.idx] = sq
+                self._armed.update(shared)
 
     def _list(self, w: WorkerRecord) -> None:
-        """Push the worker's current free cores into the index of the kinds it serves."""
+        """Index the worker's current free cores under the kinds it serves (unless an entry has them)."""
+        free = w.free_cores
+        if free in w.listed:
+            return
         heap = self._index.get(w.kinds)
         if heap is None:
             heap = self._index[w.kinds] = []
@@ -580,12 +577,14 @@ class PlacementPolicy(SchedulingPolicy):
         if len(heap) > 4 * len(self._workers) + 64:      # mostly stale entries: rebuild
             heap.clear()
             for o in self._workers.values():
-                if o.kinds == w.kinds and not o.draining and o is not w:
-                    heap.append((-o.free_cores, o.seq, o.version, o))
-                    o.listed = o.version
+                if o.kinds == w.kinds:
+                    o.listed.clear()
+                    if not o.draining and o is not w:
+                        heap.append((-o.free_cores, o.seq, o))
+                        o.listed.add(o.free_cores)
             heapq.heapify(heap)
-        heapq.heappush(heap, (-w.free_cores, w.seq, w.version, w))
-        w.listed = w.version
+        heapq.heappush(heap, (-free, w.seq, w))
+        w.listed.add(free)
 
     # -- residency ---------------------------------------------------------------
     def _service_mem(self, svc: str, default: int) -> int:
@@ -723,16 +722,21 @@ class PlacementPolicy(SchedulingPolicy):
             self._qseq += 1
             q = self._queues[qk] = PlacementQueue(self._qseq, rec.spec.kind, d.service, d.min_cores,
                                                   d.mem_mb, gpu)
-            self._shared.setdefault(rec.spec.kind, {})[q.idx] = q
         self._push(q, rec)
 
     def _push(self, q: PlacementQueue, rec: ActionRecord) -> None:
         rec.queue = q
         q.live += 1
         q.work += rec.work
-        if q.worker is None and not rec.light:
-            rec.load.queued += 1
-            rec.load.queued_work += rec.work
+        if q.worker is None:
+            if q.live == 1:     # kept apart, so that a worker's every change does not look at idle queues
+                shared = self._shared.get(q.kind)
+                if shared is None:
+                    shared = self._shared[q.kind] = {}
+                shared[q.idx] = q
+            if not rec.light:
+                rec.load.queued += 1
+                rec.load.queued_work += rec.work
         heapq.heappush(q.heap, (rec.key, rec.seq, rec))
         self._armed[q.idx] = q
         if self._heads is not None:     # routed during schedule(): eligible in this same call
@@ -745,9 +749,12 @@ class PlacementPolicy(SchedulingPolicy):
             return
         q.live -= 1
         q.work -= rec.work
-        if q.worker is None and not rec.light:
-            rec.load.queued -= 1
-            rec.load.queued_work -= rec.work
+        if q.worker is None:
+            if q.live == 0:
+                del self._shared[q.kind][q.idx]
+            if not rec.light:
+                rec.load.queued -= 1
+                rec.load.queued_work -= rec.work
         rec.queue = None
 
     def cancel(self, action_id: str) -> bool:
@@ -896,7 +903,6 @@ class PlacementPolicy(SchedulingPolicy):
                 extra = min(self._grant(rec, w), rec.spec.demand.max_cores) - rec.cores
                 if 0 < extra <= w.free_cores:
                     self.tally.regranted(rec, w, extra)
-                    self._fell(w)
                 continue
             heap = []
             for rec in recs:
@@ -913,7 +919,6 @@ class PlacementPolicy(SchedulingPolicy):
                 c = rec.cores
                 if c < cap:
                     heapq.heappush(heap, (-scale / (c * (c + 1)), rec.seq, rec, cap, scale))
-            self._fell(w)
 
     @staticmethod
     def waiting_for(rec: ActionRecord, w: WorkerRecord) -> tuple[int, float]:
@@ -959,15 +964,18 @@ class PlacementPolicy(SchedulingPolicy):
         found = None
         workers = self._workers
         while heap:
-            negfree, seq, ver, w = heap[0]
-            if w.version != ver:
-                heapq.heappop(heap)
-                if w.listed != w.version and not w.draining and workers.get(w.id) is w:
-                    heapq.heappush(heap, (-w.free_cores, w.seq, w.version, w))   # refresh a fallen one
-                    w.listed = w.version
-                continue
+            negfree, seq, w = heap[0]
             if w.draining or workers.get(w.id) is not w:
                 heapq.heappop(heap)
+                w.listed.discard(-negfree)
+                continue
+            free = w.free_cores
+            if -negfree != free:
+                heapq.heappop(heap)
+                w.listed.discard(-negfree)
+                if free not in w.listed:
+                    heapq.heappush(heap, (-free, w.seq, w))   # refresh a fallen one
+                    w.listed.add(free)
                 continue
             if d.min_cores and -negfree < d.min_cores:
                 break            # nothing below has the cores either
@@ -1015,10 +1023,17 @@ class PlacementPolicy(SchedulingPolicy):
         if need <= 0:
             return 0.0
         ends = []
+        held = 0
         for r in w.running.values():
-            if r.cores:
+            c = r.cores
+            if c:
                 t = r.expect
-                ends.append((max(0.25 * t, r.started + t - now), r.cores))
+                left = r.started + t - now
+                soonest = 0.25 * t
+                ends.append((left if left > soonest else soonest, c))
+                held += c
+        if held < need:
+            return _INF             # not even when all of them have ended
         ends.sort()
         got = 0
         for left, cores in ends:
@@ -1074,7 +1089,9 @@ class PlacementPolicy(SchedulingPolicy):
             self._moves.append(env)
 
     def env_moves(self) -> list[str]:
-        self._moves, out = [], self._moves
+        out = self._moves
+        if out:             # asked after every schedule(): no new list while there is nothing to move
+            self._moves = []
         return out
 
     def observe_env_move(self, seconds: float) -> None:
@@ -1186,7 +1203,6 @@ class PlacementPolicy(SchedulingPolicy):
             del self._env_first[env]
         if rec.elastic:
             self._grow.append((rec, w))
-        self._fell(w)
         started.append(rec)
 
     # -- views -------------------------------------------------------------------

@@ -45,6 +45,7 @@ same predictions.
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -112,6 +113,12 @@ _BUCKET_CAP = 200.0     # a core count's mean log time forgets after about this 
 _CENSORED_CAP = 128     # running actions counted in a warm-up estimate
 
 
+@functools.lru_cache(maxsize=None)     # one entry per core count ever granted: a few
+def _log_amdahl(cores: int) -> tuple[float, ...]:
+    """``log((1 - p) + p / cores)`` at every ``p`` of the grid (a refit would otherwise take 41 logs per core count)."""
+    return tuple(math.log((1.0 - p) + p / cores) for p in _P_GRID)
+
+
 def fit_parallel_fraction(by_cores: dict, prior: float, noise_var: float, prior_sd: float) -> float:
     """Posterior mode of Amdahl's p given the mean log run time at each core count.
 
@@ -120,12 +127,12 @@ def fit_parallel_fraction(by_cores: dict, prior: float, noise_var: float, prior_
     standard deviation ``prior_sd``.
     """
     best, best_cost = prior, float("inf")
-    items = [(c, wm[0], wm[1]) for c, wm in by_cores.items()]
-    wsum = sum(w for _, w, _ in items)
+    items = [(wm[0], wm[1], _log_amdahl(c)) for c, wm in by_cores.items()]
+    wsum = sum(w for w, _, _ in items)
     inv_noise = 1.0 / max(noise_var, 0.01)
     inv_prior = 1.0 / (prior_sd * prior_sd)
-    for p in _P_GRID:
-        res = [(w, m - math.log((1.0 - p) + p / c)) for c, w, m in items]
+    for j, p in enumerate(_P_GRID):
+        res = [(w, m - logs[j]) for w, m, logs in items]
         mean = sum(w * r for w, r in res) / wsum
         cost = inv_noise * sum(w * (r - mean) ** 2 for w, r in res) + inv_prior * (p - prior) ** 2
         if cost < best_cost:
@@ -189,6 +196,7 @@ class Predictor:
         self.default_load_time = default_load_time
         self._classes: dict[str, ClassStats] = {}
         self._keys: dict[tuple, str] = {}
+        self._by_ck: dict[tuple, ClassStats] = {}   # (kind, label, service) -> its class's stats, once they exist
         self._load: dict[str, float] = {}
 
     # -- reading -------------------------------------------------------------
@@ -205,6 +213,10 @@ class Predictor:
         return feature_key(spec)
 
     def _stats_of(self, spec: ActionSpec) -> ClassStats | None:
+        if spec.label or spec.demand.service:       # three look-ups per action: skip the key string
+            st = self._by_ck.get((spec.kind, spec.label, spec.demand.service))
+            if st is not None:
+                return st
         return self._classes.get(self._key(spec))
 
     def parallel_fraction(self, spec: ActionSpec, st: ClassStats | None = None) -> float:
@@ -271,10 +283,17 @@ class Predictor:
 
     # -- learning ------------------------------------------------------------
     def _class(self, spec: ActionSpec) -> ClassStats:
+        labelled = spec.label or spec.demand.service
+        if labelled:
+            st = self._by_ck.get((spec.kind, spec.label, spec.demand.service))
+            if st is not None:
+                return st
         key = self._key(spec)
         st = self._classes.get(key)
         if st is None:
             st = self._classes[key] = ClassStats()
+        if labelled:
+            self._by_ck[(spec.kind, spec.label, spec.demand.service)] = st
         return st
 
     def started(self, spec: ActionSpec, cores: int, now: float) -> None:
