@@ -373,7 +373,7 @@ class Predictor:
             bucket[1] += (y_t - bucket[1]) / bucket[0]
         st.fed += 1
         if st.p is not None and st.fed % max(16, st.fed >> 5):
-            return          # refit now and then (rarer as evidence piles up): one run moves a posterior little
+            return          # refit every 16 runs, about every 32 after a few thousand: one run moves a posterior little
         solid = {c: b for c, b in st.by_cores.items() if b[0] >= self.min_fit_runs}
         if len(solid) >= 2:
             st.p = fit_parallel_fraction(solid, self.prior_parallel, max(st.var, 0.05), self.prior_parallel_sd)
@@ -393,7 +393,7 @@ class Predictor:
             st.mu_adj = None
             return
         if n > 16 and n % max(8, n >> 4):
-            return              # the estimate moves slowly by now: refresh it now and then
+            return              # the estimate moves slowly by now: refresh it every 8 runs, about every 16 later
         if now is None or not st.running:
             st.mu_adj = None
             return
