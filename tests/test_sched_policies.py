@@ -188,6 +188,34 @@ def test_environment_moves_off_a_full_host_when_its_action_would_finish_sooner_e
     assert p.env_moves() == []
 
 
+def test_an_idle_environment_leaves_a_crowded_worker_while_its_agent_thinks():
+    """An action ends on a worker whose own queue waits: its environment moves if moves are quick
+    against the learned think time and another worker has clearly more free cores."""
+    def run(move_s, think_s, big_cores):
+        p = ElasticScheduler(env_move_s=move_s)
+        p.add_worker(WorkerInfo("w1", 2, kinds=CPU), 0)
+        p.submit(ActionSpec("sandbox", id="H0", env="H", duration_hint=1.0), 0)
+        p.submit(ActionSpec("sandbox", id="E0", env="E", duration_hint=1.0), 0)
+        assert len(p.schedule(0)) == 2
+        p.finished("H0", 1, run_time=1.0)
+        p.finished("E0", 1, run_time=1.0)
+        p.submit(ActionSpec("sandbox", id="F0", env="F", duration_hint=50.0), 1)
+        assert [a.action_id for a in p.schedule(1)] == ["F0"]
+        t = 1 + think_s                # E's agent thought this long: the policy learns it
+        p.submit(ActionSpec("sandbox", id="E1", env="E", duration_hint=1.0), t)
+        p.submit(ActionSpec("sandbox", id="H1", env="H", duration_hint=1.0), t)
+        started = {a.action_id for a in p.schedule(t)}
+        assert started == {"E1"} and p.env_host("H") == "w1"      # w1 is full: H1 waits in its own queue
+        assert p.env_moves() == []     # nowhere else to go yet
+        p.add_worker(WorkerInfo("w2", big_cores, kinds=CPU), t + 0.5)
+        p.finished("E1", t + 1, run_time=1.0)
+        return p.env_moves()
+
+    assert run(move_s=1.0, think_s=20.0, big_cores=16) == ["E"]
+    assert run(move_s=15.0, think_s=20.0, big_cores=16) == []    # a move would outlast half the think
+    assert run(move_s=1.0, think_s=20.0, big_cores=4) == []      # nowhere clearly better to go
+
+
 def test_an_environment_with_an_action_running_is_not_moved():
     p = ElasticScheduler(env_move_s=0.0)
     p.add_worker(WorkerInfo("w1", 1, kinds=CPU), 0)
