@@ -149,8 +149,8 @@ class RecordingFifo(FifoPolicy):
         super().close_env(env)
 
 
-def make(**settings) -> ActionLedger:
-    return ActionLedger(CoordinatorSettings(**settings), RecordingFifo())
+def make(policy: FifoPolicy | None = None, **settings) -> ActionLedger:
+    return ActionLedger(CoordinatorSettings(**settings), policy or RecordingFifo())
 
 
 def join(ledger: ActionLedger, wid: str, cores: int = 1, now: float = 0.0, envs=()) -> None:
@@ -185,9 +185,9 @@ def results(ledger: ActionLedger) -> dict[str, list]:
     return {r[0]: r for r in out.get(C1, [])}
 
 
-def running_in_e_on_w1(**settings) -> tuple[ActionLedger, ActionSpec, int]:
+def running_in_e_on_w1(policy: FifoPolicy | None = None, **settings) -> tuple[ActionLedger, ActionSpec, int]:
     """Workers w1 and w2; an action in environment e runs on w1 (attempt 1).  Returns e's generation."""
-    ledger = make(**settings)
+    ledger = make(policy, **settings)
     join(ledger, "w1")
     join(ledger, "w2")
     a = act("e")
@@ -284,12 +284,7 @@ class MovingFifo(RecordingFifo):
 
 
 def test_a_move_the_policy_asks_for_saves_the_environment_and_its_next_action_restores_it_elsewhere():
-    ledger = ActionLedger(CoordinatorSettings(), MovingFifo())
-    join(ledger, "w1")
-    join(ledger, "w2")
-    a = act("e", 1)
-    submit(ledger, a)
-    gen = assigned(ledger)["w1"][0][2][0]
+    ledger, a, gen = running_in_e_on_w1(MovingFifo())
     # asked while a runs in e: the save waits for it, and the next action waits for the save
     ledger.policy.want = ["e"]
     ledger.dirty = True
@@ -318,12 +313,7 @@ def test_a_move_the_policy_asks_for_saves_the_environment_and_its_next_action_re
 
 
 def test_an_environment_its_holder_could_not_save_stays_and_is_not_asked_to_move_again():
-    ledger = ActionLedger(CoordinatorSettings(), MovingFifo())
-    join(ledger, "w1")
-    join(ledger, "w2")
-    a = act("e", 1)
-    submit(ledger, a)
-    gen = assigned(ledger)["w1"][0][2][0]
+    ledger, a, gen = running_in_e_on_w1(MovingFifo())
     done(ledger, "w1", a.id, 1, env_state="created", now=1.0)
     ledger.policy.want = ["e"]
     b = act("e", 2)

@@ -10,16 +10,21 @@ from tangram_hpc.commands import format_status
 from tangram_hpc.connection import wait_for_file
 
 
-def _worker(conn, log):
+def _worker(conn, log, cores=1):
     return subprocess.Popen([sys.executable, "-m", "tangram_hpc.worker", "--connection-file", str(conn),
-                             "--cores", "1"], stdout=open(log, "ab"), stderr=subprocess.STDOUT)
+                             "--cores", str(cores)], stdout=open(log, "ab"), stderr=subprocess.STDOUT)
+
+
+def _coordinator(run_dir, *flags):
+    """A coordinator with no backend (workers are started by hand) on ``run_dir``."""
+    return subprocess.Popen([sys.executable, "-m", "tangram_hpc.cli", "coordinator", "--run-dir", str(run_dir),
+                             "--backend", "none", *flags], stdout=open(run_dir / "coord.log", "ab"),
+                            stderr=subprocess.STDOUT)
 
 
 def test_environment_moves_to_another_worker_when_its_worker_leaves(tmp_path):
     conn = tmp_path / "connection.json"
-    coord = subprocess.Popen([sys.executable, "-m", "tangram_hpc.cli", "coordinator", "--run-dir", str(tmp_path),
-                              "--backend", "none"], stdout=open(tmp_path / "coord.log", "ab"),
-                             stderr=subprocess.STDOUT)
+    coord = _coordinator(tmp_path)
     procs = [coord]
     try:
         wait_for_file(conn, 30)
@@ -64,9 +69,7 @@ def _wait_workers(c, n, deadline):
 def test_scheduler_moves_an_environment_off_a_busy_worker_with_its_state(tmp_path):
     """Its host's cores are all taken: the action's environment moves to the idle worker, state and all."""
     conn = tmp_path / "connection.json"
-    coord = subprocess.Popen([sys.executable, "-m", "tangram_hpc.cli", "coordinator", "--run-dir", str(tmp_path),
-                              "--backend", "none", "--env-move-s", "0.01"],
-                             stdout=open(tmp_path / "coord.log", "ab"), stderr=subprocess.STDOUT)
+    coord = _coordinator(tmp_path, "--env-move-s", "0.01")
     procs = [coord]
     try:
         wait_for_file(conn, 30)
@@ -107,17 +110,13 @@ def test_scheduler_moves_an_environment_off_a_busy_worker_with_its_state(tmp_pat
 def test_environments_moved_under_load_keep_every_ok_action_once_in_order(tmp_path):
     """Many moves between two busy workers: each environment's log holds its actions' lines once, in order."""
     conn = tmp_path / "connection.json"
-    coord = subprocess.Popen([sys.executable, "-m", "tangram_hpc.cli", "coordinator", "--run-dir", str(tmp_path),
-                              "--backend", "none", "--env-move-s", "0.01"],
-                             stdout=open(tmp_path / "coord.log", "ab"), stderr=subprocess.STDOUT)
+    coord = _coordinator(tmp_path, "--env-move-s", "0.01")
     procs = [coord]
     envs = [f"e{k}" for k in range(10)]
     try:
         wait_for_file(conn, 30)
         for name in ("a", "b"):
-            procs.append(subprocess.Popen([sys.executable, "-m", "tangram_hpc.worker", "--connection-file",
-                                           str(conn), "--cores", "2"], stdout=open(tmp_path / f"{name}.log", "ab"),
-                                          stderr=subprocess.STDOUT))
+            procs.append(_worker(conn, tmp_path / f"{name}.log", cores=2))
         with Client(connection_file=str(conn)) as c:
             _wait_workers(c, 2, time.time() + 60)
             written: dict[str, list[str]] = {e: [] for e in envs}

@@ -75,7 +75,8 @@ class SchedulingPolicy(ABC):
         return []
 
     def observe_env_move(self, seconds: float) -> None:
-        """How long a move took, from the request to the environment being usable elsewhere."""
+        """How long a move took, save and restore (the coordinator sees the save and counts the
+        restore as long; the simulator reports the workload's cost)."""
 
     @abstractmethod
     def submit(self, action: ActionSpec, now: float) -> None: ...

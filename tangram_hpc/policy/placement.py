@@ -1043,16 +1043,20 @@ class PlacementPolicy(SchedulingPolicy):
         return _INF
 
     # -- moving environments -------------------------------------------------------
+    def _movable(self, env: str, w: WorkerRecord) -> bool:
+        """``env`` lives on ``w``, is not asked to move yet, and nothing runs in it (a move would
+        wait for its copy to be free anyway)."""
+        if env in self._moves or self._env_host.get(env) is not w:
+            return False
+        return all(r.spec.env != env for r in w.running.values())
+
     def _consider_move(self, rec: ActionRecord, w: WorkerRecord, now: float) -> bool:
         """Ask to move ``rec``'s environment off ``w``, its host, when ``rec`` would finish sooner on
         the worker with the most free cores, the move included, than on ``w`` (now on what is free
         there, or after waiting for cores).  Returns whether it asked."""
         env = rec.spec.env
-        if env is None or env in self._moves or self._env_host.get(env) is not w:
+        if env is None or not self._movable(env, w):
             return False
-        for r in w.running.values():
-            if r.spec.env == env:
-                return False            # its copy is in use: a move waits for that anyway
         d = rec.spec.demand
         there = self._best_worker(rec.spec.kind, d)
         if there is None or there is w:
@@ -1079,11 +1083,8 @@ class PlacementPolicy(SchedulingPolicy):
         q = w.env_queue
         if q is None or not q.live or w.draining or not self._think_s or 2.0 * self.env_move_s >= self._think_s:
             return
-        if env in self._moves or self._env_host.get(env) is not w:
+        if not self._movable(env, w):
             return
-        for r in w.running.values():
-            if r.spec.env == env:
-                return
         there = self._best_worker(kind, _ONE_CORE)
         if there is not None and there is not w and there.free_cores >= w.free_cores + self.REBALANCE_MARGIN_CORES:
             self._moves.append(env)
