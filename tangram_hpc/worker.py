@@ -239,6 +239,14 @@ class Worker:
                         grant: list, started: float) -> None:
         """A sandbox action in an environment: make the local copy the granted one, answer from the
         environment's journal if the action ran there already, else run it and journal its outcome."""
+        self.envs.begin(spec.env)
+        try:
+            self._prepare_run_record(spec, attempt, cpus, slots, gen, grant, started)
+        finally:
+            self.envs.end(spec.env)
+
+    def _prepare_run_record(self, spec: ActionSpec, attempt: int, cpus: list[int], slots: list[int], gen: int,
+                            grant: list, started: float) -> None:
         env_state, refused = self.envs.prepare(spec, grant)
         if refused is not None:
             self._complete(spec.id, attempt, refused, started, time.time(), slots, gen)

@@ -129,6 +129,28 @@ def test_a_save_waits_for_the_action_still_ending_in_the_environment(hosts):
     assert out["stdout"] == "late\n"
 
 
+def test_a_save_waits_until_the_ended_action_is_journaled(hosts):
+    """Between the command's exit and its journal record the environment holds the command's
+    effects but not the record: a snapshot then would let the retry run it a second time."""
+    h = hosts("w1")
+    run_in(h, act("true", env="e"), [1, P.GRANT_NEW, None])
+    spec = act("echo once >> log", env="e")
+    h.begin("e")
+    o = h.mgr.run(spec, CPU)              # exited: the sandbox no longer holds the environment
+    h.apply([[P.ENV_SAVE, "e", 1]])
+    time.sleep(0.5)
+    assert h.take_replies() == []         # the save waits for the record
+    h.record("e", [spec.id, 1, o.status, o.output, o.error, 0.0, 1.0])
+    h.end("e")
+    [[op, _, _, path]] = wait_until(h.take_replies, 30, 0.02, "the save")
+    assert op == P.ENV_SAVED
+    other = hosts("w2")
+    (status, _, _), state = run_in(other, spec, [2, P.GRANT_RESTORE, path])    # the retry
+    assert status == Status.OK and state == EnvState.REPLAYED
+    (_, out, _), _ = run_in(other, act("cat log", env="e"), [2, P.GRANT_HELD, None])
+    assert out["stdout"] == "once\n"
+
+
 _VICTIM = """
 import sys, threading
 sys.path.insert(0, {repo!r})

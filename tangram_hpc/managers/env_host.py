@@ -48,6 +48,7 @@ class EnvHost:
         self._gen: dict[str, int] = {}      # environment -> generation held
         self._lock = threading.Lock()
         self._prep: dict[str, threading.Lock] = {}
+        self._in_use: dict[str, int] = {}   # environment -> its actions between prepare and journal
         self._ops: queue.SimpleQueue = queue.SimpleQueue()
         self._replies: deque = deque()
         self._thread = threading.Thread(target=self._serve_ops, name="env-ops", daemon=True)
@@ -65,6 +66,29 @@ class EnvHost:
             return self._gen.get(env)
 
     # -- before and after an action ------------------------------------------------------
+    def begin(self, env: str) -> None:
+        """An action of ``env`` starts here: no save of ``env`` until its :meth:`end`.
+
+        The sandbox frees the environment when its command exits, but the action's outcome
+        reaches the journal a moment later; a snapshot taken in between would hold the
+        command's effects without the record that stops a retry from running it again."""
+        with self._lock:
+            self._in_use[env] = self._in_use.get(env, 0) + 1
+
+    def end(self, env: str) -> None:
+        with self._lock:
+            left = self._in_use.get(env, 0) - 1
+            if left > 0:
+                self._in_use[env] = left
+            else:
+                self._in_use.pop(env, None)
+
+    def _used(self, env: str) -> bool:
+        with self._lock:
+            if env in self._in_use:
+                return True
+        return bool(self.mgr.envs.get(env).busy)
+
     def prepare(self, spec: ActionSpec, grant: list) -> tuple[str | None, tuple | None]:
         """Make the local copy of ``spec.env`` the one ``grant`` names.
 
@@ -206,8 +230,8 @@ class EnvHost:
             self._reply([P.ENV_UNSAVED, env, gen, f"not held here at generation {gen} (held: {have})"])
             return
         deadline = time.monotonic() + _SAVE_WAIT_S
-        while self.mgr.envs.get(env).busy and time.monotonic() < deadline:
-            time.sleep(0.05)   # an attempt killed a moment ago is still ending
+        while self._used(env) and time.monotonic() < deadline:
+            time.sleep(0.05)   # an attempt killed a moment ago is still ending, or journaling
         try:
             path = self.mgr.snapshot(env, gen)
         except Exception as e:
