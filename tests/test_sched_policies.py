@@ -216,29 +216,6 @@ def test_an_idle_environment_leaves_a_crowded_worker_while_its_agent_thinks():
     assert run(move_s=1.0, think_s=20.0, big_cores=4) == []      # nowhere clearly better to go
 
 
-def test_an_idle_environment_leaves_a_worker_more_than_half_busy_before_a_queue_forms():
-    """Nobody waits yet, but most of the worker's cores are taken: the environment whose action
-    just ended moves while its agent thinks (its next action would likely find too few cores);
-    on a worker at most half busy it stays."""
-    def run(busy_cores):
-        p = ElasticScheduler(env_move_s=1.0)
-        p.add_worker(WorkerInfo("w1", 16, kinds=CPU), 0)
-        p.submit(ActionSpec("sandbox", id="E0", env="E", duration_hint=1.0), 0)
-        assert [a.action_id for a in p.schedule(0)] == ["E0"]
-        p.finished("E0", 1, run_time=1.0)
-        p.submit(ActionSpec("sandbox", id="E1", env="E", duration_hint=1.0), 21)   # think time 20 s
-        p.submit(ActionSpec("sandbox", id="B0", env="B", duration_hint=100.0,
-                            demand=Demand(min_cores=busy_cores, max_cores=busy_cores)), 21)
-        assert {a.action_id for a in p.schedule(21)} == {"E1", "B0"}
-        assert p.env_host("B") == "w1"
-        p.add_worker(WorkerInfo("w2", 16, kinds=CPU), 21.5)
-        p.finished("E1", 22, run_time=1.0)
-        return p.env_moves()
-
-    assert run(busy_cores=12) == ["E"]
-    assert run(busy_cores=6) == []
-
-
 def test_an_environment_with_an_action_running_is_not_moved():
     p = ElasticScheduler(env_move_s=0.0)
     p.add_worker(WorkerInfo("w1", 1, kinds=CPU), 0)

@@ -62,9 +62,8 @@ from the running actions' predicted ends, plus its run time) with moving the
 environment to the worker with the most free cores (the move's cost plus its
 run time there), and asks for the move when that is sooner
 (:meth:`env_moves`).  Moving is cheaper still while nobody waits for the
-environment: when an action ends on a crowded worker (more than half its cores
-busy, or actions waiting there for cores), its environment is moved off while
-its agent thinks, if a
+environment: when an action ends on a worker whose own queue has actions
+waiting for cores, its environment is moved off while its agent thinks, if a
 move takes under half the learned think time (the gap between an
 environment's actions) and another worker has clearly more free cores.  Only
 an environment with nothing running is moved.  The driver carries a move out
@@ -1077,18 +1076,12 @@ class PlacementPolicy(SchedulingPolicy):
         return False
 
     def _rebalance(self, kind: str, env: str, w: WorkerRecord) -> None:
-        """An action of ``env`` ended on ``w``, a crowded worker (more than half its cores busy,
-        or actions waiting there for cores): move ``env`` while its agent thinks, when a move
-        takes under half the mean think time (most next actions then find it moved) and another
-        worker has clearly more free cores (its next action goes there).
-
-        Waiting for a queue to form first is too late: by then the hosted environments' next
-        multi-core actions already find too few cores, and a move on their behalf costs them its
-        whole time.  A move while the agent thinks is nearly free."""
-        if w.draining or not self._think_s or 2.0 * self.env_move_s >= self._think_s:
-            return
+        """An action of ``env`` ended on ``w``, a worker whose own queue has actions waiting for
+        cores: move ``env`` while its agent thinks, when a move takes under half the mean think
+        time (most next actions then find it moved) and another worker has clearly more free
+        cores (its next action goes there)."""
         q = w.env_queue
-        if 2 * w.free_cores >= w.cores and (q is None or not q.live):
+        if q is None or not q.live or w.draining or not self._think_s or 2.0 * self.env_move_s >= self._think_s:
             return
         if not self._movable(env, w):
             return
