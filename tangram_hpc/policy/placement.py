@@ -105,8 +105,8 @@ class ActionRecord:
     """One submitted action as the policy tracks it."""
 
     __slots__ = ("spec", "submit", "seq", "key", "state", "worker", "cores", "started",
-                 "load_wait", "queue", "elastic", "light", "load", "expect", "d1", "p", "tail", "work",
-                 "target")
+                 "load_wait", "queue", "elastic", "light", "load", "expect", "ends_at", "d1", "p", "tail",
+                 "work", "target")
 
     def __init__(self, spec: ActionSpec, submit: float, seq: int, load: "KindLoad"):
         self.spec = spec
@@ -125,6 +125,7 @@ class ActionRecord:
         self.elastic = not self.light and d.max_cores > d.min_cores
         self.load = load            # the counters of its kind
         self.expect = 0.0           # predicted run time at its granted cores (set when it starts)
+        self.ends_at = 0.0          # started + expect: when it is predicted to end
         self.d1 = 1.0               # predicted one-core duration and parallel fraction, at submit
         self.p = 0.0
         self.tail = 1.0             # expected duration / median duration of its class
@@ -153,7 +154,7 @@ class WorkerRecord:
     """The policy's belief about one registered worker (see the module docstring for why it is its own)."""
 
     __slots__ = ("id", "info", "seq", "cores", "free_cores", "mem", "free_mem", "gpu_mem",
-                 "gpu_used", "services", "draining", "running", "envs", "kinds", "listed",
+                 "gpu_used", "services", "draining", "running", "busy_envs", "envs", "kinds", "listed",
                  "env_queue", "light", "light_cap")
 
     def __init__(self, info: WorkerInfo, seq: int):
@@ -169,6 +170,7 @@ class WorkerRecord:
         self.services: dict[str, ServiceReplica] = {}
         self.draining = False
         self.running: dict[str, ActionRecord] = {}
+        self.busy_envs: dict[str, int] = {}  # environment -> its actions in ``running``
         self.envs: set[str] = set()
         self.kinds = info.kinds
         self.listed: set[int] = set()        # the free-core counts of its entries in the free-capacity index
@@ -480,6 +482,7 @@ class PlacementPolicy(SchedulingPolicy):
             self._end_running(rec)
             self.predictor.observe(rec.spec, None, rec.cores, now)
         w.running.clear()
+        w.busy_envs.clear()
         self.tally.free_cores -= w.free_cores
         if not w.draining:
             for k in w.kinds:
@@ -812,9 +815,17 @@ class PlacementPolicy(SchedulingPolicy):
         self.tally.ended(rec, w)
         if w is None:
             return
-        d = rec.spec.demand
+        spec = rec.spec
+        d = spec.demand
         if rec.light:
             w.light -= 1
+        env = spec.env
+        if env is not None:
+            left = w.busy_envs[env] - 1
+            if left:
+                w.busy_envs[env] = left
+            else:
+                del w.busy_envs[env]
         w.free_mem += d.mem_mb
         if d.service:
             st = w.services.get(d.service)
@@ -859,6 +870,7 @@ class PlacementPolicy(SchedulingPolicy):
         for r in started:
             started_hook(r.spec, r.cores, now)
             r.expect = r.time_at(r.cores)
+            r.ends_at = r.started + r.expect
         return [Assignment(r.spec.id, r.worker.id, r.cores) for r in started]
 
     def _drain_heads(self, heads: list, now: float, started: list[ActionRecord]) -> None:
@@ -1022,18 +1034,15 @@ class PlacementPolicy(SchedulingPolicy):
         """Expected seconds until ``need`` more cores are free on ``w`` (from its actions' predicted ends)."""
         if need <= 0:
             return 0.0
+        if w.cores - w.free_cores < need:
+            return _INF             # not even when all of its actions have ended
         ends = []
-        held = 0
         for r in w.running.values():
             c = r.cores
             if c:
-                t = r.expect
-                left = r.started + t - now
-                soonest = 0.25 * t
+                left = r.ends_at - now
+                soonest = 0.25 * r.expect
                 ends.append((left if left > soonest else soonest, c))
-                held += c
-        if held < need:
-            return _INF             # not even when all of them have ended
         ends.sort()
         got = 0
         for left, cores in ends:
@@ -1046,9 +1055,7 @@ class PlacementPolicy(SchedulingPolicy):
     def _movable(self, env: str, w: WorkerRecord) -> bool:
         """``env`` lives on ``w``, is not asked to move yet, and nothing runs in it (a move would
         wait for its copy to be free anyway)."""
-        if env in self._moves or self._env_host.get(env) is not w:
-            return False
-        return all(r.spec.env != env for r in w.running.values())
+        return env not in w.busy_envs and self._env_host.get(env) is w and env not in self._moves
 
     def _consider_move(self, rec: ActionRecord, w: WorkerRecord, now: float) -> bool:
         """Ask to move ``rec``'s environment off ``w``, its host, when ``rec`` would finish sooner on
@@ -1179,6 +1186,7 @@ class PlacementPolicy(SchedulingPolicy):
         rec.worker = w
         rec.cores = d.min_cores
         rec.started = now
+        rec.ends_at = now             # until schedule() sets its expected run time
         self.tally.started(rec, w)
         if rec.light:
             w.light += 1
@@ -1193,6 +1201,8 @@ class PlacementPolicy(SchedulingPolicy):
             w.gpu_used += d.gpu_mem_mb
         w.running[spec.id] = rec
         env = spec.env
+        if env is not None:
+            w.busy_envs[env] = w.busy_envs.get(env, 0) + 1
         if env is not None and env not in self._env_host:
             self._env_host[env] = w
             w.envs.add(env)
