@@ -111,6 +111,8 @@ class ClassStats:
 _P_GRID = tuple(i / 40 for i in range(41))
 _BUCKET_CAP = 200.0     # a core count's mean log time forgets after about this many runs
 _CENSORED_CAP = 128     # running actions counted in a warm-up estimate
+_SQRT2 = math.sqrt(2.0)
+_SQRT_2PI = math.sqrt(2.0 * math.pi)
 
 
 @functools.lru_cache(maxsize=None)     # one entry per core count ever granted: a few
@@ -151,15 +153,16 @@ def censored_log_mean(done_n: int, done_sum: float, censored: list[float], sd: f
         return done_sum / done_n
     mu = (done_sum + sum(censored)) / n
     sd = max(sd, 0.1)
+    erfc, exp = math.erfc, math.exp
     for _ in range(rounds):
         total = done_sum
         for c in censored:
             a = (c - mu) / sd
-            tail = 0.5 * math.erfc(a / math.sqrt(2.0))
+            tail = 0.5 * erfc(a / _SQRT2)
             if tail < 1e-12:
                 total += c
             else:
-                total += mu + sd * math.exp(-0.5 * a * a) / math.sqrt(2.0 * math.pi) / tail
+                total += mu + sd * exp(-0.5 * a * a) / _SQRT_2PI / tail
         mu = total / n
     return mu
 
