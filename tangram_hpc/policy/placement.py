@@ -561,7 +561,8 @@ class PlacementPolicy(SchedulingPolicy):
             self._armed[q.idx] = q
         if w.draining:
             return
-        self._list(w)
+        if w.free_cores not in w.listed:
+            self._list(w)
         for k in w.kinds:
             shared = self._shared.get(k)
             if shared:

@@ -129,14 +129,16 @@ def fit_parallel_fraction(by_cores: dict, prior: float, noise_var: float, prior_
     standard deviation ``prior_sd``.
     """
     best, best_cost = prior, float("inf")
-    items = [(wm[0], wm[1], _log_amdahl(c)) for c, wm in by_cores.items()]
-    wsum = sum(w for w, _, _ in items)
+    ws = [wm[0] for wm in by_cores.values()]
+    means = [wm[1] for wm in by_cores.values()]
+    wsum = sum(ws)
     inv_noise = 1.0 / max(noise_var, 0.01)
     inv_prior = 1.0 / (prior_sd * prior_sd)
-    for j, p in enumerate(_P_GRID):
-        res = [(w, m - logs[j]) for w, m, logs in items]
-        mean = sum(w * r for w, r in res) / wsum
-        cost = inv_noise * sum(w * (r - mean) ** 2 for w, r in res) + inv_prior * (p - prior) ** 2
+    # per grid point, the log Amdahl factor of every bucket (the buckets' columns of the table)
+    for p, logs in zip(_P_GRID, zip(*[_log_amdahl(c) for c in by_cores])):
+        res = [m - lg for m, lg in zip(means, logs)]
+        mean = sum([w * r for w, r in zip(ws, res)]) / wsum
+        cost = inv_noise * sum([w * (r - mean) ** 2 for w, r in zip(ws, res)]) + inv_prior * (p - prior) ** 2
         if cost < best_cost:
             best, best_cost = p, cost
     return best
