@@ -1204,15 +1204,13 @@ class PlacementPolicy(SchedulingPolicy):
         env = spec.env
         if env is not None:
             w.busy_envs[env] = w.busy_envs.get(env, 0) + 1
-        if env is not None and env not in self._env_host:
-            self._env_host[env] = w
-            w.envs.add(env)
             if self._env_first.get(env) is rec:
                 del self._env_first[env]
-            for r in self._env_wait.pop(env, ()):
-                self._route(r)
-        elif env is not None and self._env_first.get(env) is rec:
-            del self._env_first[env]
+            if env not in self._env_host:
+                self._env_host[env] = w
+                w.envs.add(env)
+                for r in self._env_wait.pop(env, ()):
+                    self._route(r)
         if rec.elastic:
             self._grow.append((rec, w))
         started.append(rec)
