@@ -154,8 +154,8 @@ class WorkerRecord:
     """The policy's belief about one registered worker (see the module docstring for why it is its own)."""
 
     __slots__ = ("id", "info", "seq", "cores", "free_cores", "mem", "free_mem", "gpu_mem",
-                 "gpu_used", "services", "draining", "running", "busy_envs", "envs", "kinds", "listed",
-                 "env_queue", "light", "light_cap")
+                 "gpu_used", "services", "draining", "running", "busy_envs", "ends", "envs", "kinds",
+                 "listed", "env_queue", "light", "light_cap")
 
     def __init__(self, info: WorkerInfo, seq: int):
         self.id = info.id
@@ -171,6 +171,7 @@ class WorkerRecord:
         self.draining = False
         self.running: dict[str, ActionRecord] = {}
         self.busy_envs: dict[str, int] = {}  # environment -> its actions in ``running``
+        self.ends: tuple[float, list] | None = None   # (now, when its running actions free their cores)
         self.envs: set[str] = set()
         self.kinds = info.kinds
         self.listed: set[int] = set()        # the free-core counts of its entries in the free-capacity index
@@ -818,6 +819,7 @@ class PlacementPolicy(SchedulingPolicy):
             return
         spec = rec.spec
         d = spec.demand
+        w.ends = None
         if rec.light:
             w.light -= 1
         env = spec.env
@@ -872,6 +874,7 @@ class PlacementPolicy(SchedulingPolicy):
             started_hook(r.spec, r.cores, now)
             r.expect = r.time_at(r.cores)
             r.ends_at = r.started + r.expect
+            r.worker.ends = None
         return [Assignment(r.spec.id, r.worker.id, r.cores) for r in started]
 
     def _drain_heads(self, heads: list, now: float, started: list[ActionRecord]) -> None:
@@ -1037,6 +1040,23 @@ class PlacementPolicy(SchedulingPolicy):
             return 0.0
         if w.cores - w.free_cores < need:
             return _INF             # not even when all of its actions have ended
+        got = 0
+        for left, cores in PlacementPolicy._ends(w, now):
+            got += cores
+            if got >= need:
+                return left
+        return _INF
+
+    @staticmethod
+    def _ends(w: WorkerRecord, now: float) -> list[tuple[float, int]]:
+        """(seconds until it ends, cores) of each core-binding action running on ``w``, soonest first.
+
+        Kept until the worker's running actions (or their grants) change or the clock moves: a
+        placement asks it for several core counts (the move rule, then the wait for cores).
+        """
+        memo = w.ends
+        if memo is not None and memo[0] == now:
+            return memo[1]
         ends = []
         for r in w.running.values():
             c = r.cores
@@ -1045,12 +1065,8 @@ class PlacementPolicy(SchedulingPolicy):
                 soonest = 0.25 * r.expect
                 ends.append((left if left > soonest else soonest, c))
         ends.sort()
-        got = 0
-        for left, cores in ends:
-            got += cores
-            if got >= need:
-                return left
-        return _INF
+        w.ends = (now, ends)
+        return ends
 
     # -- moving environments -------------------------------------------------------
     def _movable(self, env: str, w: WorkerRecord) -> bool:
@@ -1188,6 +1204,7 @@ class PlacementPolicy(SchedulingPolicy):
         rec.cores = d.min_cores
         rec.started = now
         rec.ends_at = now             # until schedule() sets its expected run time
+        w.ends = None
         self.tally.started(rec, w)
         if rec.light:
             w.light += 1
