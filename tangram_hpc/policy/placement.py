@@ -1082,13 +1082,15 @@ class PlacementPolicy(SchedulingPolicy):
         if env is None or not self._movable(env, w):
             return False
         d = rec.spec.demand
+        lo, free, tail = d.min_cores, w.free_cores, rec.tail
+        here = self._wait_for_cores(w, lo - free, now) + rec.time_at(lo) * tail
+        if self._stays(rec, here, free):
+            return False
         there = self._best_worker(rec.spec.kind, d)
         if there is None or there is w:
             return False
-        lo, free, tail = d.min_cores, w.free_cores, rec.tail
         c = max(lo, min(d.max_cores, there.free_cores)) if rec.elastic else lo
         moved = self.env_move_s + rec.time_at(c) * tail
-        here = self._wait_for_cores(w, lo - free, now) + rec.time_at(lo) * tail
         if rec.elastic and moved < here:
             if free > lo:
                 here = min(here, rec.time_at(min(free, d.max_cores)) * tail)
@@ -1098,6 +1100,22 @@ class PlacementPolicy(SchedulingPolicy):
             self._moves.append(env)
             return True
         return False
+
+    def _stays(self, rec: ActionRecord, here: float, free: int) -> bool:
+        """Whether no worker can make a move of ``rec``'s environment pay (see :meth:`_consider_move`),
+        whatever its free cores: the search for the worker with the most is then not needed.
+
+        ``here``: its finish at its minimum cores here, the wait included; ``free``: the free cores
+        here.  A fixed-size action runs as long anywhere, so the move must beat the wait; an elastic
+        one at best runs at its maximum cores there, against its minimum here, or what is free here.
+        """
+        d = rec.spec.demand
+        if not rec.elastic:
+            return self.env_move_s + rec.time_at(d.min_cores) * rec.tail >= here
+        best_moved = self.env_move_s + rec.time_at(d.max_cores) * rec.tail
+        if best_moved >= here:
+            return True
+        return free > d.min_cores and best_moved >= rec.time_at(min(free, d.max_cores)) * rec.tail
 
     def _rebalance(self, kind: str, env: str, w: WorkerRecord) -> None:
         """An action of ``env`` ended on ``w``, a worker whose own queue has actions waiting for
