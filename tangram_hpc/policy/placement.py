@@ -99,6 +99,7 @@ class ActionState(Enum):
 
 
 _PENDING, _RUNNING, _GONE = ActionState.PENDING, ActionState.RUNNING, ActionState.GONE
+_CPU, _GPU = ResourceClass.CPU, ResourceClass.GPU    # (enum members read off the class are slow)
 
 
 class ActionRecord:
@@ -678,7 +679,7 @@ class PlacementPolicy(SchedulingPolicy):
         d = rec.spec.demand
         if rec.light:
             return
-        res = ResourceClass.GPU if d.service or d.gpu_mem_mb else ResourceClass.CPU
+        res = _GPU if d.service or d.gpu_mem_mb else _CPU
         c = self._best_cores(rec)
         work = rec.time_at(c) * c / self.load_window_s
         r = self._offered.get(res)
