@@ -871,12 +871,15 @@ class PlacementPolicy(SchedulingPolicy):
         if self._grow:
             self._grow_grants()
         started_hook = self.predictor.started
+        out = []
         for r in started:
+            w = r.worker
             started_hook(r.spec, r.cores, now)
             r.expect = r.time_at(r.cores)
             r.ends_at = r.started + r.expect
-            r.worker.ends = None
-        return [Assignment(r.spec.id, r.worker.id, r.cores) for r in started]
+            w.ends = None
+            out.append(Assignment(r.spec.id, w.id, r.cores))
+        return out
 
     def _drain_heads(self, heads: list, now: float, started: list[ActionRecord]) -> None:
         t = self.tally
