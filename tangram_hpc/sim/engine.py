@@ -373,6 +373,8 @@ class Simulation:
         policy = self.policy
         schedule = policy.schedule
         env_moves = self._env_moves
+        progress = self.progress
+        next_trace = self.next_trace
         next_report = time.perf_counter() + 2.0
         events = 0
         now = 0.0
@@ -385,10 +387,10 @@ class Simulation:
             handlers[e[1]](e)
             if cur and cur[0][0] == now:
                 continue                # all events of an instant are applied before schedule
-            if now >= self.next_trace:
+            if now >= next_trace:
                 self.trace.append((now, self.busy[_CPU], self.alloc_units[_CPU], self.busy[_GPU],
                                    self.alloc_units[_GPU]))
-                self.next_trace = now + self.trace_dt
+                next_trace = self.next_trace = now + self.trace_dt
             starts = schedule(now)
             if env_moves is not None:
                 envs = env_moves()
@@ -396,9 +398,9 @@ class Simulation:
                     self._move_envs(envs, now)
             if starts:
                 self._dispatch(starts, now)
-            if self.progress is not None and events & 0x3FFF == 0 and time.perf_counter() > next_report:
+            if progress is not None and events & 0x3FFF == 0 and time.perf_counter() > next_report:
                 next_report = time.perf_counter() + 2.0
-                self.progress(f"{self.name}: t={now:,.0f}s step {len(self.step_durations) + 1}/"
+                progress(f"{self.name}: t={now:,.0f}s step {len(self.step_durations) + 1}/"
                               f"{self.w.rollout.steps}, {events:,} events, {policy.pending_count} waiting, "
                               f"{policy.running_count} running")
         self.events = events
