@@ -137,11 +137,15 @@ class ElasticScheduler(PlacementPolicy):
 
     def _key(self, rec: ActionRecord) -> float:
         spec = rec.spec
-        prio = max(-self.priority_clamp, min(self.priority_clamp, spec.priority))
+        prio = spec.priority
+        if prio > self.priority_clamp or prio < -self.priority_clamp:
+            prio = max(-self.priority_clamp, min(self.priority_clamp, prio))
         return rec.time_at(spec.demand.min_cores) + self.aging * rec.submit - self.priority_weight * prio
 
     def _grant(self, rec: ActionRecord, w: WorkerRecord) -> int:
         hi = min(rec.spec.demand.max_cores, rec.cores + w.free_cores)
+        if rec.target >= hi:
+            return hi       # it waited for at least what is there (and _cores_for never exceeds hi)
         # an action that waited for its cores gets them
         return max(self._cores_for(rec, w, hi), min(rec.target, hi))
 

@@ -99,14 +99,15 @@ class ActionState(Enum):
 
 
 _PENDING, _RUNNING, _GONE = ActionState.PENDING, ActionState.RUNNING, ActionState.GONE
+_CPU, _GPU = ResourceClass.CPU, ResourceClass.GPU    # (enum members read off the class are slow)
 
 
 class ActionRecord:
     """One submitted action as the policy tracks it."""
 
     __slots__ = ("spec", "submit", "seq", "key", "state", "worker", "cores", "started",
-                 "load_wait", "queue", "elastic", "light", "load", "expect", "d1", "p", "tail", "work",
-                 "target")
+                 "load_wait", "queue", "elastic", "light", "load", "expect", "ends_at", "d1", "p", "tail",
+                 "work", "target")
 
     def __init__(self, spec: ActionSpec, submit: float, seq: int, load: "KindLoad"):
         self.spec = spec
@@ -125,6 +126,7 @@ class ActionRecord:
         self.elastic = not self.light and d.max_cores > d.min_cores
         self.load = load            # the counters of its kind
         self.expect = 0.0           # predicted run time at its granted cores (set when it starts)
+        self.ends_at = 0.0          # started + expect: when it is predicted to end
         self.d1 = 1.0               # predicted one-core duration and parallel fraction, at submit
         self.p = 0.0
         self.tail = 1.0             # expected duration / median duration of its class
@@ -153,8 +155,8 @@ class WorkerRecord:
     """The policy's belief about one registered worker (see the module docstring for why it is its own)."""
 
     __slots__ = ("id", "info", "seq", "cores", "free_cores", "mem", "free_mem", "gpu_mem",
-                 "gpu_used", "services", "draining", "running", "envs", "kinds", "listed",
-                 "env_queue", "light", "light_cap")
+                 "gpu_used", "services", "draining", "running", "busy_envs", "ends", "envs", "kinds",
+                 "listed", "env_queue", "light", "light_cap")
 
     def __init__(self, info: WorkerInfo, seq: int):
         self.id = info.id
@@ -169,6 +171,8 @@ class WorkerRecord:
         self.services: dict[str, ServiceReplica] = {}
         self.draining = False
         self.running: dict[str, ActionRecord] = {}
+        self.busy_envs: dict[str, int] = {}  # environment -> its actions in ``running``
+        self.ends: tuple[float, list] | None = None   # (now, when its running actions free their cores)
         self.envs: set[str] = set()
         self.kinds = info.kinds
         self.listed: set[int] = set()        # the free-core counts of its entries in the free-capacity index
@@ -480,6 +484,7 @@ class PlacementPolicy(SchedulingPolicy):
             self._end_running(rec)
             self.predictor.observe(rec.spec, None, rec.cores, now)
         w.running.clear()
+        w.busy_envs.clear()
         self.tally.free_cores -= w.free_cores
         if not w.draining:
             for k in w.kinds:
@@ -558,7 +563,8 @@ class PlacementPolicy(SchedulingPolicy):
             self._armed[q.idx] = q
         if w.draining:
             return
-        self._list(w)
+        if w.free_cores not in w.listed:
+            self._list(w)
         for k in w.kinds:
             shared = self._shared.get(k)
             if shared:
@@ -673,7 +679,7 @@ class PlacementPolicy(SchedulingPolicy):
         d = rec.spec.demand
         if rec.light:
             return
-        res = ResourceClass.GPU if d.service or d.gpu_mem_mb else ResourceClass.CPU
+        res = _GPU if d.service or d.gpu_mem_mb else _CPU
         c = self._best_cores(rec)
         work = rec.time_at(c) * c / self.load_window_s
         r = self._offered.get(res)
@@ -812,9 +818,18 @@ class PlacementPolicy(SchedulingPolicy):
         self.tally.ended(rec, w)
         if w is None:
             return
-        d = rec.spec.demand
+        spec = rec.spec
+        d = spec.demand
+        w.ends = None
         if rec.light:
             w.light -= 1
+        env = spec.env
+        if env is not None:
+            left = w.busy_envs[env] - 1
+            if left:
+                w.busy_envs[env] = left
+            else:
+                del w.busy_envs[env]
         w.free_mem += d.mem_mb
         if d.service:
             st = w.services.get(d.service)
@@ -856,10 +871,15 @@ class PlacementPolicy(SchedulingPolicy):
         if self._grow:
             self._grow_grants()
         started_hook = self.predictor.started
+        out = []
         for r in started:
+            w = r.worker
             started_hook(r.spec, r.cores, now)
             r.expect = r.time_at(r.cores)
-        return [Assignment(r.spec.id, r.worker.id, r.cores) for r in started]
+            r.ends_at = r.started + r.expect
+            w.ends = None
+            out.append(Assignment(r.spec.id, w.id, r.cores))
+        return out
 
     def _drain_heads(self, heads: list, now: float, started: list[ActionRecord]) -> None:
         t = self.tally
@@ -1022,33 +1042,41 @@ class PlacementPolicy(SchedulingPolicy):
         """Expected seconds until ``need`` more cores are free on ``w`` (from its actions' predicted ends)."""
         if need <= 0:
             return 0.0
-        ends = []
-        held = 0
-        for r in w.running.values():
-            c = r.cores
-            if c:
-                t = r.expect
-                left = r.started + t - now
-                soonest = 0.25 * t
-                ends.append((left if left > soonest else soonest, c))
-                held += c
-        if held < need:
-            return _INF             # not even when all of them have ended
-        ends.sort()
+        if w.cores - w.free_cores < need:
+            return _INF             # not even when all of its actions have ended
         got = 0
-        for left, cores in ends:
+        for left, cores in PlacementPolicy._ends(w, now):
             got += cores
             if got >= need:
                 return left
         return _INF
 
+    @staticmethod
+    def _ends(w: WorkerRecord, now: float) -> list[tuple[float, int]]:
+        """(seconds until it ends, cores) of each core-binding action running on ``w``, soonest first.
+
+        Kept until the worker's running actions (or their grants) change or the clock moves: a
+        placement asks it for several core counts (the move rule, then the wait for cores).
+        """
+        memo = w.ends
+        if memo is not None and memo[0] == now:
+            return memo[1]
+        ends = []
+        for r in w.running.values():
+            c = r.cores
+            if c:
+                left = r.ends_at - now
+                soonest = 0.25 * r.expect
+                ends.append((left if left > soonest else soonest, c))
+        ends.sort()
+        w.ends = (now, ends)
+        return ends
+
     # -- moving environments -------------------------------------------------------
     def _movable(self, env: str, w: WorkerRecord) -> bool:
         """``env`` lives on ``w``, is not asked to move yet, and nothing runs in it (a move would
         wait for its copy to be free anyway)."""
-        if env in self._moves or self._env_host.get(env) is not w:
-            return False
-        return all(r.spec.env != env for r in w.running.values())
+        return env not in w.busy_envs and self._env_host.get(env) is w and env not in self._moves
 
     def _consider_move(self, rec: ActionRecord, w: WorkerRecord, now: float) -> bool:
         """Ask to move ``rec``'s environment off ``w``, its host, when ``rec`` would finish sooner on
@@ -1058,13 +1086,15 @@ class PlacementPolicy(SchedulingPolicy):
         if env is None or not self._movable(env, w):
             return False
         d = rec.spec.demand
+        lo, free, tail = d.min_cores, w.free_cores, rec.tail
+        here = self._wait_for_cores(w, lo - free, now) + rec.time_at(lo) * tail
+        if self._stays(rec, here, free):
+            return False
         there = self._best_worker(rec.spec.kind, d)
         if there is None or there is w:
             return False
-        lo, free, tail = d.min_cores, w.free_cores, rec.tail
         c = max(lo, min(d.max_cores, there.free_cores)) if rec.elastic else lo
         moved = self.env_move_s + rec.time_at(c) * tail
-        here = self._wait_for_cores(w, lo - free, now) + rec.time_at(lo) * tail
         if rec.elastic and moved < here:
             if free > lo:
                 here = min(here, rec.time_at(min(free, d.max_cores)) * tail)
@@ -1074,6 +1104,22 @@ class PlacementPolicy(SchedulingPolicy):
             self._moves.append(env)
             return True
         return False
+
+    def _stays(self, rec: ActionRecord, here: float, free: int) -> bool:
+        """Whether no worker can make a move of ``rec``'s environment pay (see :meth:`_consider_move`),
+        whatever its free cores: the search for the worker with the most is then not needed.
+
+        ``here``: its finish at its minimum cores here, the wait included; ``free``: the free cores
+        here.  A fixed-size action runs as long anywhere, so the move must beat the wait; an elastic
+        one at best runs at its maximum cores there, against its minimum here, or what is free here.
+        """
+        d = rec.spec.demand
+        if not rec.elastic:
+            return self.env_move_s + rec.time_at(d.min_cores) * rec.tail >= here
+        best_moved = self.env_move_s + rec.time_at(d.max_cores) * rec.tail
+        if best_moved >= here:
+            return True
+        return free > d.min_cores and best_moved >= rec.time_at(min(free, d.max_cores)) * rec.tail
 
     def _rebalance(self, kind: str, env: str, w: WorkerRecord) -> None:
         """An action of ``env`` ended on ``w``, a worker whose own queue has actions waiting for
@@ -1179,6 +1225,8 @@ class PlacementPolicy(SchedulingPolicy):
         rec.worker = w
         rec.cores = d.min_cores
         rec.started = now
+        rec.ends_at = now             # until schedule() sets its expected run time
+        w.ends = None
         self.tally.started(rec, w)
         if rec.light:
             w.light += 1
@@ -1193,15 +1241,15 @@ class PlacementPolicy(SchedulingPolicy):
             w.gpu_used += d.gpu_mem_mb
         w.running[spec.id] = rec
         env = spec.env
-        if env is not None and env not in self._env_host:
-            self._env_host[env] = w
-            w.envs.add(env)
+        if env is not None:
+            w.busy_envs[env] = w.busy_envs.get(env, 0) + 1
             if self._env_first.get(env) is rec:
                 del self._env_first[env]
-            for r in self._env_wait.pop(env, ()):
-                self._route(r)
-        elif env is not None and self._env_first.get(env) is rec:
-            del self._env_first[env]
+            if env not in self._env_host:
+                self._env_host[env] = w
+                w.envs.add(env)
+                for r in self._env_wait.pop(env, ()):
+                    self._route(r)
         if rec.elastic:
             self._grow.append((rec, w))
         started.append(rec)

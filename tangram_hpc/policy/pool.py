@@ -67,6 +67,8 @@ from ..resources import ClusterCapacity, PartitionFree, ResourceClass, WorkerSha
 from .base import Launch, PoolPolicy, PoolView, Reclaim, Withdraw
 from .predict import Predictor
 
+_CPU, _GPU = ResourceClass.CPU, ResourceClass.GPU    # (enum members read off the class are slow)
+
 __all__ = ["PoolController", "PoolConfig", "ClusterCapacity", "PartitionFree", "resource_for"]
 
 
@@ -109,7 +111,7 @@ class PoolConfig:
 def resource_for(spec: ActionSpec) -> ResourceClass:
     """The class of worker an action needs."""
     d = spec.demand
-    return ResourceClass.GPU if (d.service or d.gpu_mem_mb) else ResourceClass.CPU
+    return _GPU if (d.service or d.gpu_mem_mb) else _CPU
 
 
 @dataclass(slots=True)

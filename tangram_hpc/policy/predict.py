@@ -111,6 +111,8 @@ class ClassStats:
 _P_GRID = tuple(i / 40 for i in range(41))
 _BUCKET_CAP = 200.0     # a core count's mean log time forgets after about this many runs
 _CENSORED_CAP = 128     # running actions counted in a warm-up estimate
+_SQRT2 = math.sqrt(2.0)
+_SQRT_2PI = math.sqrt(2.0 * math.pi)
 
 
 @functools.lru_cache(maxsize=None)     # one entry per core count ever granted: a few
@@ -127,14 +129,16 @@ def fit_parallel_fraction(by_cores: dict, prior: float, noise_var: float, prior_
     standard deviation ``prior_sd``.
     """
     best, best_cost = prior, float("inf")
-    items = [(wm[0], wm[1], _log_amdahl(c)) for c, wm in by_cores.items()]
-    wsum = sum(w for w, _, _ in items)
+    ws = [wm[0] for wm in by_cores.values()]
+    means = [wm[1] for wm in by_cores.values()]
+    wsum = sum(ws)
     inv_noise = 1.0 / max(noise_var, 0.01)
     inv_prior = 1.0 / (prior_sd * prior_sd)
-    for j, p in enumerate(_P_GRID):
-        res = [(w, m - logs[j]) for w, m, logs in items]
-        mean = sum(w * r for w, r in res) / wsum
-        cost = inv_noise * sum(w * (r - mean) ** 2 for w, r in res) + inv_prior * (p - prior) ** 2
+    # per grid point, the log Amdahl factor of every bucket (the buckets' columns of the table)
+    for p, logs in zip(_P_GRID, zip(*[_log_amdahl(c) for c in by_cores])):
+        res = [m - lg for m, lg in zip(means, logs)]
+        mean = sum([w * r for w, r in zip(ws, res)]) / wsum
+        cost = inv_noise * sum([w * (r - mean) ** 2 for w, r in zip(ws, res)]) + inv_prior * (p - prior) ** 2
         if cost < best_cost:
             best, best_cost = p, cost
     return best
@@ -151,15 +155,16 @@ def censored_log_mean(done_n: int, done_sum: float, censored: list[float], sd: f
         return done_sum / done_n
     mu = (done_sum + sum(censored)) / n
     sd = max(sd, 0.1)
+    erfc, exp = math.erfc, math.exp
     for _ in range(rounds):
         total = done_sum
         for c in censored:
             a = (c - mu) / sd
-            tail = 0.5 * math.erfc(a / math.sqrt(2.0))
+            tail = 0.5 * erfc(a / _SQRT2)
             if tail < 1e-12:
                 total += c
             else:
-                total += mu + sd * math.exp(-0.5 * a * a) / math.sqrt(2.0 * math.pi) / tail
+                total += mu + sd * exp(-0.5 * a * a) / _SQRT_2PI / tail
         mu = total / n
     return mu
 
@@ -251,8 +256,13 @@ class Predictor:
         log durations; ``exp(0.25)`` before two runs were seen).
         """
         st = self._stats_of(spec)
+        hint = spec.duration_hint
+        if (hint is None or hint <= 0) and st is not None and st.n:
+            d1 = st.median()            # one_core's common case, without the call
+        else:
+            d1 = self.one_core(spec, st)
         var = st.var if st is not None and st.n >= 2 else 0.5
-        return self.one_core(spec, st), self.parallel_fraction(spec, st), math.exp(0.5 * var)
+        return d1, self.parallel_fraction(spec, st), math.exp(0.5 * var)
 
     def predict(self, spec: ActionSpec, cores: int | None = None) -> float:
         """Predicted run time (median) at ``cores`` (default ``min_cores``)."""

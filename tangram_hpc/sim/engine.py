@@ -28,8 +28,8 @@ The world it simulates:
 Events live in a calendar (:class:`EventCalendar`): finishing events sort before
 submissions at the same instant, and all events of an instant are applied before
 ``schedule``.
-Each event type has its handler (``_on_*``); :meth:`Simulation._dispatch`
-applies the policy's starts.
+Each event type has its handler (``_on_*``); after an instant's events the loop
+asks the policy's ``schedule``, and :meth:`Simulation._dispatch` applies its starts.
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ from typing import Callable
 import numpy as np
 
 from ..actions import ActionSpec, Demand
-from ..policy.base import Launch, PoolPolicy, PoolView, Reclaim, SchedulingPolicy, Withdraw, WorkerStatus
+from ..policy.base import Assignment, Launch, PoolPolicy, PoolView, Reclaim, SchedulingPolicy, Withdraw, WorkerStatus
 from ..policy.residency import Resident, choose_victims
 from ..resources import ResourceClass, ServiceInfo, WorkerInfo, WorkerShape
 from .workload import Plan, Service, Workload
@@ -371,6 +371,10 @@ class Simulation:
         cur, later = q.cur, q.keys
         heappop = heapq.heappop
         policy = self.policy
+        schedule = policy.schedule
+        env_moves = self._env_moves
+        progress = self.progress
+        next_trace = self.next_trace
         next_report = time.perf_counter() + 2.0
         events = 0
         now = 0.0
@@ -383,14 +387,20 @@ class Simulation:
             handlers[e[1]](e)
             if cur and cur[0][0] == now:
                 continue                # all events of an instant are applied before schedule
-            if now >= self.next_trace:
+            if now >= next_trace:
                 self.trace.append((now, self.busy[_CPU], self.alloc_units[_CPU], self.busy[_GPU],
                                    self.alloc_units[_GPU]))
-                self.next_trace = now + self.trace_dt
-            self._dispatch(now)
-            if self.progress is not None and events & 0x3FFF == 0 and time.perf_counter() > next_report:
+                next_trace = self.next_trace = now + self.trace_dt
+            starts = schedule(now)
+            if env_moves is not None:
+                envs = env_moves()
+                if envs:
+                    self._move_envs(envs, now)
+            if starts:
+                self._dispatch(starts, now)
+            if progress is not None and events & 0x3FFF == 0 and time.perf_counter() > next_report:
                 next_report = time.perf_counter() + 2.0
-                self.progress(f"{self.name}: t={now:,.0f}s step {len(self.step_durations) + 1}/"
+                progress(f"{self.name}: t={now:,.0f}s step {len(self.step_durations) + 1}/"
                               f"{self.w.rollout.steps}, {events:,} events, {policy.pending_count} waiting, "
                               f"{policy.running_count} running")
         self.events = events
@@ -634,14 +644,8 @@ class Simulation:
             self.notes.append(f"action {aid} lost on reclaimed worker {sw.id}")
 
     # -- starts ------------------------------------------------------------------
-    def _dispatch(self, now: float) -> None:
-        starts = self.policy.schedule(now)
-        if self._env_moves is not None:
-            envs = self._env_moves()
-            if envs:
-                self._move_envs(envs, now)
-        if not starts:
-            return
+    def _dispatch(self, starts: list[Assignment], now: float) -> None:
+        """Start what the policy placed (``schedule`` was asked after the instant's events)."""
         workers = self.workers
         classes = self.classes
         cls = self.cls
