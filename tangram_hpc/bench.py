@@ -38,7 +38,7 @@ from .policy.elastic import ElasticScheduler
 from .policy.pool import PoolConfig, PoolController
 from .policy.predict import Predictor
 from .progress import progress_reporter
-from .resources import ResourceClass
+from .resources import CPU, GPU
 from .sim.baselines import PooledPolicy, TaskIsolatedPolicy, TrajectoryBoundPolicy, isolated_split, unconstrained_peaks
 from .sim.bounds import capacity_bound
 from .sim.engine import SimResult, cluster_shapes, service_infos, simulate
@@ -46,7 +46,6 @@ from .sim.workload import Plan, Workload, WorkloadError, load_workload, preset_n
 
 __all__ = ["add_arguments", "main", "run_bench", "tangram_run", "baseline_makers", "BASELINES"]
 
-_CPU, _GPU = ResourceClass.CPU, ResourceClass.GPU
 
 #: baselines in the order they are reported
 BASELINES = ("trajectory-max", "trajectory-best", "task-isolated", "pooled-fifo-min", "pooled-fifo-max",
@@ -80,12 +79,12 @@ def tangram_run(plan: Plan, *, cpu_workers: int | None = None, gpu_workers: int 
     shapes = cluster_shapes(w)
     pred = Predictor()
     # decide() states the launches it wants; throttling submissions is the pool driver's business
-    cfg = PoolConfig(list(shapes.values()), max_workers={_CPU: cpu, _GPU: gpu}, startup_s=w.cluster.startup_s,
+    cfg = PoolConfig(list(shapes.values()), max_workers={CPU: cpu, GPU: gpu}, startup_s=w.cluster.startup_s,
                      idle_ttl_s=w.cluster.idle_ttl_s)
     sched = ElasticScheduler(pred, shapes=list(shapes.values()), services=service_infos(w),
                              env_move_s=w.cluster.env_move_s)
     return simulate(plan, sched, pool=PoolController(cfg, pred), name=name,
-                    workers={_CPU: cpu, _GPU: gpu}, progress=progress)
+                    workers={CPU: cpu, GPU: gpu}, progress=progress)
 
 
 def _sandbox_sizes(w: Workload) -> list[int]:

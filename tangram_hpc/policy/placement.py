@@ -81,7 +81,7 @@ from enum import Enum
 from typing import Iterable, Mapping, Sequence
 
 from ..actions import ActionSpec, Demand
-from ..resources import ResourceClass, ServiceInfo, WorkerInfo, WorkerShape
+from ..resources import CPU, GPU, ResourceClass, ServiceInfo, WorkerInfo, WorkerShape
 from .base import Assignment, SchedulingPolicy, light_capacity
 from .predict import Predictor
 from .residency import Resident, choose_victims
@@ -99,7 +99,6 @@ class ActionState(Enum):
 
 
 _PENDING, _RUNNING, _GONE = ActionState.PENDING, ActionState.RUNNING, ActionState.GONE
-_CPU, _GPU = ResourceClass.CPU, ResourceClass.GPU    # (enum members read off the class are slow)
 
 
 class ActionRecord:
@@ -679,7 +678,7 @@ class PlacementPolicy(SchedulingPolicy):
         d = rec.spec.demand
         if rec.light:
             return
-        res = _GPU if d.service or d.gpu_mem_mb else _CPU
+        res = GPU if d.service or d.gpu_mem_mb else CPU
         c = self._best_cores(rec)
         work = rec.time_at(c) * c / self.load_window_s
         r = self._offered.get(res)
@@ -1087,39 +1086,26 @@ class PlacementPolicy(SchedulingPolicy):
             return False
         d = rec.spec.demand
         lo, free, tail = d.min_cores, w.free_cores, rec.tail
+        # its finish here: at its minimum cores after the wait for them, or (elastic) now on
+        # what is free here
         here = self._wait_for_cores(w, lo - free, now) + rec.time_at(lo) * tail
-        if self._stays(rec, here, free):
+        if rec.elastic and free > lo:
+            here = min(here, rec.time_at(min(free, d.max_cores)) * tail)
+        # no worker can make the move pay, even at its most cores: spare the search for one
+        if self.env_move_s + rec.time_at(d.max_cores if rec.elastic else lo) * tail >= here:
             return False
         there = self._best_worker(rec.spec.kind, d)
         if there is None or there is w:
             return False
         c = max(lo, min(d.max_cores, there.free_cores)) if rec.elastic else lo
         moved = self.env_move_s + rec.time_at(c) * tail
-        if rec.elastic and moved < here:
-            if free > lo:
-                here = min(here, rec.time_at(min(free, d.max_cores)) * tail)
-            if c > free:
-                here = min(here, self._wait_for_cores(w, c - free, now) + rec.time_at(c) * tail)
+        if rec.elastic and c > free and moved < here:
+            # or here on as many cores as it would get there, after the wait for them
+            here = min(here, self._wait_for_cores(w, c - free, now) + rec.time_at(c) * tail)
         if moved < here:
             self._moves.append(env)
             return True
         return False
-
-    def _stays(self, rec: ActionRecord, here: float, free: int) -> bool:
-        """Whether no worker can make a move of ``rec``'s environment pay (see :meth:`_consider_move`),
-        whatever its free cores: the search for the worker with the most is then not needed.
-
-        ``here``: its finish at its minimum cores here, the wait included; ``free``: the free cores
-        here.  A fixed-size action runs as long anywhere, so the move must beat the wait; an elastic
-        one at best runs at its maximum cores there, against its minimum here, or what is free here.
-        """
-        d = rec.spec.demand
-        if not rec.elastic:
-            return self.env_move_s + rec.time_at(d.min_cores) * rec.tail >= here
-        best_moved = self.env_move_s + rec.time_at(d.max_cores) * rec.tail
-        if best_moved >= here:
-            return True
-        return free > d.min_cores and best_moved >= rec.time_at(min(free, d.max_cores)) * rec.tail
 
     def _rebalance(self, kind: str, env: str, w: WorkerRecord) -> None:
         """An action of ``env`` ended on ``w``, a worker whose own queue has actions waiting for

@@ -63,11 +63,10 @@ import math
 from dataclasses import dataclass, field
 
 from ..actions import ActionSpec
-from ..resources import ClusterCapacity, PartitionFree, ResourceClass, WorkerShape
+from ..resources import CPU, GPU, ClusterCapacity, PartitionFree, ResourceClass, WorkerShape
 from .base import Launch, PoolPolicy, PoolView, Reclaim, Withdraw
 from .predict import Predictor
 
-_CPU, _GPU = ResourceClass.CPU, ResourceClass.GPU    # (enum members read off the class are slow)
 
 __all__ = ["PoolController", "PoolConfig", "ClusterCapacity", "PartitionFree", "resource_for"]
 
@@ -111,7 +110,7 @@ class PoolConfig:
 def resource_for(spec: ActionSpec) -> ResourceClass:
     """The class of worker an action needs."""
     d = spec.demand
-    return _GPU if (d.service or d.gpu_mem_mb) else _CPU
+    return GPU if (d.service or d.gpu_mem_mb) else CPU
 
 
 @dataclass(slots=True)

@@ -256,13 +256,8 @@ class Predictor:
         log durations; ``exp(0.25)`` before two runs were seen).
         """
         st = self._stats_of(spec)
-        hint = spec.duration_hint
-        if (hint is None or hint <= 0) and st is not None and st.n:
-            d1 = st.median()            # one_core's common case, without the call
-        else:
-            d1 = self.one_core(spec, st)
         var = st.var if st is not None and st.n >= 2 else 0.5
-        return d1, self.parallel_fraction(spec, st), math.exp(0.5 * var)
+        return self.one_core(spec, st), self.parallel_fraction(spec, st), math.exp(0.5 * var)
 
     def predict(self, spec: ActionSpec, cores: int | None = None) -> float:
         """Predicted run time (median) at ``cores`` (default ``min_cores``)."""

@@ -46,7 +46,7 @@ import numpy as np
 from ..actions import ActionSpec, Demand
 from ..policy.base import Assignment, Launch, PoolPolicy, PoolView, Reclaim, SchedulingPolicy, Withdraw, WorkerStatus
 from ..policy.residency import Resident, choose_victims
-from ..resources import ResourceClass, ServiceInfo, WorkerInfo, WorkerShape
+from ..resources import CPU, GPU, ResourceClass, ServiceInfo, WorkerInfo, WorkerShape
 from .workload import Plan, Service, Workload
 
 __all__ = ["SimResult", "Simulation", "simulate", "cluster_shapes", "action_specs_for", "service_infos",
@@ -56,14 +56,13 @@ _FINISH, _SUBMIT, _UP, _STEP, _TICK, _MOVED = 0, 1, 2, 3, 4, 5
 
 CPU_KINDS = frozenset({"sandbox", "function"})
 GPU_KINDS = frozenset({"reward"})
-_CPU, _GPU = ResourceClass.CPU, ResourceClass.GPU
 
 
 def cluster_shapes(w: Workload) -> dict[ResourceClass, WorkerShape]:
     c = w.cluster
-    out = {_CPU: WorkerShape(c.cpu_cores, c.cpu_mem_mb)}
+    out = {CPU: WorkerShape(c.cpu_cores, c.cpu_mem_mb)}
     if c.gpu_workers or w.services:
-        out[_GPU] = WorkerShape(c.gpu_slots, 0, c.gpus, c.gpu_mem_mb)
+        out[GPU] = WorkerShape(c.gpu_slots, 0, c.gpus, c.gpu_mem_mb)
     return out
 
 
@@ -260,8 +259,8 @@ class Simulation:
         self.pool_interval_s = pool_interval_s
         w = self.w = plan.workload
         self.shapes = cluster_shapes(w)
-        self.warm = dict(workers) if workers is not None else {_CPU: w.cluster.cpu_workers,
-                                                              _GPU: w.cluster.gpu_workers}
+        self.warm = dict(workers) if workers is not None else {CPU: w.cluster.cpu_workers,
+                                                              GPU: w.cluster.gpu_workers}
         self.classes = action_specs_for(w)
         self.svc_defs: dict[str, Service] = w.services
         self.svc_names = frozenset(w.services)
@@ -300,15 +299,15 @@ class Simulation:
         self.workers: dict[str, SimWorker] = {}
         self.statuses: list[WorkerStatus] = []
         self.retired: list[SimWorker] = []
-        self.counters = {_CPU: 0, _GPU: 0}
+        self.counters = {CPU: 0, GPU: 0}
         self.starting: list[tuple[WorkerShape, float]] = []
         self.withdrawn: dict[tuple[WorkerShape, float], int] = {}   # withdrawn starts whose _UP is still due
         self.failures: list[tuple[float, str]] = []
         self.fail_left = start_failures
         # accounting
-        self.busy = {_CPU: 0, _GPU: 0}
-        self.alloc_units = {_CPU: 0, _GPU: 0}
-        self.alloc_max = {_CPU: 0, _GPU: 0}
+        self.busy = {CPU: 0, GPU: 0}
+        self.alloc_units = {CPU: 0, GPU: 0}
+        self.alloc_max = {CPU: 0, GPU: 0}
         self.cpu_busy_cs = 0.0
         self.gpu_busy_ss = 0.0
         self.mem_reserved = 0.0
@@ -357,7 +356,7 @@ class Simulation:
 
     def _run(self) -> SimResult:
         t_wall = time.perf_counter()
-        for res in (_CPU, _GPU):
+        for res in (CPU, GPU):
             for _ in range(self.warm.get(res, 0)):
                 if res in self.shapes:
                     self._add_worker(res, 0.0, 0.0, warm=True)
@@ -388,8 +387,8 @@ class Simulation:
             if cur and cur[0][0] == now:
                 continue                # all events of an instant are applied before schedule
             if now >= next_trace:
-                self.trace.append((now, self.busy[_CPU], self.alloc_units[_CPU], self.busy[_GPU],
-                                   self.alloc_units[_GPU]))
+                self.trace.append((now, self.busy[CPU], self.alloc_units[CPU], self.busy[GPU],
+                                   self.alloc_units[GPU]))
                 next_trace = self.next_trace = now + self.trace_dt
             starts = schedule(now)
             if env_moves is not None:
@@ -582,13 +581,13 @@ class Simulation:
     def _add_worker(self, res: ResourceClass, now: float, requested: float, warm: bool = False) -> None:
         self.counters[res] += 1
         wid = f"{res.value}{self.counters[res]}"
-        sw = SimWorker(wid, self.shapes[res], self.svc_names if res is _GPU else frozenset(), now, requested)
+        sw = SimWorker(wid, self.shapes[res], self.svc_names if res is GPU else frozenset(), now, requested)
         self.workers[wid] = sw
         self.statuses.append(sw.status)
         self.alloc_units[res] += sw.shape.cores
         self.alloc_max[res] = max(self.alloc_max[res], self.alloc_units[res])
         self.policy.add_worker(sw.status.info, now)
-        if res is _GPU:
+        if res is GPU:
             self._preload(sw, now, warm)
             if warm:     # the worker reports them resident, as a live one does in its heartbeats
                 self.policy.update_worker(wid, services=frozenset(sw.services), now=now)
@@ -750,7 +749,7 @@ class Simulation:
             cores=np.frombuffer(self.cores_of, dtype=np.int32), lower_bound=lb,
             step_durations=self.step_durations, cpu_core_s=cpu_cs, gpu_s=gpu_s,
             cpu_busy_core_s=self.cpu_busy_cs, gpu_busy_slot_s=self.gpu_busy_ss, gpu_slot_s=gpu_ss,
-            makespan=end, cpu_cores_max=self.alloc_max[_CPU], gpu_slots_max=self.alloc_max[_GPU],
+            makespan=end, cpu_cores_max=self.alloc_max[CPU], gpu_slots_max=self.alloc_max[GPU],
             mem_reserved_mb_s=self.mem_reserved, mem_used_mb_s=self.mem_used, trace=self.trace,
             wall_s=wall, events=self.events, pool_notes=self.notes, is_gpu=is_gpu)
 
