@@ -274,8 +274,9 @@ class ActionResult:
 
     Times are coordinator wall-clock seconds (``time.time()``): ``submitted``
     when the coordinator accepted it, ``started``/``finished`` as reported by
-    the worker that ran the final attempt.  ``act`` is the action completion
-    time the scheduler minimises.
+    the worker that ran the final attempt (``started``: when its command
+    began, after its environment was created or restored).  ``act`` is the
+    action completion time the scheduler minimises.
     """
 
     id: str

@@ -148,7 +148,10 @@ def format_status(st: dict) -> str:
     if envs:
         lines.append("environments: " + ", ".join(f"{n} {state}" for state, n in sorted(envs.items()))
                      + (f"; {st['envs_closed']} closed" if st.get("envs_closed") else "")
-                     + (f"; {st['env_moves']} moved by the scheduler" if st.get("env_moves") else ""))
+                     + (f"; {st['env_moves']} moved by the scheduler" if st.get("env_moves") else "")
+                     + (f" (a move takes ~{st['env_move_s']:.2f} s, its restore ~{st['env_restore_s']:.2f} s)"
+                        if st.get("env_moves") and st.get("env_move_s") is not None
+                        and st.get("env_restore_s") is not None else ""))
     if st.get("zombie_cores"):
         lines.append(f"zombie cores: {st['zombie_cores']} (held by timed-out or cancelled actions their workers "
                      "have not yet reported ended)")

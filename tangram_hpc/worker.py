@@ -256,6 +256,10 @@ class Worker:
             self._complete(spec.id, attempt, (seen[2], seen[3], seen[4]), seen[5], seen[6], slots, gen,
                            EnvState.REPLAYED)
             return
+        if env_state is not EnvState.KEPT:
+            # The command's own time starts now: a restore (or a creation) is what the move or the
+            # new environment costs, which the coordinator learns apart from the command's run time.
+            started = time.time()
         try:
             outcome = self._run_sandbox(spec, cpus)
         except BaseException as e:

@@ -310,6 +310,11 @@ def test_a_move_the_policy_asks_for_saves_the_environment_and_its_next_action_re
     assert ledger.counters.env_moves == 2
     done(ledger, "w2", b.id, 1, env_state="restored", now=4.0)
     assert env_msgs(ledger) == {"w2": [[P.ENV_SAVE, "e", grant[0]]]}
+    # b's restore: assigned at 3.0, its DONE at 4.0, its command ran 0.5 s: 0.5 s
+    assert ledger.restore_s == 0.5
+    # the second move's cost is its save (from 4.0, when the save was sent, to 5.0) and that restore
+    assert ledger.env_report("w2", [[P.ENV_SAVED, "e", grant[0], "/snap/e2.tar.gz"]], 5.0) == 0
+    assert ledger.policy.observed == [4.0, 1.5]
 
 
 def test_an_environment_its_holder_could_not_save_stays_and_is_not_asked_to_move_again():

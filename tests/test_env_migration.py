@@ -78,7 +78,9 @@ def test_scheduler_moves_an_environment_off_a_busy_worker_with_its_state(tmp_pat
         with Client(connection_file=str(conn)) as c:
             deadline = time.time() + 60
             _wait_workers(c, 1, deadline)
-            first = c.submit(sandbox("echo 'turn 1' > notes.txt", env="moved")).result(30)
+            # 20 MB that do not compress: its restore takes longer than a short command runs
+            first = c.submit(sandbox("echo 'turn 1' > notes.txt && head -c 20000000 /dev/urandom > blob",
+                                     env="moved")).result(30)
             busy = c.submit(sandbox("true", env="busy")).result(30)
             assert first.ok and busy.ok, (first.error, busy.error)
             worker_a = first.worker
@@ -97,6 +99,10 @@ def test_scheduler_moves_an_environment_off_a_busy_worker_with_its_state(tmp_pat
             st = c.status()
             assert st["env_moves"] == 1 and st["environments"].get("live") == 2
             assert "1 moved by the scheduler" in format_status(st)
+            # the restore is measured (ASSIGN to DONE less the command's own time, which the worker
+            # starts once the environment is there) and counts in what the next move is expected to take
+            assert st["env_restore_s"] is not None and st["env_restore_s"] > r.finished - r.started
+            assert st["env_move_s"] > st["env_restore_s"] * 0.2    # 0.8 x the first guess + 0.2 x (save + restore)
             # one live copy: the next action sees what the moved one wrote, on the same worker
             again = c.submit(sandbox("cat notes.txt", env="moved")).result(30)
             assert again.ok and again.worker == r.worker and again.env_state == "kept"

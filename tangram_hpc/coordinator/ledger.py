@@ -36,7 +36,7 @@ from typing import Any
 
 from .. import protocol as P
 from ..config import CoordinatorSettings
-from ..actions import ActionSpec, Status, ValidationError
+from ..actions import ActionSpec, EnvState, Status, ValidationError
 from ..policy.base import SchedulingPolicy
 from ..resources import WorkerInfo
 from .environments import USABLE, EnvironmentDirectory, EnvStatus
@@ -55,7 +55,7 @@ def _env_of(spec: ActionSpec) -> str | None:
 
 class _Action:
     __slots__ = ("spec", "wire", "client", "submitted", "attempt", "worker", "cores", "failures", "waiters",
-                 "held", "in_env", "misplaced")
+                 "held", "in_env", "misplaced", "assigned")
 
     def __init__(self, spec: ActionSpec, wire: dict, client: bytes, now: float):
         self.spec = spec
@@ -70,6 +70,7 @@ class _Action:
         self.held = False       # kept from the policy until its environment can be used
         self.in_env = False     # its running attempt is counted in its environment's record
         self.misplaced = 0      # times the policy started it away from its environment
+        self.assigned = 0.0     # when its current attempt was assigned (actions with an environment)
 
 
 class RecentMap:
@@ -129,6 +130,7 @@ class ActionLedger:
         self._env_closing: dict[str, set[str]] = {}       # environment -> live actions it closes after
         self._moving_since: dict[str, float] = {}         # environment the policy moves -> when it asked
         self._unmovable: set[str] = set()                 # environments whose holder could not save them
+        self.restore_s: float | None = None               # seconds a restore takes (moving average), once seen
         self._orphans = RecentMap(min(config.result_cache, 100_000))  # action id -> outcome of an earlier registration
         #: attempts started under a previous coordinator (from its state file), by action id
         self._prior_attempts = dict(prior_attempts or {})
@@ -508,8 +510,10 @@ class ActionLedger:
                 if detail and self.envs.saved(worker_id, env, gen, detail):
                     asked = self._moving_since.pop(env, None)
                     if asked is not None:
-                        # the restore is not seen from here: count it as long as the save
-                        self.policy.observe_env_move(2.0 * (now - asked))
+                        # a move costs the save and the restore; until a restore was seen, count
+                        # it as long as the save
+                        save = now - asked
+                        self.policy.observe_env_move(save + (save if self.restore_s is None else self.restore_s))
                     self._env_changed(env, now)
             elif op == P.ENV_UNSAVED:
                 if self._moving_since.pop(env, None) is not None:
@@ -617,6 +621,7 @@ class ActionLedger:
                     continue
                 a.attempt += 1
                 a.in_env = True
+                a.assigned = now
                 item = [a.wire, a.attempt, asg.cores, grant]
                 self.attempt_log.append([a.spec.id, a.attempt])
             a.worker = w.info.id
@@ -680,9 +685,18 @@ class ActionLedger:
             if a.in_env:
                 a.in_env = False
                 self._env_attempt_ended(a.spec.env, now)
+            if env_state == EnvState.RESTORED:
+                self._observe_restore(now - a.assigned - (finished - started))
             self._finalize(a, status, output, error, started, finished, env_state)
         self.dirty = True
         return bad
+
+    def _observe_restore(self, seconds: float) -> None:
+        """A restore took ``seconds``: the attempt's time from ASSIGN to DONE less its command's
+        run time (the worker starts that clock once the environment is there)."""
+        if seconds >= 0.0:
+            old = self.restore_s
+            self.restore_s = seconds if old is None else 0.8 * old + 0.2 * seconds
 
     def expire(self, now: float) -> None:
         """Time out running actions past ``timeout + timeout_grace_s``; give up environments awaited

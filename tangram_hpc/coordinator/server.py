@@ -478,6 +478,8 @@ class Coordinator:
             "metrics_url": self.metrics_url,
             "by_status": dict(c.by_status), "replayed": c.replayed, "envs_closed": c.envs_closed,
             "env_moves": c.env_moves,
+            # what the scheduler counts a move as costing, and the restores measured so far (None: none yet)
+            "env_move_s": getattr(self.policy, "env_move_s", None), "env_restore_s": self.ledger.restore_s,
             "environments": self.ledger.envs.counts(),
             "workers": [
                 {"id": w.info.id, "host": w.info.host, "pid": w.info.extra.get("pid"), "handle": w.info.handle,
