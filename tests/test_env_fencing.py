@@ -317,6 +317,29 @@ def test_a_move_the_policy_asks_for_saves_the_environment_and_its_next_action_re
     assert ledger.policy.observed == [4.0, 1.5]
 
 
+def test_a_move_of_an_environment_that_is_only_a_placement_hint_unpins_its_waiting_actions():
+    """For kinds other than sandbox ``env`` only places actions together: nothing to save, so the
+    scheduler's move lets the waiting action start on the other worker at once."""
+    ledger = make(MovingFifo())
+    join(ledger, "w1")
+    first = ActionSpec("function", {"fn": "json:dumps", "args": [1]}, env="h")
+    busy = ActionSpec("function", {"fn": "time:sleep", "args": [9]}, env="other")
+    submit(ledger, first, busy)
+    assert [x[0] for x in assigned(ledger, 0.0)["w1"]] == [first.id]
+    ledger.done("w1", [[first.id, 1, "ok", "1", None, 0.1, 0.2, None]], 0.5)
+    assert [x[0] for x in assigned(ledger, 0.5)["w1"]] == [busy.id]
+    join(ledger, "w2", now=0.6)
+    nxt = ActionSpec("function", {"fn": "json:dumps", "args": [2]}, env="h")
+    submit(ledger, nxt, now=0.7)
+    assert assigned(ledger, 0.7) == {}                   # pinned to w1, whose core is taken
+    ledger.policy.want = ["h"]
+    ledger.dirty = True
+    assigned(ledger, 0.8)                                # the move is carried out after the starts
+    assert "h" in ledger.policy.closed and env_msgs(ledger) == {}
+    assert [x[0] for x in assigned(ledger, 0.9)["w2"]] == [nxt.id]
+    assert ledger.counters.env_moves == 0 and ledger.policy.observed == []
+
+
 def test_an_environment_its_holder_could_not_save_stays_and_is_not_asked_to_move_again():
     ledger, a, gen = running_in_e_on_w1(MovingFifo())
     done(ledger, "w1", a.id, 1, env_state="created", now=1.0)

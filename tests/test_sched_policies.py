@@ -216,6 +216,27 @@ def test_an_idle_environment_leaves_a_crowded_worker_while_its_agent_thinks():
     assert run(move_s=1.0, think_s=20.0, big_cores=4) == []      # nowhere clearly better to go
 
 
+def test_closing_an_environment_sends_its_waiting_actions_to_the_shared_queues():
+    """Its host is full: once the environment is unpinned (a hint the scheduler wants elsewhere,
+    or a stateful one saved for a move), its waiting actions start on another worker."""
+    for policy in (FifoPolicy(), ElasticScheduler()):
+        policy.add_worker(WorkerInfo("w1", 1, kinds=CPU), 0)
+        policy.submit(ActionSpec("function", id="H0", env="H", duration_hint=1.0), 0)
+        policy.submit(ActionSpec("function", id="B0", env="B", duration_hint=50.0), 0)
+        assert {a.action_id for a in policy.schedule(0)} == {"H0"}
+        policy.finished("H0", 1, run_time=1.0)
+        assert {a.action_id for a in policy.schedule(1)} == {"B0"}     # w1's one core is taken
+        policy.add_worker(WorkerInfo("w2", 1, kinds=CPU), 1)
+        policy.submit(ActionSpec("function", id="H1", env="H", duration_hint=1.0), 2)
+        policy.submit(ActionSpec("function", id="H2", env="H", duration_hint=1.0), 2)
+        assert policy.schedule(2) == []                                 # pinned to w1
+        policy.close_env("H")
+        [a] = policy.schedule(2)
+        assert (a.action_id, a.worker_id) == ("H1", "w2") and policy.env_host("H") == "w2"
+        policy.finished("H1", 3, run_time=1.0)
+        assert [(a.action_id, a.worker_id) for a in policy.schedule(3)] == [("H2", "w2")]   # pinned there now
+
+
 def test_an_environment_with_an_action_running_is_not_moved():
     p = ElasticScheduler(env_move_s=0.0)
     p.add_worker(WorkerInfo("w1", 1, kinds=CPU), 0)

@@ -370,6 +370,11 @@ class ActionLedger:
                 continue
             move = self.envs.move(env)
             if move is None:
+                if self.envs.get(env) is None and env not in self._env_live:
+                    # not a sandbox's environment, only a hint to place actions together: there is
+                    # nothing to save, so its waiting actions may simply go elsewhere
+                    self.policy.close_env(env)
+                    self.dirty = True
                 continue
             holder, gen, ask_now = move
             self._hold_back(env)

@@ -1265,11 +1265,19 @@ class PlacementPolicy(SchedulingPolicy):
         return w.id if w is not None else None
 
     def close_env(self, env: str) -> None:
-        """The environment was destroyed (its trajectory ended): stop pinning actions to it."""
+        """Stop pinning actions to ``env``: it was destroyed (its trajectory ended), saved for a move,
+        or it is only a placement hint the scheduler wants elsewhere.  Its actions still waiting on
+        its worker go back to the shared queues (the next to start pins it again)."""
         self._env_idle.pop(env, None)
         w = self._env_host.pop(env, None)
-        if w is not None:
-            w.envs.discard(env)
+        if w is None:
+            return
+        w.envs.discard(env)
+        q = w.env_queue
+        if q is not None and q.live:
+            for rec in [e[2] for e in q.heap if e[2].queue is q and e[2].spec.env == env]:
+                self._unqueue(rec)
+                self._route(rec)
 
 
 def water_level(cores: float, by_max: dict[int, int]) -> float:
