@@ -172,6 +172,29 @@ class _RawWorker:
                 return body
 
 
+def test_a_worker_that_registers_while_the_coordinator_stops_is_told_to_stop(tmp_path):
+    """A worker job launched just before the coordinator's stop registers during its wait for the
+    others to leave: it is told to stop too, instead of holding its allocation until its time limit."""
+    conn = tmp_path / "connection.json"
+    coord = _coordinator(tmp_path, "--drain-grace", "20")
+    ctx = zmq.Context()
+    try:
+        info = wait_for_file(conn, 30)
+        slow = _RawWorker(ctx, info, "raw-slow")
+        slow.register()
+        coord.send_signal(signal.SIGTERM)
+        assert slow.expect(P.STOP)["reregister"] is False
+        # "slow" never says it left, so the coordinator still waits for it
+        late = _RawWorker(ctx, info, "raw-late")
+        late.register()
+        assert late.expect(P.STOP) == {"reason": "coordinator shutting down", "reregister": False}
+        assert coord.poll() is None
+    finally:
+        coord.kill()
+        coord.wait()
+        ctx.destroy(linger=0)
+
+
 def test_late_result_of_a_lost_worker_is_stale(tmp_path):
     """Both ways a late outcome reaches the coordinator are dropped and counted, never delivered."""
     conn = tmp_path / "connection.json"

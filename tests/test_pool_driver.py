@@ -164,3 +164,21 @@ def test_reclaiming_an_extra_worker_drains_stops_then_cancels_its_job_after_the_
         events = [e for e in backend.poll() if e.handle == handle]
     # SIGTERM: a worker that got as far as its handler leaves cleanly; one still starting dies of it.
     assert events[0].state is JobState.ENDED or events[0].reason == "killed by signal 15", events
+
+
+def test_a_stopping_coordinator_cancels_the_jobs_that_have_not_joined(tmp_path, backend):
+    """Before it waits for its registered workers to leave, a stopping coordinator cancels the
+    launches still starting: none may come up after it and hold its allocation."""
+    conn = tmp_path / "connection.json"
+    ConnectionInfo("tcp://127.0.0.1:9", "tcp://127.0.0.1:9", run_dir=str(tmp_path)).write(conn)
+    driver = driver_for(tmp_path, backend, conn)
+    driver.decide(0.0)
+    [handle] = driver.starting
+    proc = backend._procs[handle]
+    assert proc.poll() is None                    # running, registering in vain
+    driver.cancel_starting(1.0)
+    assert not driver.starting
+    proc.wait(20)                                 # ended (TimeoutExpired otherwise)
+    assert proc.returncode is not None
+    [rec] = driver.status(1.0, allocations=True)["allocations"]
+    assert "cancelled before it joined" in rec["reason"]

@@ -238,6 +238,21 @@ class PoolDriver:
             except Exception as e:
                 log.warning("cancelling %s failed: %s", h, e)
 
+    def cancel_starting(self, now: float) -> None:
+        """The coordinator stops: cancel the worker jobs that have not registered yet (queued or
+        still starting; they hold no environment), before it waits for the registered ones to
+        leave.  Otherwise one that starts during that wait outlives it should the batch system
+        kill the coordinator's job before the backend's shutdown cancels the rest."""
+        for h in list(self.starting):
+            del self.starting[h]
+            rec = self.allocations.get(h)
+            if rec is not None:
+                rec.note(now, rec.state, "cancelled before it joined: the coordinator stops")
+            try:
+                self.backend.reclaim(h)
+            except Exception as e:
+                log.warning("cancelling %s failed: %s", h, e)
+
     def _launch_failed(self, now: float, why: str) -> None:
         self.ledger.counters.launch_failures += 1
         self.failures.append((now, why))

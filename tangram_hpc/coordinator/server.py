@@ -40,6 +40,7 @@ from .state_dir import StateDir
 log = logging.getLogger("tangram.coordinator")
 
 _BATCH = 2000          # messages drained from one socket per loop turn
+_BYE = P.encode(P.STOP, {"reason": "coordinator shutting down", "reregister": False})
 _RESULT_SLICE = 5000   # results per RESULT frame
 
 
@@ -78,6 +79,7 @@ class Coordinator:
                                           cpu_worker_args=cpu_worker_args,
                                           service_worker_args=service_worker_args, throttle=throttle)
         self._stop = False
+        self._closing = False       # STOP sent to every worker: one registering now is told to stop too
         self._started = time.time()
         self._ctx: zmq.Context | None = None
         self.info: ConnectionInfo | None = None
@@ -217,9 +219,11 @@ class Coordinator:
 
     def close(self) -> None:
         if self._ctx is not None:
-            bye = P.encode(P.STOP, {"reason": "coordinator shutting down", "reregister": False})
+            self._closing = True
+            if self.pool_driver is not None:
+                self.pool_driver.cancel_starting(time.time())
             for w in self.workers:
-                self._send_ident(w.ident, bye)
+                self._send_ident(w.ident, _BYE)
             self._await_workers_leaving()
         self._flush_logs()
         self._flush_state(time.time())
@@ -334,6 +338,10 @@ class Coordinator:
                                                          "heartbeat_s": self.config.heartbeat_s,
                                                          "snapshot_dir": str(self.state.snapshots)}))
             log.info("worker %s registered: %d cores, %d GPUs, handle %s", wid, info.cores, info.gpus, info.handle)
+            if self._closing:
+                # its job started while this coordinator stops (a launch just before the stop):
+                # left running, it would hold its allocation until its time limit
+                self._send_ident(ident, _BYE)
             return
         if mtype == P.ENV:
             # Fenced by generation and holder, so a worker declared lost may still hand an environment back.
