@@ -5,6 +5,7 @@ Each escape case runs for real (bubblewrap, the worker's own uid, which is root 
 from __future__ import annotations
 
 import base64
+import json
 import os
 import shutil
 import subprocess
@@ -376,3 +377,19 @@ def test_cpu_time_counts_the_whole_process_tree(mgr):
     assert "cpu_s" not in r.output
     idle = mgr.run(act("sleep 0.3"), CPU)
     assert idle.output["cpu_time"] < 0.2
+
+
+def test_a_command_signalled_as_it_starts_either_ran_or_left_no_trace():
+    """Slurm signals every process of a job: a bubblewrap hit while it sets the sandbox up died
+    without its child, which ran on unsupervised and wrote after its action was reported failed
+    (so its retry wrote again).  Now such a child is killed once bubblewrap has exited: an action
+    reported failed left nothing behind, one that ran reports ok."""
+    delays = [0.001 * i for i in range(1, 31)]
+    out = subprocess.run([sys.executable, str(Path(__file__).with_name("sandbox_signal_race.py")),
+                          *map(str, delays)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    runs = [json.loads(line) for line in out.stdout.splitlines()]
+    assert len(runs) == len(delays)
+    for r in runs:
+        assert r["lines"] == (1 if r["status"] == Status.OK else 0), r
+    assert any(r["status"] != Status.OK for r in runs)      # the signal did land while it started

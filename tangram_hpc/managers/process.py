@@ -81,11 +81,13 @@ def run_bounded(argv: Sequence[str], *, cpus: Iterable[int] | None, stdin: bytes
                 timeout: float | None, keep_bytes: int, kill_bytes: int | None,
                 cwd: str | None = None, env: dict[str, str] | None = None,
                 pass_fds: Sequence[int] = (), on_kill: Callable[[], None] | None = None,
-                cancel_fd: int | None = None, watch: Watch | None = None) -> ProcResult:
+                cancel_fd: int | None = None, watch: Watch | None = None,
+                on_exit: Callable[[], None] | None = None) -> ProcResult:
     """Run ``argv`` to completion or until a limit; never raises for the child's behaviour.
 
     ``on_kill`` is called after the process group is killed (e.g. to kill a
-    cgroup too).  When ``cancel_fd`` becomes readable the child is killed and
+    cgroup too); ``on_exit`` once the child has exited (before its pipes are
+    drained: to stop what it may have left running outside its group).  When ``cancel_fd`` becomes readable the child is killed and
     the result says ``cancelled``; when ``watch.check()`` returns a reason it
     is killed and the result's ``stopped`` holds it.  Raises OSError only when
     the child cannot be started.
@@ -170,6 +172,9 @@ def run_bounded(argv: Sequence[str], *, cpus: Iterable[int] | None, stdin: bytes
                 if fd == pidfd:
                     sel.unregister(fd)
                     exited_at = time.monotonic()
+                    if on_exit is not None:
+                        on_exit()
+                        on_exit = None
                     continue
                 if fd == cancel_fd:
                     sel.unregister(fd)
@@ -203,6 +208,8 @@ def run_bounded(argv: Sequence[str], *, cpus: Iterable[int] | None, stdin: bytes
                     kill()
     finally:
         sel.close()
+        if on_exit is not None:      # no pidfd here: the child has exited (or is about to be killed)
+            on_exit()
         if pending is not None:
             proc.stdin.close()
         # Whatever the command left behind in its group goes with it; the

@@ -35,6 +35,7 @@ Nothing a payload says reaches a step that still has root's uid.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -341,6 +342,7 @@ class SandboxManager:
         rl = limits if not mem_in_cgroup else _without_as(limits)
         cmd = wrapper_argv(rl, uid, uid, environ, sys.executable) + argv
         fds: list[int] = []
+        status: _BwrapStatus | None = None
         try:
             if self.layout is not None:
                 puid = uid if uid is not None else os.getuid()
@@ -352,6 +354,9 @@ class SandboxManager:
                     fds.append(_memfd("seccomp", self.seccomp_program))
                 full = self.layout.argv(env.path, network=network, tmp_mb=limits.tmp_mb, passwd_fd=fds[0],
                                         group_fd=fds[1], seccomp_fd=fds[2] if len(fds) > 2 else None) + cmd
+                status = _BwrapStatus()
+                fds.append(status.write_fd)
+                full[1:1] = ["--json-status-fd", str(status.write_fd)]
                 popen_env, cwd = None, None
             else:
                 full, popen_env, cwd = cmd, dict(WRAPPER_ENVIRON), str(env.path)
@@ -362,7 +367,11 @@ class SandboxManager:
                               keep_bytes=limits.output_bytes, kill_bytes=limits.output_kill_bytes,
                               cwd=cwd, env=popen_env, pass_fds=fds,
                               on_kill=scope.kill if scope is not None else None, cancel_fd=cancel_fd,
-                              watch=quota if quota.active else None)
+                              watch=quota if quota.active else None,
+                              on_exit=status.bwrap_exited if status is not None else None)
+            if status is not None and res.returncode is not None and res.returncode < 0 \
+                    and status.exit_code is not None:
+                res.returncode = status.exit_code     # the command ended; bubblewrap was signalled after
             note = None
             peak = None
             if scope is not None:
@@ -378,6 +387,8 @@ class SandboxManager:
                 self.cgroups.release(scope)
             for fd in fds:
                 os.close(fd)
+            if status is not None:
+                status.close()
         if quota.active:
             if res.stopped is None:
                 res.stopped = quota.check()  # what it left behind, however fast it wrote it
@@ -496,6 +507,54 @@ def _traversable(path: Path) -> bool:
         if not os.stat(d).st_mode & 0o001:
             return False
     return True
+
+
+class _BwrapStatus:
+    """What bubblewrap writes to its ``--json-status-fd``: its child's pid, then its exit code.
+
+    Slurm signals every process of a job.  A bubblewrap that gets SIGTERM while it sets the
+    sandbox up can die of it without taking its child along (the parent-death signal is not
+    armed yet), and that child then runs on unsupervised, holding the output pipes, writing into
+    the environment after the action was reported failed.  Once bubblewrap has exited, a child
+    whose exit it did not report is killed (it is the PID namespace's init: everything in the
+    sandbox goes with it); a child that did exit gives the command's own status.
+    """
+
+    def __init__(self) -> None:
+        self.read_fd, self.write_fd = os.pipe()
+        self.child: int | None = None
+        self.exit_code: int | None = None
+        self._buf = b""
+
+    def _read(self) -> None:
+        os.set_blocking(self.read_fd, False)
+        try:
+            while chunk := os.read(self.read_fd, 65536):
+                self._buf += chunk
+        except BlockingIOError:
+            pass
+        for line in self._buf.splitlines():
+            try:
+                doc = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(doc, dict):
+                if isinstance(doc.get("child-pid"), int):
+                    self.child = doc["child-pid"]
+                if isinstance(doc.get("exit-code"), int):
+                    self.exit_code = doc["exit-code"]
+
+    def bwrap_exited(self) -> None:
+        """bubblewrap has exited: kill its child if it did not see it exit."""
+        self._read()
+        if self.child is not None and self.exit_code is None:
+            try:
+                os.kill(self.child, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def close(self) -> None:
+        os.close(self.read_fd)
 
 
 def _exit_text(rc: int | None) -> str:
