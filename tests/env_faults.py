@@ -62,6 +62,7 @@ class Outcome:
     attempts: Counter = field(default_factory=Counter)
     notes: list[str] = field(default_factory=list)
     counters: dict = field(default_factory=dict)   # the coordinator's, at the end
+    leaked_jobs: list[str] = field(default_factory=list)   # jobs of the scenario still there after its stop
     seconds: float = 0.0
 
     def row(self) -> str:
@@ -110,6 +111,24 @@ class Coordinator:
 def _job_active(job: str) -> bool:
     out = subprocess.run(["squeue", "-h", "-j", str(job), "-o", "%T"], capture_output=True, text=True)
     return bool(out.stdout.strip())
+
+
+def _jobs_under(directory: Path) -> list[str]:
+    """Active Slurm jobs whose working directory is ``directory`` or below it."""
+    out = subprocess.run(["squeue", "-h", "-o", "%i %Z"], capture_output=True, text=True)
+    root = str(directory.resolve())
+    return [j for j, _, wd in (line.partition(" ") for line in out.stdout.splitlines())
+            if wd == root or wd.startswith(root + "/")]
+
+
+def _leaked_jobs(directory: Path, wait: float = 30.0) -> list[str]:
+    """Jobs of a stopped scenario that do not end within ``wait`` seconds (cancelled, and returned)."""
+    deadline = time.monotonic() + wait
+    while (jobs := _jobs_under(directory)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if jobs:
+        subprocess.run(["scancel", *jobs], capture_output=True)   # so that no later test meets them
+    return jobs
 
 
 def _worker_job(handle: str) -> str | None:
@@ -277,6 +296,9 @@ def run_fault(fault: str, workdir: Path, *, envs: int = 50, steps: int = 3, slee
     finally:
         client.close()
         coord.stop()
+        outcome.leaked_jobs = _leaked_jobs(shared)
+        if outcome.leaked_jobs:
+            outcome.notes.append(f"worker jobs left running after the coordinator stopped: {outcome.leaked_jobs}")
     outcome.seconds = time.monotonic() - t0
     return outcome
 

@@ -33,6 +33,7 @@ def test_every_ok_action_leaves_its_line_once_in_its_environment(fault, tmp_path
     summary = f"{o.row()} {' '.join(o.notes)}"
     assert o.actions >= 36 and o.ok == o.actions, summary
     assert o.lost == 0 and o.duplicated == 0 and o.envs_lost == 0, summary
+    assert o.leaked_jobs == [], summary     # every job of the scenario ended with its coordinator
     if fault in EXPECTED_STATE:
         assert o.env_states[EXPECTED_STATE[fault]] > 0, summary
     if fault in ("sigstop", "scancel", "sigkill"):

@@ -126,7 +126,7 @@ def test_environments_moved_under_load_keep_every_ok_action_once_in_order(tmp_pa
         with Client(connection_file=str(conn)) as c:
             _wait_workers(c, 2, time.time() + 60)
             written: dict[str, list[str]] = {e: [] for e in envs}
-            workers: dict[str, set] = {e: set() for e in envs}
+            restored = 0
             for turn in range(6):
                 # uneven lengths: a worker runs dry while the other's environments still queue
                 futs = {e: c.submit(sandbox(f"sleep {0.05 + 0.3 * ((k + turn) % 4 == 0)} && echo {e}-{turn} >> log.txt",
@@ -136,13 +136,16 @@ def test_environments_moved_under_load_keep_every_ok_action_once_in_order(tmp_pa
                     r = f.result(60)
                     assert r.ok, (e, turn, r.error)
                     written[e].append(f"{e}-{turn}")
-                    workers[e].add(r.worker)
+                    restored += r.env_state == "restored"
             moves = c.status()["env_moves"]
             for e in envs:
                 r = c.submit(sandbox("cat log.txt", env=e)).result(60)
                 assert r.ok and r.output["stdout"].split() == written[e], (e, r.output, r.env_state)
+                restored += r.env_state == "restored"
         assert moves > 0, "no environment moved: the scenario did not exercise moves"
-        assert sum(len(w) > 1 for w in workers.values()) > 0
+        # every move went through a snapshot and a restore; where the restore ran depends on which
+        # worker freed a core first (the move to another worker with its state: the test above)
+        assert restored >= moves, (restored, moves)
     finally:
         for p in procs:
             p.kill()
