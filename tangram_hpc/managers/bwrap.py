@@ -60,7 +60,8 @@ def probe_bwrap(bwrap: str) -> str | None:
     """Try a trivial sandbox; return None when it works, else why it does not."""
     if not bwrap or not os.path.isfile(bwrap) or not os.access(bwrap, os.X_OK):
         return f"bubblewrap not found at {bwrap!r}"
-    argv = [bwrap, "--die-with-parent", "--ro-bind", "/usr", "/usr"]
+    # --json-status-fd (bubblewrap 0.3.0, 2018) is how the sandbox learns its command's own status
+    argv = [bwrap, "--json-status-fd", "1", "--die-with-parent", "--ro-bind", "/usr", "/usr"]
     for top in _SYSTEM_TOP:
         argv += _top_level_bind(top)
     argv += ["--proc", "/proc", "--dev", "/dev"]
