@@ -87,8 +87,9 @@ def run_bounded(argv: Sequence[str], *, cpus: Iterable[int] | None, stdin: bytes
 
     ``on_kill`` is called after the process group is killed (e.g. to kill a
     cgroup too); ``on_exit`` once the child has exited (before its pipes are
-    drained: to stop what it may have left running outside its group).  When ``cancel_fd`` becomes readable the child is killed and
-    the result says ``cancelled``; when ``watch.check()`` returns a reason it
+    drained: to stop what it may have left running outside its group).  When
+    ``cancel_fd`` becomes readable the child is killed and the result says
+    ``cancelled``; when ``watch.check()`` returns a reason it
     is killed and the result's ``stopped`` holds it.  Raises OSError only when
     the child cannot be started.
     """

@@ -515,10 +515,10 @@ class _BwrapStatus:
     Slurm signals every process of a job.  A bubblewrap that gets SIGTERM while it sets the
     sandbox up can die of it without taking its child along (seen with delays of 1-30 ms after
     the start; presumably before the child's parent-death signal is armed), and that child then
-    runs on unsupervised, holding the output pipes, writing into
-    the environment after the action was reported failed.  Once bubblewrap has exited, a child
-    whose exit it did not report is killed (it is the PID namespace's init: everything in the
-    sandbox goes with it); a child that did exit gives the command's own status.
+    runs on unsupervised, holding the output pipes, writing into the environment after the
+    action was reported failed.  Once bubblewrap has exited, a child whose exit it did not
+    report is killed (it is the PID namespace's init: everything in the sandbox goes with it);
+    a child that did exit gives the command's own status.
     """
 
     def __init__(self) -> None:
