@@ -160,8 +160,10 @@ class BwrapLayout:
                             for a in ("--ro-bind", f"/etc/{name}", f"/etc/{name}")]
 
     def argv(self, env_dir: Path, *, network: bool, tmp_mb: int, passwd_fd: int, group_fd: int,
-             seccomp_fd: int | None = None) -> list[str]:
+             seccomp_fd: int | None = None, status_fd: int | None = None) -> list[str]:
         """bwrap argv up to (and including) the ``--`` before the command's wrapper.
+
+        ``status_fd``: where bubblewrap reports its child's pid and exit code (JSON lines).
 
         The wrapper gets :data:`WRAPPER_ENVIRON` only; the command's own variables
         are set after the privilege drop (:func:`~tangram_hpc.managers.limits.wrapper_argv`).
@@ -172,6 +174,8 @@ class BwrapLayout:
             argv += _ROOT_CAPS
         if seccomp_fd is not None:
             argv += ["--seccomp", str(seccomp_fd)]
+        if status_fd is not None:
+            argv += ["--json-status-fd", str(status_fd)]
         size = str(tmp_mb * 1024 * 1024)
         # The private /tmp comes first: a Python prefix under /tmp (a venv in a checkout there)
         # is then bound on top of it instead of being hidden by it.

@@ -352,11 +352,11 @@ class SandboxManager:
                        _memfd("group", f"sandbox:x:{pgid}:\nnogroup:x:65534:\n")]
                 if self.seccomp_program is not None:
                     fds.append(_memfd("seccomp", self.seccomp_program))
-                full = self.layout.argv(env.path, network=network, tmp_mb=limits.tmp_mb, passwd_fd=fds[0],
-                                        group_fd=fds[1], seccomp_fd=fds[2] if len(fds) > 2 else None) + cmd
+                seccomp_fd = fds[2] if len(fds) > 2 else None
                 status = _BwrapStatus()
                 fds.append(status.write_fd)
-                full[1:1] = ["--json-status-fd", str(status.write_fd)]
+                full = self.layout.argv(env.path, network=network, tmp_mb=limits.tmp_mb, passwd_fd=fds[0],
+                                        group_fd=fds[1], seccomp_fd=seccomp_fd, status_fd=status.write_fd) + cmd
                 popen_env, cwd = None, None
             else:
                 full, popen_env, cwd = cmd, dict(WRAPPER_ENVIRON), str(env.path)

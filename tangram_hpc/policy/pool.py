@@ -67,7 +67,6 @@ from ..resources import CPU, GPU, ClusterCapacity, PartitionFree, ResourceClass,
 from .base import Launch, PoolPolicy, PoolView, Reclaim, Withdraw
 from .predict import Predictor
 
-
 __all__ = ["PoolController", "PoolConfig", "ClusterCapacity", "PartitionFree", "resource_for"]
 
 

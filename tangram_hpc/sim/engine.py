@@ -400,8 +400,8 @@ class Simulation:
             if progress is not None and events & 0x3FFF == 0 and time.perf_counter() > next_report:
                 next_report = time.perf_counter() + 2.0
                 progress(f"{self.name}: t={now:,.0f}s step {len(self.step_durations) + 1}/"
-                              f"{self.w.rollout.steps}, {events:,} events, {policy.pending_count} waiting, "
-                              f"{policy.running_count} running")
+                         f"{self.w.rollout.steps}, {events:,} events, {policy.pending_count} waiting, "
+                         f"{policy.running_count} running")
         self.events = events
         if not self.done:
             raise RuntimeError(f"{self.name}: simulation stalled at t={now:.0f} with {policy.pending_count} "
