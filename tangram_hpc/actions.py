@@ -302,6 +302,8 @@ class ActionResult:
 
     @property
     def queued(self) -> float:
+        """Submit to the command's start: the wait for cores, then for its environment to be
+        created or restored."""
         return max(0.0, self.started - self.submitted) if self.started else self.act
 
     def to_wire(self) -> list:
