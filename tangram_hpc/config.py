@@ -124,6 +124,9 @@ class CoordinatorSettings:
     heartbeat_s: float = key(1.0, "seconds between heartbeats to workers", flag="--heartbeat", minimum=0.01)
     timeout_grace_s: float = key(5.0, "seconds past an action's timeout before the coordinator times it out "
                                  "itself (the worker kills it at its timeout)", flag="--timeout-grace", minimum=0)
+    env_prepare_s: float = key(120.0, "seconds the coordinator allows for creating or restoring an action's "
+                               "environment on its worker, on top of its timeout (the worker starts the action's "
+                               "clock once its environment is there)", flag="--env-prepare", minimum=0)
     max_pending_per_client: int = key(200_000, "unfinished actions one client may have", minimum=1)
     max_pending_total: int = key(1_000_000, "unfinished actions in all", flag="--max-pending", minimum=1)
     max_frame_bytes: int = key(MAX_FRAME_BYTES, "largest frame accepted", minimum=1024)

@@ -477,3 +477,44 @@ def test_env_of_another_kind_is_only_a_placement_hint():
     submit(ledger, f)
     [(aid, _, grant)] = assigned(ledger)["w1"]
     assert aid == f.id and grant is None and ledger.envs.get("e") is None
+
+
+
+def test_the_coordinators_deadline_allows_for_creating_or_restoring_the_environment_not_for_a_held_one():
+    ledger = make(MovingFifo(), timeout_grace_s=1.0, env_prepare_s=30.0)
+    join(ledger, "w1")
+    join(ledger, "w2")
+    # created on w1: a 20 s creation and a 4.9 s command are within the timeout the worker keeps
+    a = ActionSpec("sandbox", {"cmd": "sleep 4.9"}, env="e", timeout=5.0)
+    submit(ledger, a)
+    [(_, _, grant)] = assigned(ledger)["w1"]
+    assert grant[1] == P.GRANT_NEW
+    ledger.expire(5.0 + 1.0 + 30.0 - 0.01)
+    assert results(ledger) == {}
+    done(ledger, "w1", a.id, 1, env_state="created", now=25.0)
+    assert results(ledger)[a.id][1] == Status.OK
+    # held there: the timeout counts from the ASSIGN, as for any action
+    b = ActionSpec("sandbox", {"cmd": "sleep 9"}, env="e", timeout=5.0)
+    submit(ledger, b, now=26.0)
+    [(_, _, grant)] = assigned(ledger, 26.0)["w1"]
+    assert grant[1] == P.GRANT_HELD
+    ledger.expire(26.0 + 5.0 + 1.0 - 0.01)
+    assert results(ledger) == {}
+    ledger.expire(26.0 + 5.0 + 1.0)
+    assert results(ledger)[b.id][1:4:2] == [Status.TIMEOUT, "no result 5s (+1s grace) after it started"]
+    done(ledger, "w1", b.id, 1, now=33.0, status="killed")     # the killed attempt ends; its core is free
+    # moved to w2: the restore gets the allowance, and the timeout message says so
+    ledger.policy.want = ["e"]
+    ledger.dirty = True
+    assigned(ledger, 34.0)
+    [[_, _, gen]] = env_msgs(ledger)["w1"]
+    assert ledger.env_report("w1", [[P.ENV_SAVED, "e", gen, "/snap/e.tar.gz"]], 35.0) == 0
+    c = ActionSpec("sandbox", {"cmd": "sleep 9"}, env="e", timeout=5.0)
+    submit(ledger, c, now=36.0)
+    [(_, _, grant)] = next(iter(assigned(ledger, 36.0).values()))
+    assert grant[1] == P.GRANT_RESTORE
+    ledger.expire(36.0 + 5.0 + 1.0 + 30.0 - 0.01)
+    assert results(ledger) == {}
+    ledger.expire(36.0 + 5.0 + 1.0 + 30.0)
+    res = results(ledger)[c.id]
+    assert res[1] == Status.TIMEOUT and "(+1s grace, +30s to create or restore its environment)" in res[3]

@@ -55,7 +55,7 @@ def _env_of(spec: ActionSpec) -> str | None:
 
 class _Action:
     __slots__ = ("spec", "wire", "client", "submitted", "attempt", "worker", "cores", "failures", "waiters",
-                 "held", "in_env", "misplaced", "assigned")
+                 "held", "in_env", "misplaced", "assigned", "prepare")
 
     def __init__(self, spec: ActionSpec, wire: dict, client: bytes, now: float):
         self.spec = spec
@@ -71,6 +71,7 @@ class _Action:
         self.in_env = False     # its running attempt is counted in its environment's record
         self.misplaced = 0      # times the policy started it away from its environment
         self.assigned = 0.0     # when its current attempt was assigned (actions with an environment)
+        self.prepare = 0.0      # seconds its current attempt may take to create or restore its environment
 
 
 class RecentMap:
@@ -608,6 +609,7 @@ class ActionLedger:
         workers = self.workers.by_id
         assign = self.outbox.assign
         grace = self.config.timeout_grace_s
+        prepare = self.config.env_prepare_s
         for asg in assignments:
             a = actions.get(asg.action_id)
             w = workers.get(asg.worker_id)
@@ -627,6 +629,8 @@ class ActionLedger:
                 a.attempt += 1
                 a.in_env = True
                 a.assigned = now
+                # the worker times the command from when its environment is there, not from the ASSIGN
+                a.prepare = 0.0 if grant[1] == P.GRANT_HELD else prepare
                 item = [a.wire, a.attempt, asg.cores, grant]
                 self.attempt_log.append([a.spec.id, a.attempt])
             a.worker = w.info.id
@@ -640,7 +644,7 @@ class ActionLedger:
             else:
                 items.append(item)
             if a.spec.timeout is not None:
-                heapq.heappush(self._deadlines, (now + a.spec.timeout + grace, a.spec.id, a.attempt))
+                heapq.heappush(self._deadlines, (now + a.spec.timeout + grace + a.prepare, a.spec.id, a.attempt))
 
     def _misplaced(self, a: _Action, asg, now: float) -> None:
         """The policy started an action away from the worker its environment is on (it should not):
@@ -716,8 +720,12 @@ class ActionLedger:
             if a is None or a.attempt != attempt or a.worker is None:
                 continue
             self._kill(a, now)
-            self._finalize(a, Status.TIMEOUT, None,
-                           f"no result {a.spec.timeout:g}s (+{grace:g}s grace) after it started", 0.0, now)
+            if a.prepare:
+                why = (f"no result {a.spec.timeout:g}s (+{grace:g}s grace, +{a.prepare:g}s to create or restore "
+                       f"its environment) after it was assigned")
+            else:
+                why = f"no result {a.spec.timeout:g}s (+{grace:g}s grace) after it started"
+            self._finalize(a, Status.TIMEOUT, None, why, 0.0, now)
 
     def fail_unplaceable(self, now: float) -> None:
         """Fail pending actions no worker shape could ever run, with the policy's reason."""
