@@ -63,7 +63,9 @@ from .errors import ProtocolError, ValidationError
 
 #: 2: POOL (pause/resume launches), STATUS may ask for the allocation history.
 #: 3: environment grants in ASSIGN, env_state in DONE and RESULT, CLOSE_ENV, ENV, OUTCOMES.
-PROTOCOL_VERSION = 3
+#: 4: a saved environment (ENV saved, a restore grant) may be a delta over its template's base,
+#:    which a worker speaking 3 would restore without the base.
+PROTOCOL_VERSION = 4
 
 HELLO = 1
 WELCOME = 2

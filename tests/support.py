@@ -1,9 +1,12 @@
 """Helpers shared by the test modules."""
 from __future__ import annotations
 
+import os
+import stat
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 from tangram_hpc.actions import ActionSpec
 
@@ -18,6 +21,25 @@ def wait_until(pred, timeout: float = 30.0, interval: float = 0.2, what: str = "
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
         time.sleep(interval)
+
+
+def tree_of(root: Path) -> dict[str, tuple]:
+    """Every entry below ``root``: its type, mode, content or link target, and hard-link count."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for n in dirnames + filenames:
+            p = Path(dirpath) / n
+            st = os.lstat(p)
+            rel = str(p.relative_to(root))
+            if stat.S_ISLNK(st.st_mode):
+                out[rel] = ("link", os.readlink(p))
+            elif stat.S_ISDIR(st.st_mode):
+                out[rel] = ("dir", stat.S_IMODE(st.st_mode))
+            elif stat.S_ISFIFO(st.st_mode):
+                out[rel] = ("fifo",)
+            else:
+                out[rel] = ("file", stat.S_IMODE(st.st_mode), p.read_bytes(), st.st_nlink)
+    return out
 
 
 def act(cmd, env=None, **payload) -> ActionSpec:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import stat
 import time
 from pathlib import Path
 
@@ -12,7 +11,7 @@ import pytest
 from tangram_hpc.actions import ActionSpec, Status
 from tangram_hpc.managers import Limits, PythonEnvTemplate, SandboxManager, TreeTemplate
 from tangram_hpc.managers.bwrap import probe_bwrap
-from support import act
+from support import act, tree_of
 
 pytestmark = [
     pytest.mark.sandbox,
@@ -32,22 +31,6 @@ def project(tmp_path):
     (src / "run.sh").chmod(0o755)
     (src / "junk.pyc").write_text("x")
     return src
-
-
-def tree_of(root: Path) -> dict[str, tuple]:
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for n in dirnames + filenames:
-            p = Path(dirpath) / n
-            rel = str(p.relative_to(root))
-            st = os.lstat(p)
-            if stat.S_ISLNK(st.st_mode):
-                out[rel] = ("link", os.readlink(p))
-            elif stat.S_ISDIR(st.st_mode):
-                out[rel] = ("dir", stat.S_IMODE(st.st_mode))
-            else:
-                out[rel] = ("file", stat.S_IMODE(st.st_mode), p.read_bytes())
-    return out
 
 
 def env_path(mgr: SandboxManager, env_id: str) -> Path:
