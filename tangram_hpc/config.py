@@ -221,6 +221,9 @@ class SandboxSettings:
                        flag="--unsafe-sandbox")
     allow_network: bool = key(False, "let payloads ask for network access")
     warm_pool: int = key(2, "ready-made environments kept", minimum=0)
+    template: Path | None = key(None, "project tree every new environment starts as a copy of (a repository "
+                                "checkout; a payload's template \"empty\" still makes an empty one); a move then "
+                                "carries only what changed", flag="--sandbox-template")
     env_ttl_s: float = key(3600.0, "seconds an idle environment is kept", flag="--sandbox-env-ttl", minimum=0)
     snapshot_dir: Path | None = key(None, "shared directory for environment snapshots (default: the one the "
                                     "coordinator names, STATE_DIR/snapshots)", flag="--snapshot-dir")

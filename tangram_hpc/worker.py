@@ -893,7 +893,16 @@ def config_from_settings(settings: Settings) -> WorkerConfig:
                         leave_grace_s=ws.leave_grace_s,
                         sandbox_options={"allow_network": ss.allow_network, "warm_pool": ss.warm_pool,
                                          "env_ttl": ss.env_ttl_s, "seccomp": ss.seccomp,
-                                         "default_limits": sandbox_limits(ss)})
+                                         "default_limits": sandbox_limits(ss), **sandbox_templates(ss)})
+
+
+def sandbox_templates(ss) -> dict:
+    """The templates of a worker's [sandbox] settings: ``template`` is the default one, named "project"."""
+    if ss.template is None:
+        return {}
+    if not os.path.isdir(ss.template):
+        raise ConfigError(f"[sandbox] template {ss.template} is not a directory (--sandbox-template)")
+    return {"templates": {"project": {"kind": "tree", "source": str(ss.template)}}, "default_template": "project"}
 
 
 def sandbox_limits(ss) -> "Limits":

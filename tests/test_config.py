@@ -174,3 +174,15 @@ def test_sandbox_limits_come_from_the_sandbox_section(tmp_path):
     limits = sandbox_limits(s.sandbox)
     assert limits.memory_mb is None and limits.disk_mb == 512 and limits.disk_files == 77
     assert s.sandbox.seccomp is False and limits.timeout_s == Limits().timeout_s
+
+
+def test_the_sandbox_template_is_every_new_environments_default_and_must_be_a_directory(tmp_path):
+    from tangram_hpc.worker import sandbox_templates
+    assert sandbox_templates(parse("worker").sandbox) == {}
+    (tmp_path / "repo").mkdir()
+    path = write(tmp_path, f"[sandbox]\ntemplate = \"{tmp_path / 'repo'}\"\n")
+    opts = sandbox_templates(parse("worker", "--config", str(path)).sandbox)
+    assert opts == {"templates": {"project": {"kind": "tree", "source": str(tmp_path / "repo")}},
+                    "default_template": "project"}
+    with pytest.raises(ConfigError, match="template .*gone is not a directory"):
+        sandbox_templates(parse("worker", "--sandbox-template", str(tmp_path / "gone")).sandbox)

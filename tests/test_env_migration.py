@@ -149,3 +149,46 @@ def test_environments_moved_under_load_keep_every_ok_action_once_in_order(tmp_pa
     finally:
         for p in procs:
             p.kill()
+
+
+def test_an_environment_made_from_the_workers_template_moves_with_its_changes(tmp_path):
+    """Workers whose environments start as a copy of a checkout: a move saves the changes over the
+    checkout once saved beside the snapshots, and the next worker has every file, changed or not."""
+    repo = tmp_path / "repo"
+    (repo / "src").mkdir(parents=True)
+    for i in range(30):
+        (repo / "src" / f"mod{i}.py").write_text(f"N = {i}\n")
+    conn = tmp_path / "connection.json"
+    coord = _coordinator(tmp_path)
+    procs = [coord]
+
+    def worker(name):
+        return subprocess.Popen([sys.executable, "-m", "tangram_hpc.worker", "--connection-file", str(conn),
+                                 "--cores", "1", "--sandbox-template", str(repo)],
+                                stdout=open(tmp_path / f"{name}.log", "ab"), stderr=subprocess.STDOUT)
+    try:
+        wait_for_file(conn, 30)
+        a = worker("a")
+        procs.append(a)
+        with Client(connection_file=str(conn)) as c:
+            deadline = time.time() + 60
+            _wait_workers(c, 1, deadline)
+            first = c.submit(sandbox("cat src/mod7.py && echo 'N = 70' > src/mod7.py && rm src/mod8.py && "
+                                     "echo notes > notes.txt", env="traj")).result(30)
+            assert first.ok and first.output["stdout"] == "N = 7\n", first
+            b = worker("b")
+            procs.append(b)
+            _wait_workers(c, 2, deadline)
+            a.send_signal(signal.SIGTERM)
+            assert a.wait(30) == 0
+            snapshots = tmp_path / "connection.state" / "snapshots"
+            assert len(os.listdir(snapshots / "bases")) == 1       # the checkout, saved once
+            r = c.submit(sandbox("cat src/mod7.py src/mod9.py notes.txt && ls src | wc -l && "
+                                 "test ! -e src/mod8.py", env="traj")).result(30)
+            assert r.ok and r.worker != first.worker and r.env_state == "restored", r
+            assert r.output["stdout"] == "N = 70\nN = 9\nnotes\n29\n"
+            fresh = c.submit(sandbox("cat src/mod8.py", env="another")).result(30)
+            assert fresh.ok and fresh.output["stdout"] == "N = 8\n"
+    finally:
+        for p in procs:
+            p.kill()
