@@ -11,7 +11,8 @@ worker jobs), runs ``envs`` trajectories of ``steps`` sandbox actions each (ever
 and then appends its own id to ``log.txt`` in its environment; a trajectory submits its next action
 when the last one has its result), injects its fault while actions run, then reads every
 environment's ``log.txt`` back through a last action and compares it with the actions that
-reported ``ok``:
+reported ``ok``; the environments start as a small checkout (the workers' ``--sandbox-template``), whose
+files the last action checks too:
 
 * lost: an ok action whose line is not in its environment's log;
 * duplicated: an ok action whose line is there more than once.
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import hashlib
 import os
 import signal
 import subprocess
@@ -180,8 +182,21 @@ class Trajectories:
         return not self.running
 
 
+def make_checkout(path: Path) -> Path:
+    """The workers' template: a small checkout whose ``tree.md5`` lists a digest of every file."""
+    (path / "src").mkdir(parents=True, exist_ok=True)
+    lines = []
+    for i in range(20):
+        text = f"N = {i}\n" * (i + 1)
+        (path / "src" / f"m{i}.py").write_text(text)
+        lines.append(f"{hashlib.md5(text.encode()).hexdigest()}  src/m{i}.py\n")
+    (path / "tree.md5").write_text("".join(lines))
+    return path
+
+
 def read_back(client: Client, env_ids: list[str]) -> dict[str, list[str] | None]:
-    futs = {e: client.submit(sandbox("cat log.txt", env=e)) for e in env_ids}
+    """Every environment's log; None where it cannot be read or the checkout it started as is not intact."""
+    futs = {e: client.submit(sandbox("md5sum -c --quiet tree.md5 >&2 && cat log.txt", env=e)) for e in env_ids}
     out = {}
     for e, f in futs.items():
         r = f.result(timeout=300)
@@ -233,14 +248,19 @@ def run_fault(fault: str, workdir: Path, *, envs: int = 50, steps: int = 3, slee
     shared = workdir / fault
     shared.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    # environments start as a checkout, so the moves of scancel, drain and the restarts are deltas over it;
+    # the workers the coordinator launches read its configuration file
+    config = shared / "tangram.toml"
+    config.write_text(f'[sandbox]\ntemplate = "{make_checkout(shared / "checkout")}"\n')
+    with_config = f"--config {config}"
     env.update(TANGRAM_WORKER_CORES="2", TANGRAM_MAX_WORKERS="3", TANGRAM_IDLE="60", TANGRAM_STOP_GRACE="40",
-               TANGRAM_EXTRA_ARGS="--slurm-startup 5")
+               TANGRAM_EXTRA_ARGS=f"--slurm-startup 5 {with_config}")
     env.pop("TANGRAM_CONNECTION_FILE", None)
     if fault == "drain":
         # Each worker drains 80 s into its 4-minute job (160 s before its end: Slurm's warning signal
         # comes 90 s before the end, or up to 60 s earlier), under continuous load; its replacement
         # takes its environments.
-        env.update(TANGRAM_WORKER_TIME="4", TANGRAM_EXTRA_ARGS="--slurm-startup 5 --slurm-replace-before 160")
+        env.update(TANGRAM_WORKER_TIME="4", TANGRAM_EXTRA_ARGS=f"--slurm-startup 5 --slurm-replace-before 160 {with_config}")
     if fault == "crash-restart":
         env.update(TANGRAM_RUN_DIR=str(shared / "runs" / "fixed"))
     coord = Coordinator(shared, env, f"tgenv-{fault}")

@@ -3,7 +3,8 @@
 Each scenario (tests/env_faults.py) starts a coordinator with scripts/launch-coordinator.sh, runs
 trajectories whose every action appends its id to its environment's log.txt, injects the fault,
 reads every log back and counts the ok actions whose line is missing or there twice.  Every
-environment must hold every ok action's line exactly once, and every action must end ok.
+environment must hold every ok action's line exactly once and the checkout it started as (the workers'
+--sandbox-template) intact, and every action must end ok.
 
     python tests/env_faults.py --envs 50     # the same scenarios at the issue's size, as a table
 """
@@ -36,6 +37,9 @@ def test_every_ok_action_leaves_its_line_once_in_its_environment(fault, tmp_path
     assert o.leaked_jobs == [], summary     # every job of the scenario ended with its coordinator
     if fault in EXPECTED_STATE:
         assert o.env_states[EXPECTED_STATE[fault]] > 0, summary
+    if EXPECTED_STATE.get(fault) == "restored":
+        # the environments started as the workers' checkout: their snapshots were deltas over it
+        assert list(tmp_path.glob("*/*.state/snapshots/bases/*.tar.gz")), summary
     if fault in ("sigstop", "scancel", "sigkill"):
         assert o.counters["workers_lost"] == 1 and o.counters["retried"] >= 1, summary
     if fault == "drain":
