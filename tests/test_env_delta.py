@@ -15,8 +15,6 @@ from tangram_hpc.managers.environments import EnvError, EnvStore
 from support import act, tree_of
 
 CPU = [sorted(os.sched_getaffinity(0))[0]]
-needs_bwrap = pytest.mark.skipif(probe_bwrap(shutil.which("bwrap") or "") is not None,
-                                 reason="bubblewrap missing or unusable here")
 
 
 @pytest.fixture
@@ -55,7 +53,9 @@ CHANGES = " && ".join([
 ])
 
 
-@needs_bwrap
+@pytest.mark.sandbox
+@pytest.mark.skipif(probe_bwrap(shutil.which("bwrap") or "") is not None,
+                    reason="bubblewrap missing or unusable here")
 def test_a_move_carries_only_what_changed_and_the_state_is_the_same_after_it(tmp_path, repo):
     shared = tmp_path / "shared"
     templates = {"repo": TreeTemplate(repo)}
