@@ -1003,7 +1003,7 @@ def _remove_inside(root: Path, rel: str) -> None:
         except FileNotFoundError:
             return
         if stat.S_ISDIR(st.st_mode):
-            shutil.rmtree(parts[-1], dir_fd=dirfd)
+            _rmtree(root.joinpath(*parts))   # the path has no symlink (checked above), and the tree is ours
         else:
             os.unlink(parts[-1], dir_fd=dirfd)
     finally:
