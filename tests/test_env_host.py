@@ -103,6 +103,31 @@ def test_the_journal_keeps_the_last_outcomes_and_stays_small(hosts):
     assert journal.stat().st_size < 2 * JOURNAL_KEEP * 40
 
 
+def test_a_copy_being_made_when_the_worker_registers_again_counts_as_held(hosts):
+    """Stopped between its ASSIGN and the copy (SIGSTOP, a stall), the worker registers again while
+    the copy is still being made: it reports it, and the coordinator's renumbering sticks."""
+    h = hosts("w1")
+    real, go, inside = h.mgr.envs.acquire, threading.Event(), threading.Event()
+
+    def slow_acquire(*args):
+        inside.set()
+        assert go.wait(10)
+        return real(*args)
+    h.mgr.envs.acquire = slow_acquire
+    done = []
+    t = threading.Thread(target=lambda: done.append(h.prepare(act("true", env="e"), [5, P.GRANT_NEW, None])))
+    t.start()
+    assert inside.wait(10)
+    assert h.held() == [["e", 5]]                     # what REGISTER carries now
+    h.apply([[P.ENV_KEEP, "e", 8]])                   # the coordinator regained it under a new number
+    go.set()
+    t.join(10)
+    assert done == [(EnvState.CREATED, None)]
+    assert h.held() == [["e", 8]] and h.generation("e") == 8
+    (st, _, _), state = run_in(h, act("true", env="e"), [8, P.GRANT_HELD, None])
+    assert st == Status.OK and state == EnvState.KEPT
+
+
 def test_a_drop_removes_the_copy_and_a_keep_grants_it_again(hosts):
     h = hosts("w1")
     run_in(h, act("echo x > f", env="e"), [3, P.GRANT_NEW, None])

@@ -49,6 +49,7 @@ class EnvHost:
         self._lock = threading.Lock()
         self._prep: dict[str, threading.Lock] = {}
         self._in_use: dict[str, int] = {}   # environment -> its actions between prepare and journal
+        self._making: dict[str, int] = {}   # environment -> generation of the grant whose copy is being made
         self._ops: queue.SimpleQueue = queue.SimpleQueue()
         self._replies: deque = deque()
         self._thread = threading.Thread(target=self._serve_ops, name="env-ops", daemon=True)
@@ -56,10 +57,15 @@ class EnvHost:
 
     # -- what this worker holds ------------------------------------------------------
     def held(self) -> list[list]:
-        """``[[environment, generation], ...]`` of the copies here (for REGISTER)."""
+        """``[[environment, generation], ...]`` of the copies here (for REGISTER), and of those being
+        made for a grant: a worker stopped (SIGSTOP, a stall) between its ASSIGN and the copy registers
+        again while the copy is still being made, and the copy is this worker's all the same."""
         present = self.mgr.environments()
         with self._lock:
-            return [[e, g] for e, g in self._gen.items() if e in present]
+            held = {e: g for e, g in self._gen.items() if e in present}
+            for e, g in self._making.items():
+                held[e] = max(g, held.get(e, g))
+            return [[e, g] for e, g in held.items()]
 
     def generation(self, env: str) -> int | None:
         with self._lock:
@@ -110,10 +116,12 @@ class EnvHost:
                               f"the copy held here ({have}); it was fenced off")
             if have == gen and self.mgr.envs.has(env):
                 return EnvState.KEPT, None
+            if source == P.GRANT_HELD:
+                return None, (Status.ENV_LOST, None, f"environment {env!r} (generation {gen}) is not on this "
+                              "worker any more; close it (close_env) to start it again empty")
+            with self._lock:
+                self._making[env] = gen
             try:
-                if source == P.GRANT_HELD:
-                    return None, (Status.ENV_LOST, None, f"environment {env!r} (generation {gen}) is not on this "
-                                  "worker any more; close it (close_env) to start it again empty")
                 if source == P.GRANT_NEW:
                     self.mgr.drop(env)
                     template = spec.payload.get("template") if isinstance(spec.payload, dict) else None
@@ -134,8 +142,12 @@ class EnvHost:
                     return None, (Status.ERROR, None, f"unknown environment grant {grant!r}")
             except (EnvError, OSError) as e:
                 return None, (Status.ENV_LOST, None, f"environment {env!r} could not be {source}d here: {e}")
+            finally:
+                with self._lock:
+                    self._making.pop(env, None)
             with self._lock:
-                self._gen[env] = gen
+                # a KEEP that answered a REGISTER sent meanwhile may have renumbered the copy already
+                self._gen[env] = max(gen, self._gen.get(env, gen))
             return state, None
 
     def replay(self, env: str, action_id: str) -> list | None:
