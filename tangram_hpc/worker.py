@@ -902,7 +902,8 @@ def sandbox_templates(ss) -> dict:
         return {}
     if not os.path.isdir(ss.template):
         raise ConfigError(f"[sandbox] template {ss.template} is not a directory (--sandbox-template)")
-    return {"templates": {"project": {"kind": "tree", "source": str(ss.template)}}, "default_template": "project"}
+    source = os.path.abspath(ss.template)
+    return {"templates": {"project": {"kind": "tree", "source": source}}, "default_template": "project"}
 
 
 def sandbox_limits(ss) -> "Limits":
