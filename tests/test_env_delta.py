@@ -76,7 +76,11 @@ def test_a_move_carries_only_what_changed_and_the_state_is_the_same_after_it(tmp
         # the base went beside the snapshots, once
         assert len(os.listdir(shared / "bases")) == 1
         w2.restore("traj", snap)
-        after = tree_of(w2.envs.get("traj").path)
+        moved = w2.envs.get("traj")
+        assert w2.envs.warm_hits == 1                  # it started from a ready-made copy of the checkout
+        if moved.uid is not None:   # as root each environment has its own uid, which owns every entry
+            assert {os.lstat(p).st_uid for p in [moved.path, *moved.path.rglob("*")]} == {moved.uid}
+        after = tree_of(moved.path)
         before.pop("pipe")          # FIFOs are never saved
         assert after == before
         # the restored copy is the one that runs next, and moves again: back to w1, through a second delta

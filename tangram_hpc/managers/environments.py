@@ -560,6 +560,7 @@ class EnvStore:
         saved_template: str | None = None
         fingerprint: str | None = None
         dirty: frozenset[str] = frozenset()
+        owned: dict = {}
 
         def extract(tmp: Path) -> None:
             nonlocal journal, saved_template, fingerprint, dirty
@@ -575,7 +576,7 @@ class EnvStore:
                     tmp.mkdir(mode=0o755)
                     _extract(tar, tmp, members)
                     return
-                self._copy_base(fingerprint, saved_template, src.parent, tmp)
+                owned["uid"] = self._copy_base(fingerprint, saved_template, src.parent, tmp)
                 names = {m.name for m in members}
                 opened = _open_dirs_for_owner(tmp)
                 for rel in _deleted_of(members, snapshot) + [m.name for m in members if not m.isdir()]:
@@ -588,23 +589,24 @@ class EnvStore:
                         except FileNotFoundError:
                             pass   # deleted by the delta
                 dirty = frozenset(names - {"."})
+                owned["unowned"] = dirty
 
-        dest, uid = self._put_in_place(env_id, extract, f"restore {env_id!r} from {snapshot}")
+        dest, uid = self._put_in_place(env_id, extract, f"restore {env_id!r} from {snapshot}", owned)
         if template is None and saved_template in self.templates:
             template = saved_template
         ref = BaseRef(fingerprint, settled_now(self._warm_dir), dirty) if fingerprint is not None else None
         return self._install(env_id, dest, uid, template, journal, ref)
 
-    def _copy_base(self, fingerprint: str, template: str | None, snapshot_dir: Path, dest: Path) -> None:
+    def _copy_base(self, fingerprint: str, template: str | None, snapshot_dir: Path, dest: Path) -> int | None:
         """Put a copy of the base ``fingerprint`` at ``dest``: a ready-made environment of the
-        pool, else a copy of the pristine base held here, else of the one saved beside the snapshot."""
+        pool, else a copy of the pristine base held here, else of the one saved beside the snapshot.
+        Returns the uid the copy is owned by (a ready-made one's), or None."""
         if not _FINGERPRINT.fullmatch(fingerprint):
             raise EnvError(f"snapshot names a malformed base {fingerprint!r}")
         if template in self.templates and self._template_base.get(template) == fingerprint:
             made = self._take_warm(template, dest, fingerprint)
             if made is not None:
-                self._free_uid(made[0])   # the restored environment gets a uid of its own
-                return
+                return made[0]
         with self._lock:
             base = self._bases.get(fingerprint)
         if base is None and template in self.templates and template not in self._template_base:
@@ -617,6 +619,7 @@ class EnvStore:
         if base is None:
             base = self._load_base(fingerprint, snapshot_dir)
         shutil.copytree(base.path, dest, symlinks=True)
+        return None
 
     def _load_base(self, fingerprint: str, snapshot_dir: Path) -> Base:
         """The base ``fingerprint`` from ``<snapshot_dir>/bases``, unpacked and kept here."""
@@ -666,21 +669,32 @@ class EnvStore:
         src_journal.unlink(missing_ok=True)
         return env
 
-    def _put_in_place(self, env_id: str, fill, what: str) -> tuple[Path, int | None]:
-        """Make a directory with ``fill(path)``, give it a new uid and move it to ``env_id``'s place."""
-        uid = self._new_uid()
+    def _put_in_place(self, env_id: str, fill, what: str, owned: dict | None = None) -> tuple[Path, int | None]:
+        """Make a directory with ``fill(path)``, give it a new uid and move it to ``env_id``'s place.
+
+        ``owned``: ``fill`` may put ``uid`` (the uid the tree it made is owned by) and ``unowned``
+        (the entries that are not yet) in it; only those are then given to that uid.
+        """
+        owned = {} if owned is None else owned
+        uid = None
         tmp = self._warm_dir / f".incoming-{os.urandom(6).hex()}"
         dest = self.root / env_dirname(env_id)
         try:
             fill(tmp)
             os.chmod(tmp, 0o755)
+            uid = owned.get("uid")
             if uid is not None:
-                chown_tree(tmp, uid)
+                os.chown(tmp, uid, uid, follow_symlinks=False)
+                _chown_inside(tmp, owned.get("unowned", ()), uid)
+            else:
+                uid = self._new_uid()
+                if uid is not None:
+                    chown_tree(tmp, uid)
             if dest.exists():
                 _rmtree(dest)
             os.rename(tmp, dest)
         except BaseException as exc:
-            self._free_uid(uid)
+            self._free_uid(uid if uid is not None else owned.get("uid"))
             _rmtree(tmp)
             if isinstance(exc, (EnvError, KeyboardInterrupt)):
                 raise
@@ -1091,6 +1105,27 @@ def _tar_file(tar: tarfile.TarFile, dirfd: int, name: str, path: str, links: dic
         ti = _tarinfo(path, st, tarfile.REGTYPE)
         ti.size = st.st_size
         tar.addfile(ti, fh)
+
+
+def _chown_inside(root: Path, rels: Iterable[str], uid: int) -> None:
+    """Give ``uid`` the entries ``rels`` of ``root`` and the directories above them, never through a symlink."""
+    todo: set[str] = set()
+    for rel in rels:
+        parts = _parts(rel)
+        for k in range(1, len(parts) + 1):
+            todo.add("/".join(parts[:k]))
+    for rel in sorted(todo):
+        parts = rel.split("/")
+        try:
+            dirfd = _open_parent(root, rel, parts, None, create=False)
+        except (EnvError, OSError):
+            continue   # not there (a hard link's second name is the same entry)
+        try:
+            os.chown(parts[-1], uid, uid, dir_fd=dirfd, follow_symlinks=False)
+        except FileNotFoundError:
+            pass
+        finally:
+            os.close(dirfd)
 
 
 def chown_tree(path: Path, uid: int) -> None:
