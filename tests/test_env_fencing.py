@@ -479,7 +479,6 @@ def test_env_of_another_kind_is_only_a_placement_hint():
     assert aid == f.id and grant is None and ledger.envs.get("e") is None
 
 
-
 def test_the_coordinators_deadline_allows_for_creating_or_restoring_the_environment_not_for_a_held_one():
     ledger = make(MovingFifo(), timeout_grace_s=1.0, env_prepare_s=30.0)
     join(ledger, "w1")

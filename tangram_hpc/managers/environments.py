@@ -537,7 +537,7 @@ class EnvStore:
         headers = {_PAX_ENV: env_id, _PAX_GEN: str(generation), _PAX_TEMPLATE: env.template,
                    _PAX_JOURNAL: base64.b64encode(msgpack.packb(journal, use_bin_type=True)).decode()}
         delta = None
-        if base is not None and env.base is not None:
+        if base is not None:
             _save_base(base, snapshot_dir)
             headers[_PAX_BASE] = base.fingerprint
             delta = _Delta(base.manifest, env.base)
@@ -603,10 +603,9 @@ class EnvStore:
         Returns the uid the copy is owned by (a ready-made one's), or None."""
         if not _FINGERPRINT.fullmatch(fingerprint):
             raise EnvError(f"snapshot names a malformed base {fingerprint!r}")
-        if template in self.templates and self._template_base.get(template) == fingerprint:
-            made = self._take_warm(template, dest, fingerprint)
-            if made is not None:
-                return made[0]
+        made = self._take_warm(template, dest, fingerprint) if template in self.templates else None
+        if made is not None:
+            return made[0]
         with self._lock:
             base = self._bases.get(fingerprint)
         if base is None and template in self.templates and template not in self._template_base:
