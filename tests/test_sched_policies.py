@@ -216,6 +216,49 @@ def test_an_idle_environment_leaves_a_crowded_worker_while_its_agent_thinks():
     assert run(move_s=1.0, think_s=20.0, big_cores=4) == []      # nowhere clearly better to go
 
 
+def test_an_environment_leaves_a_worker_that_cannot_give_the_widest_grant_while_its_agent_thinks():
+    """No queue on its host, but a wide elastic action there leaves fewer free cores than the
+    kind's widest grant: an environment whose action ends moves to a clearly emptier worker."""
+    def run(wide_cores):
+        p = ElasticScheduler(Predictor(prior_parallel=0.95), env_move_s=1.0)
+        p.add_worker(WorkerInfo("w1", 32, kinds=CPU), 0)
+        p.submit(ActionSpec("sandbox", id="E0", env="E", duration_hint=1.0), 0)
+        assert len(p.schedule(0)) == 1
+        p.finished("E0", 1, run_time=1.0)
+        p.submit(ActionSpec("sandbox", id="E1", env="E", duration_hint=1.0), 21)    # 20 s of thinking
+        p.submit(ActionSpec("sandbox", id="W", env="F", demand=Demand(1, wide_cores), duration_hint=500.0,
+                            label="suite"), 21)
+        assert {a.action_id for a in p.schedule(21)} == {"E1", "W"}
+        p.add_worker(WorkerInfo("w2", 32, kinds=CPU), 21)
+        p.finished("E1", 22, run_time=1.0)
+        return p.env_moves()
+
+    assert run(wide_cores=24) == ["E"]       # w1 has 8 free cores: a 24-core action would not fit
+    assert run(wide_cores=4) == []           # w1 can still give the widest grant: E stays
+
+
+def test_a_worker_keeps_a_core_out_of_elastic_grants_for_its_environments_commands():
+    def grant(commands: int, idle_s: float = 0.0, cores: int = 16) -> int:
+        p = ElasticScheduler(Predictor(prior_parallel=0.95))
+        p.add_worker(WorkerInfo("w", cores, kinds=CPU), 0)
+        t = 0.0
+        for i in range(commands):     # one-core commands of E, back to back: a core in use
+            p.submit(ActionSpec("sandbox", id=f"s{i}", env="E", duration_hint=10.0), t)
+            assert len(p.schedule(t)) == 1
+            t += 10.0
+            p.finished(f"s{i}", t, run_time=10.0)
+        t += idle_s
+        p.submit(ActionSpec("sandbox", id="wide", env="F", demand=Demand(1, cores), duration_hint=100.0,
+                            label="suite"), t)
+        [a] = p.schedule(t)
+        return a.cores
+
+    assert grant(0) == 16               # nothing of the kind ran on it: everything
+    assert grant(12) == 15              # E's next command finds a free core
+    assert grant(12, idle_s=300.0) == 16   # the commands stopped long ago: nothing held back
+    assert grant(12, cores=4) == 4      # a core of four is too much to hold back
+
+
 def test_closing_an_environment_sends_its_waiting_actions_to_the_shared_queues():
     """Its host is full: once the environment is unpinned (a hint the scheduler wants elsewhere,
     or a stateful one saved for a move), its waiting actions start on another worker."""

@@ -200,6 +200,21 @@ def test_speedup_evidence_counts_in_start_order_not_completion_order():
     assert abs(p.parallel_fraction(s) - 0.8) < 0.1
 
 
+def test_speedup_is_learned_relative_to_hints_when_grants_follow_them():
+    # the long runs (large hints) got 16 cores, the short ones 2: counted in seconds, the 16-core
+    # runs look slow and the cores seem to buy little; relative to their hints they do not
+    rng = np.random.default_rng(11)
+    p = Predictor(prior_parallel=0.7)
+    for i in range(600):
+        hint = 120.0 * math.exp(rng.normal(0, 1.0))
+        c = 16 if hint > 120.0 else 2
+        truth = hint * math.exp(rng.normal(0, 0.2))
+        spec = ActionSpec("sandbox", label="suite", demand=Demand(1, 16), duration_hint=hint, id=f"r{i}")
+        p.started(spec, c, float(i))
+        p.observe(spec, amdahl_time(truth, 0.9, c), c, float(i) + 1.0)
+    assert abs(p.parallel_fraction(ActionSpec("sandbox", label="suite", demand=Demand(1, 16))) - 0.9) < 0.05
+
+
 def test_young_classes_count_their_running_actions():
     # 100 runs of a class start together; 30 s later only the short ones have ended
     rng = np.random.default_rng(7)

@@ -53,6 +53,9 @@ Cores -- heSRPT-inspired shares.
     most work per core-second is done at one core each -- while a moment's
     queue of a few short actions does not pin a long, parallel action to one
     core for its whole run.  (Grants are final: nothing is preempted or resized.)
+    A worker whose environments' fixed-size actions used a core lately keeps
+    one out of elastic grants for their next command
+    (:meth:`~tangram_hpc.policy.placement.PlacementPolicy._reserve`).
 
 Placement.
     Actions of an environment go to the worker that hosts it (the first of its
@@ -113,7 +116,7 @@ class ElasticScheduler(PlacementPolicy):
     def __init__(self, predictor: Predictor | None = None, *, shapes: Sequence[WorkerShape] = (),
                  services: Mapping[str, ServiceInfo] | None = None,
                  aging: float = 0.5, priority_weight: float = 30.0, priority_clamp: int = 16,
-                 min_gain: float = 0.01, service_util: float = 0.85, rate_window_s: float = 30.0,
+                 min_gain: float = 0.005, service_util: float = 0.85, rate_window_s: float = 30.0,
                  pipeline_below_s: float | None = None, env_move_s: float | None = None):
         if aging <= 0:
             raise ValueError("aging must be positive (it bounds the wait of every action)")
@@ -143,7 +146,7 @@ class ElasticScheduler(PlacementPolicy):
         return rec.time_at(spec.demand.min_cores) + self.aging * rec.submit - self.priority_weight * prio
 
     def _grant(self, rec: ActionRecord, w: WorkerRecord) -> int:
-        hi = min(rec.spec.demand.max_cores, rec.cores + w.free_cores)
+        hi = min(rec.spec.demand.max_cores, rec.cores + max(0, w.free_cores - self._reserve(w, rec.started)))
         if rec.target >= hi:
             return hi       # it waited for at least what is there (and _cores_for never exceeds hi)
         # an action that waited for its cores gets them
@@ -186,7 +189,9 @@ class ElasticScheduler(PlacementPolicy):
         # (a long final test run on one core, on the critical path of the step) waits there for
         # the cores it should have -- when the time they save it exceeds the expected wait.
         free = w.free_cores
-        target = self._cores_for(rec, w, min(rec.spec.demand.max_cores, w.cores), later=True)
+        d = rec.spec.demand
+        most = max(d.min_cores, min(d.max_cores, w.cores - self._reserve(w, now)))
+        target = self._cores_for(rec, w, most, later=True)
         rec.target = target
         if free >= target:
             return True

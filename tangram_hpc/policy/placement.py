@@ -62,8 +62,9 @@ from the running actions' predicted ends, plus its run time) with moving the
 environment to the worker with the most free cores (the move's cost plus its
 run time there), and asks for the move when that is sooner
 (:meth:`env_moves`).  Moving is cheaper still while nobody waits for the
-environment: when an action ends on a worker whose own queue has actions
-waiting for cores, its environment is moved off while its agent thinks, if a
+environment: when an action ends on a crowded worker (its own queue has
+actions waiting for cores, or it could not give the kind's widest elastic
+action its grant), its environment is moved off while its agent thinks, if a
 move takes under half the learned think time (the gap between an
 environment's actions) and another worker has clearly more free cores.  Only
 an environment with nothing running is moved.  The driver carries a move out
@@ -155,7 +156,7 @@ class WorkerRecord:
 
     __slots__ = ("id", "info", "seq", "cores", "free_cores", "mem", "free_mem", "gpu_mem",
                  "gpu_used", "services", "draining", "running", "busy_envs", "ends", "envs", "kinds",
-                 "listed", "env_queue", "light", "light_cap")
+                 "listed", "env_queue", "light", "light_cap", "rigid_env", "rigid_avg", "rigid_at")
 
     def __init__(self, info: WorkerInfo, seq: int):
         self.id = info.id
@@ -178,6 +179,10 @@ class WorkerRecord:
         self.env_queue: PlacementQueue | None = None
         self.light = 0                       # zero-core actions it holds
         self.light_cap = light_capacity(info)
+        # cores its environments' fixed-size actions use: now, and averaged over time (see _reserve)
+        self.rigid_env = 0
+        self.rigid_avg = 0.0
+        self.rigid_at = 0.0
 
 
 class PlacementQueue:
@@ -234,6 +239,7 @@ class KindLoad:
     rigid: int = 0           # min cores of fixed-size actions in the system
     rigid_running: int = 0   # ... of those running
     elastic: int = 0         # elastic actions in the system (pending + running)
+    widest: int = 0          # the largest max_cores of an elastic action seen
     by_max: dict = field(default_factory=dict)    # elastic actions in the system per max_cores
     queued: int = 0          # pending core-binding actions waiting in the kind's shared queues
     queued_work: float = 0.0  # ... and their predicted core-seconds at min_cores
@@ -263,6 +269,8 @@ class Tally:
             kl.elastic += 1
             m = rec.spec.demand.max_cores
             kl.by_max[m] = kl.by_max.get(m, 0) + 1
+            if m > kl.widest:
+                kl.widest = m
         else:
             kl.rigid += rec.spec.demand.min_cores
 
@@ -322,6 +330,10 @@ class PlacementPolicy(SchedulingPolicy):
     PIPELINE_BELOW_S = 0.001
     #: An environment leaves a crowded worker only for one with at least this many more free cores.
     REBALANCE_MARGIN_CORES = 8
+    #: Time constant (seconds) of a worker's average of the cores its environments' fixed-size actions use.
+    RIGID_WINDOW_S = 60.0
+    #: Cores a worker keeps out of elastic grants for its environments' fixed-size actions (see _reserve).
+    RIGID_RESERVE_CORES = 1
 
     def __init__(self, predictor: Predictor | None = None, *, shapes: Sequence[WorkerShape] = (),
                  services: Mapping[str, ServiceInfo] | None = None, pipeline_below_s: float | None = None,
@@ -569,6 +581,36 @@ class PlacementPolicy(SchedulingPolicy):
             if shared:
                 self._armed.update(shared)
 
+    @classmethod
+    def _rigid_change(cls, w: WorkerRecord, delta: int, now: float) -> None:
+        """The cores ``w``'s environments' fixed-size actions use change by ``delta`` at ``now``."""
+        dt = now - w.rigid_at
+        if dt > 0:
+            w.rigid_avg += (1.0 - math.exp(-dt / cls.RIGID_WINDOW_S)) * (w.rigid_env - w.rigid_avg)
+            w.rigid_at = now
+        w.rigid_env += delta
+
+    @classmethod
+    def _reserve(cls, w: WorkerRecord, now: float) -> int:
+        """Free cores an elastic grant leaves on ``w`` for its environments' fixed-size actions.
+
+        Grants are final, so the cores a long parallel action takes are gone for
+        its whole run; a one-core command of an environment ``w`` hosts that then
+        finds no free core waits for one, or for its environment to move.  So a
+        worker whose environments' fixed-size actions kept half a core or more
+        busy lately keeps one out of elastic grants: that costs a wide action a few
+        per cent of its run, while the command it spares a wait is often
+        shorter than the wait.  (Holding back their whole average use starves
+        the parallel actions of a worker crowded with short commands.)  A small
+        worker keeps none: a core of eight or fewer is too large a share.
+        """
+        if w.cores < 8 * cls.RIGID_RESERVE_CORES:
+            return 0
+        avg = w.rigid_avg
+        if w.rigid_env != avg and now > w.rigid_at:
+            avg += (1.0 - math.exp(-(now - w.rigid_at) / cls.RIGID_WINDOW_S)) * (w.rigid_env - avg)
+        return cls.RIGID_RESERVE_CORES if avg >= 0.5 else 0
+
     def _list(self, w: WorkerRecord) -> None:
         """Index the worker's current free cores under the kinds it serves (unless an entry has them)."""
         free = w.free_cores
@@ -796,11 +838,13 @@ class PlacementPolicy(SchedulingPolicy):
         self._end_running(rec)
         if w is not None:
             del w.running[action_id]
-            self._touch(w)
             env = rec.spec.env
+            if env is not None and not rec.elastic and rec.cores:
+                self._rigid_change(w, -rec.cores, now)
+            self._touch(w)
             if env is not None and self.env_move_s is not None:
                 self._env_idle[env] = now
-                self._rebalance(rec.spec.kind, env, w)
+                self._rebalance(rec.spec.kind, env, w, now)
         spec = rec.spec
         if not ok or run_time is None:
             self.predictor.observe(spec, None, rec.cores, now)
@@ -932,7 +976,8 @@ class PlacementPolicy(SchedulingPolicy):
                     c = rec.cores
                     heap.append((-scale / (c * (c + 1)), rec.seq, rec, cap, scale))
             heapq.heapify(heap)
-            while heap and w.free_cores > 0:
+            keep = self._reserve(w, recs[0].started)
+            while heap and w.free_cores > keep:
                 _, _, rec, cap, scale = heapq.heappop(heap)
                 self.tally.regranted(rec, w, 1)
                 c = rec.cores
@@ -1107,14 +1152,20 @@ class PlacementPolicy(SchedulingPolicy):
             return True
         return False
 
-    def _rebalance(self, kind: str, env: str, w: WorkerRecord) -> None:
-        """An action of ``env`` ended on ``w``, a worker whose own queue has actions waiting for
-        cores: move ``env`` while its agent thinks, when a move takes under half the mean think
-        time (most next actions then find it moved) and another worker has clearly more free
-        cores (its next action goes there)."""
+    def _rebalance(self, kind: str, env: str, w: WorkerRecord, now: float) -> None:
+        """An action of ``env`` ended on ``w``, a crowded worker: one whose own queue has actions
+        waiting for cores, or whose free cores could not give the kind's widest elastic action its
+        grant (the environment's next action may be one).  Move ``env`` while its agent thinks,
+        when a move takes under half the mean think time (most next actions then find it moved)
+        and another worker has clearly more free cores (its next action goes there)."""
         q = w.env_queue
-        if q is None or not q.live or w.draining or not self._think_s or 2.0 * self.env_move_s >= self._think_s:
+        if w.draining or not self._think_s or 2.0 * self.env_move_s >= self._think_s:
             return
+        if q is None or not q.live:
+            need = min(w.cores, self._kinds[kind].widest)
+            free = w.free_cores
+            if free >= need and (free > need + self.RIGID_RESERVE_CORES or free - self._reserve(w, now) >= need):
+                return          # roomy: it can give the widest grant, the core for commands aside
         if not self._movable(env, w):
             return
         there = self._best_worker(kind, _ONE_CORE)
@@ -1228,6 +1279,8 @@ class PlacementPolicy(SchedulingPolicy):
         w.running[spec.id] = rec
         env = spec.env
         if env is not None:
+            if not rec.elastic and d.min_cores:
+                self._rigid_change(w, d.min_cores, now)
             w.busy_envs[env] = w.busy_envs.get(env, 0) + 1
             if self._env_first.get(env) is rec:
                 del self._env_first[env]

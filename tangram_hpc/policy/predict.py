@@ -322,7 +322,12 @@ class Predictor:
             st.running.pop(spec.id, None)
         usable = run_time is not None and run_time > 0.0 and not math.isinf(run_time)
         if spec.demand.max_cores > 1 and self.learn_parallel:
-            self._speedup_in_start_order(st, spec.id, run_time if usable else None, max(1, cores))
+            # relative to its hint when it has one: a hinted action's grant follows its hint (a long
+            # one gets more cores while work waits), so raw times would credit the cores with less
+            # speed-up than they gave (0.65 learned for a true 0.9 in the swe preset, 0.75 so)
+            hint = spec.duration_hint
+            rel = (run_time / hint if hint is not None and hint > 0 else run_time) if usable else None
+            self._speedup_in_start_order(st, spec.id, rel, max(1, cores))
         if not usable:
             return
         cores = max(1, cores)
