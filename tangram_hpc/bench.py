@@ -185,7 +185,7 @@ def _summary(r: SimResult, plan: Plan) -> dict[str, Any]:
             "mem_util": r.mem_used_mb_s / r.mem_reserved_mb_s if r.mem_reserved_mb_s else None,
             "per_action_bound": float(r.lower_bound.mean()), "capacity_bound": cap,
             "bound_ratio": float(a.mean()) / cap if cap else math.inf,
-            "sim_wall_s": r.wall_s}
+            "env_moves": r.env_moves, "sim_wall_s": r.wall_s}
 
 
 def _smallest(hi: int, good: Callable[[int], bool], lo: int = 1) -> int:
@@ -282,7 +282,7 @@ def run_bench(w: Workload, *, search: bool = True, progress=None) -> tuple[dict[
                     "gpu_workers": w.cluster.gpu_workers, "gpu_slots": w.cluster.gpu_slots},
         "policies": {k: _summary(r, plan) for k, r in runs.items()},
         "trajectory_best_size": meta["trajectory_best_size"], "trajectory_sizes": meta["trajectory_sizes"],
-        "infeasible": meta["infeasible"], "tangram_vs": {}, "savings": {},
+        "infeasible": meta["infeasible"], "tangram_vs": {}, "savings": {}, "env_move_s": w.cluster.env_move_s,
     }
     ts = fig["policies"]["tangram"]
     for k, r in runs.items():
@@ -319,6 +319,10 @@ def _fmt_table(fig: dict[str, Any]) -> str:
     lines.append(f"lower bounds on tangram's mean ACT: {ts['per_action_bound']:.2f} s per action (alone, best "
                  f"cores, no wait), {ts['capacity_bound']:.2f} s capacity-aware (the cluster as one machine, "
                  f"shortest work first); tangram / capacity-aware bound = {ts['bound_ratio']:.2f}x")
+    if ts.get("env_moves"):
+        n = ts["env_moves"]
+        lines.append(f"tangram moved environments between workers {n:,} times ({n / fig['trajectories']:.1f} per "
+                     f"trajectory, {n / fig['actions']:.2f} per action), at {fig['env_move_s']:g} s each")
     lines.append("")
     lines.append(f"{'baseline / tangram':18s} {'ACT':>8s} {'step':>8s} {'core-s':>8s} {'GPU-s':>8s}")
 

@@ -83,6 +83,7 @@ def test_environments_move_off_busy_workers_when_moving_is_cheap():
         r = sim.run()
         # every action ran once, in its trajectory's order, after its submit
         assert (r.finish > 0).all() and (r.start >= r.submit).all() and (r.finish >= r.start).all()
+        assert r.env_moves == sim.moves         # reported with the result (the bench prints it)
         runs[move_s] = (sim.moves, float(r.act.mean()))
     assert runs[None][0] == 0 and runs[1000.0][0] == 0
     assert runs[1.0][0] > 10

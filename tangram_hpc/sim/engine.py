@@ -131,6 +131,7 @@ class SimResult:
     events: int = 0
     pool_notes: list[str] = field(default_factory=list)
     is_gpu: np.ndarray | None = None   # per action: ran on a GPU worker
+    env_moves: int = 0              # environments moved between workers (each cost the workload's env_move_s)
 
     @property
     def act(self) -> np.ndarray:
@@ -751,7 +752,7 @@ class Simulation:
             cpu_busy_core_s=self.cpu_busy_cs, gpu_busy_slot_s=self.gpu_busy_ss, gpu_slot_s=gpu_ss,
             makespan=end, cpu_cores_max=self.alloc_max[CPU], gpu_slots_max=self.alloc_max[GPU],
             mem_reserved_mb_s=self.mem_reserved, mem_used_mb_s=self.mem_used, trace=self.trace,
-            wall_s=wall, events=self.events, pool_notes=self.notes, is_gpu=is_gpu)
+            wall_s=wall, events=self.events, pool_notes=self.notes, is_gpu=is_gpu, env_moves=self.moves)
 
 
 def simulate(plan: Plan, policy: SchedulingPolicy, *, pool: PoolPolicy | None = None, name: str = "",
