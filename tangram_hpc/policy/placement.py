@@ -1164,7 +1164,7 @@ class PlacementPolicy(SchedulingPolicy):
         if q is None or not q.live:
             need = min(w.cores, self._kinds[kind].widest)
             free = w.free_cores
-            if free >= need and (free > need + self.RIGID_RESERVE_CORES or free - self._reserve(w, now) >= need):
+            if need == 0 or free > need + self.RIGID_RESERVE_CORES or free - self._reserve(w, now) >= need:
                 return          # roomy: it can give the widest grant, the core for commands aside
         if not self._movable(env, w):
             return
