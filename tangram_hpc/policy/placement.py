@@ -583,7 +583,8 @@ class PlacementPolicy(SchedulingPolicy):
 
     @classmethod
     def _rigid_change(cls, w: WorkerRecord, delta: int, now: float) -> None:
-        """The cores ``w``'s environments' fixed-size actions use change by ``delta`` at ``now``."""
+        """The cores ``w``'s environments' fixed-size actions use change by ``delta`` at ``now``
+        (their time average follows the use until now first)."""
         dt = now - w.rigid_at
         if dt > 0:
             w.rigid_avg += (1.0 - math.exp(-dt / cls.RIGID_WINDOW_S)) * (w.rigid_env - w.rigid_avg)
@@ -606,10 +607,8 @@ class PlacementPolicy(SchedulingPolicy):
         """
         if w.cores < 8 * cls.RIGID_RESERVE_CORES:
             return 0
-        avg = w.rigid_avg
-        if w.rigid_env != avg and now > w.rigid_at:
-            avg += (1.0 - math.exp(-(now - w.rigid_at) / cls.RIGID_WINDOW_S)) * (w.rigid_env - avg)
-        return cls.RIGID_RESERVE_CORES if avg >= 0.5 else 0
+        cls._rigid_change(w, 0, now)        # the average brought up to now
+        return cls.RIGID_RESERVE_CORES if w.rigid_avg >= 0.5 else 0
 
     def _list(self, w: WorkerRecord) -> None:
         """Index the worker's current free cores under the kinds it serves (unless an entry has them)."""
