@@ -213,6 +213,7 @@ def test_an_idle_environment_leaves_a_crowded_worker_while_its_agent_thinks():
 
     assert run(move_s=1.0, think_s=20.0, big_cores=16) == ["E"]
     assert run(move_s=15.0, think_s=20.0, big_cores=16) == []    # a move would outlast half the think
+    assert run(move_s=6.0, think_s=20.0, big_cores=16) == []     # ... or a quarter of it
     assert run(move_s=1.0, think_s=20.0, big_cores=4) == []      # nowhere clearly better to go
 
 

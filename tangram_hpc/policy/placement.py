@@ -65,8 +65,9 @@ run time there), and asks for the move when that is sooner
 environment: when an action ends on a crowded worker (its own queue has
 actions waiting for cores, or it could not give the kind's widest elastic
 action its grant), its environment is moved off while its agent thinks, if a
-move takes under half the learned think time (the gap between an
-environment's actions) and another worker has clearly more free cores.  Only
+move takes under a quarter of the learned think time (the gap between an
+environment's actions; think times are long-tailed, so at half of it one
+next action in four would come before its environment had moved) and another worker has clearly more free cores.  Only
 an environment with nothing running is moved.  The driver carries a move out
 like a drain does for one environment: it takes the environment's waiting
 actions back, has the holder save it, calls :meth:`close_env`, and submits
@@ -330,6 +331,8 @@ class PlacementPolicy(SchedulingPolicy):
     PIPELINE_BELOW_S = 0.001
     #: An environment leaves a crowded worker only for one with at least this many more free cores.
     REBALANCE_MARGIN_CORES = 8
+    #: ... and only while its agent thinks if a move takes under this share of the mean think time.
+    REBALANCE_THINK_SHARE = 0.25
     #: Time constant (seconds) of a worker's average of the cores its environments' fixed-size actions use.
     RIGID_WINDOW_S = 60.0
     #: Cores a worker keeps out of elastic grants for its environments' fixed-size actions (see _reserve).
@@ -1155,10 +1158,10 @@ class PlacementPolicy(SchedulingPolicy):
         """An action of ``env`` ended on ``w``, a crowded worker: one whose own queue has actions
         waiting for cores, or whose free cores could not give the kind's widest elastic action its
         grant (the environment's next action may be one).  Move ``env`` while its agent thinks,
-        when a move takes under half the mean think time (most next actions then find it moved)
+        when a move takes under a quarter of the mean think time (most next actions then find it moved)
         and another worker has clearly more free cores (its next action goes there)."""
         q = w.env_queue
-        if w.draining or not self._think_s or 2.0 * self.env_move_s >= self._think_s:
+        if w.draining or not self._think_s or self.REBALANCE_THINK_SHARE * self._think_s <= self.env_move_s:
             return
         if q is None or not q.live:
             need = min(w.cores, self._kinds[kind].widest)
