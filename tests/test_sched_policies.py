@@ -212,8 +212,7 @@ def test_an_idle_environment_leaves_a_crowded_worker_while_its_agent_thinks():
         return p.env_moves()
 
     assert run(move_s=1.0, think_s=20.0, big_cores=16) == ["E"]
-    assert run(move_s=15.0, think_s=20.0, big_cores=16) == []    # a move would outlast half the think
-    assert run(move_s=6.0, think_s=20.0, big_cores=16) == []     # ... or a quarter of it
+    assert run(move_s=15.0, think_s=20.0, big_cores=16) == []    # the next action would often come first
     assert run(move_s=1.0, think_s=20.0, big_cores=4) == []      # nowhere clearly better to go
 
 
@@ -258,6 +257,30 @@ def test_a_worker_keeps_a_core_out_of_elastic_grants_for_its_environments_comman
     assert grant(12) == 15              # E's next command finds a free core
     assert grant(12, idle_s=300.0) == 16   # the commands stopped long ago: nothing held back
     assert grant(12, cores=4) == 4      # a core of four is too much to hold back
+
+
+def test_moves_while_the_agent_thinks_follow_the_spread_of_think_times_not_their_mean():
+    def moves(gaps: list[float], move_s: float = 10.0) -> list[str]:
+        p = ElasticScheduler(Predictor(prior_parallel=0.95), env_move_s=move_s)
+        p.add_worker(WorkerInfo("w1", 32, kinds=CPU), 0)
+        t = 0.0
+        for i, g in enumerate(gaps):        # E's agent: an action, then a think of g seconds
+            p.submit(ActionSpec("sandbox", id=f"E{i}", env="E", duration_hint=1.0), t)
+            assert len(p.schedule(t)) == 1
+            p.finished(f"E{i}", t + 1, run_time=1.0)
+            assert p.env_moves() == []      # w1 is roomy so far
+            t += 1 + g
+        p.submit(ActionSpec("sandbox", id="last", env="E", duration_hint=1.0), t)
+        p.submit(ActionSpec("sandbox", id="W", env="F", demand=Demand(1, 24), duration_hint=500.0,
+                            label="suite"), t)
+        assert {a.action_id for a in p.schedule(t)} == {"last", "W"}
+        p.add_worker(WorkerInfo("w2", 32, kinds=CPU), t)
+        p.finished("last", t + 1, run_time=1.0)     # w1 can no longer give a 24-core grant
+        return p.env_moves()
+
+    assert moves([30.0] * 20) == ["E"]          # steady 30 s thinks: a 10 s move is done in time
+    assert moves([3.0, 57.0] * 10) == []        # the same mean, but every other think ends first
+    assert moves([3.0, 57.0] * 10, move_s=1.0) == ["E"]
 
 
 def test_closing_an_environment_sends_its_waiting_actions_to_the_shared_queues():

@@ -64,11 +64,12 @@ run time there), and asks for the move when that is sooner
 (:meth:`env_moves`).  Moving is cheaper still while nobody waits for the
 environment: when an action ends on a crowded worker (its own queue has
 actions waiting for cores, or it could not give the kind's widest elastic
-action its grant), its environment is moved off while its agent thinks, if a
-move takes under a quarter of the learned think time (the gap between an
-environment's actions; think times are long-tailed, so at half of it one
-next action in four would come before its environment had moved) and another worker has clearly more free cores.  Only
-an environment with nothing running is moved.  The driver carries a move out
+action its grant), its environment is moved off while its agent thinks, if
+fewer than ``REBALANCE_EARLY_SHARE`` of the next actions would come before the
+move is done (think times, the gaps between an environment's actions, learned
+as lognormal: they are long-tailed, and a mean says too little) and another
+worker has clearly more free cores.  Only an environment with nothing running
+is moved.  The driver carries a move out
 like a drain does for one environment: it takes the environment's waiting
 actions back, has the holder save it, calls :meth:`close_env`, and submits
 them again once it is saved; the next worker restores it.
@@ -80,6 +81,7 @@ import heapq
 import math
 from dataclasses import dataclass, field
 from enum import Enum
+from statistics import NormalDist
 from typing import Iterable, Mapping, Sequence
 
 from ..actions import ActionSpec, Demand
@@ -331,8 +333,11 @@ class PlacementPolicy(SchedulingPolicy):
     PIPELINE_BELOW_S = 0.001
     #: An environment leaves a crowded worker only for one with at least this many more free cores.
     REBALANCE_MARGIN_CORES = 8
-    #: ... and only while its agent thinks if a move takes under this share of the mean think time.
-    REBALANCE_THINK_SHARE = 0.25
+    #: ... and, while its agent thinks, only if fewer than this share of the next actions would come
+    #: before the move is done (think times learned as lognormal).
+    REBALANCE_EARLY_SHARE = 0.15
+    #: The spread (variance of log seconds) assumed for think times until gaps are seen.
+    THINK_PRIOR_VAR = 0.5
     #: Time constant (seconds) of a worker's average of the cores its environments' fixed-size actions use.
     RIGID_WINDOW_S = 60.0
     #: Cores a worker keeps out of elastic grants for its environments' fixed-size actions (see _reserve).
@@ -348,7 +353,11 @@ class PlacementPolicy(SchedulingPolicy):
         self.env_move_s = env_move_s
         self._moves: list[str] = []
         self._env_idle: dict[str, float] = {}     # environment -> when its last action ended
-        self._think_s: float | None = None        # mean gap between an environment's actions (learned)
+        # the gaps between an environment's actions (its agent's think time): [mean, variance] of their
+        # logs and how many were seen; and the gap that only REBALANCE_EARLY_SHARE of them are under
+        self._think: list[float] | None = None
+        self._quick_think_s: float | None = None
+        self._early_z = NormalDist().inv_cdf(self.REBALANCE_EARLY_SHARE)
         self.pipeline_below_s = self.PIPELINE_BELOW_S if pipeline_below_s is None else pipeline_below_s
         self.tally = Tally()
         self._recs: dict[str, ActionRecord] = {}
@@ -684,8 +693,7 @@ class PlacementPolicy(SchedulingPolicy):
         if self.env_move_s is not None and action.env is not None:
             idle = self._env_idle.pop(action.env, None)
             if idle is not None:        # the gap between an environment's actions: its agent's think time
-                gap = now - idle
-                self._think_s = gap if self._think_s is None else 0.95 * self._think_s + 0.05 * gap
+                self._learn_think(now - idle)
         self._waiting[aid] = rec
         rec.d1, rec.p, rec.tail = self.predictor.estimate(action)
         if not rec.light:
@@ -1154,14 +1162,29 @@ class PlacementPolicy(SchedulingPolicy):
             return True
         return False
 
+    def _learn_think(self, gap: float) -> None:
+        """One more gap between an environment's actions: update the log-normal fit of think times."""
+        y = math.log(max(gap, 1e-3))
+        t = self._think
+        if t is None:
+            t = self._think = [y, self.THINK_PRIOR_VAR, 1.0]
+        else:
+            t[2] += 1.0
+            a = max(0.05, 1.0 / t[2])        # the plain mean while few gaps are known, then a moving one
+            d = y - t[0]
+            t[0] += a * d
+            t[1] = (1.0 - a) * (t[1] + a * d * d)
+        self._quick_think_s = math.exp(t[0] + self._early_z * math.sqrt(t[1]))
+
     def _rebalance(self, kind: str, env: str, w: WorkerRecord, now: float) -> None:
         """An action of ``env`` ended on ``w``, a crowded worker: one whose own queue has actions
         waiting for cores, or whose free cores could not give the kind's widest elastic action its
         grant (the environment's next action may be one).  Move ``env`` while its agent thinks,
-        when a move takes under a quarter of the mean think time (most next actions then find it moved)
-        and another worker has clearly more free cores (its next action goes there)."""
+        when the move is done before all but a few next actions come (think times are long-tailed:
+        a move under half the mean think time still delayed one of math's next actions in four) and
+        another worker has clearly more free cores (its next action goes there)."""
         q = w.env_queue
-        if w.draining or not self._think_s or self.REBALANCE_THINK_SHARE * self._think_s <= self.env_move_s:
+        if w.draining or self._quick_think_s is None or self.env_move_s >= self._quick_think_s:
             return
         if q is None or not q.live:
             need = min(w.cores, self._kinds[kind].widest)
