@@ -1181,8 +1181,8 @@ class PlacementPolicy(SchedulingPolicy):
         waiting for cores, or whose free cores could not give the kind's widest elastic action its
         grant (the environment's next action may be one).  Move ``env`` while its agent thinks,
         when the move is done before all but a few next actions come (think times are long-tailed:
-        a move under half the mean think time still delayed one of math's next actions in four) and
-        another worker has clearly more free cores (its next action goes there)."""
+        a quarter of the math preset's are shorter than half their mean) and another worker has
+        clearly more free cores (its next action goes there)."""
         q = w.env_queue
         if w.draining or self._quick_think_s is None or self.env_move_s >= self._quick_think_s:
             return
