@@ -92,4 +92,3 @@ def unchanged(st: os.stat_result, seen: tuple[int, int, int], ref: BaseRef, rel:
     """Whether the entry ``rel`` of a copy, with lstat ``st``, is still the base's (manifest ``seen``)."""
     return (st.st_ctime_ns <= ref.since and st.st_mode == seen[0] and st.st_size == seen[1]
             and st.st_mtime_ns == seen[2] and rel not in ref.dirty)
-

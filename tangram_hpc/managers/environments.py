@@ -530,7 +530,6 @@ class EnvStore:
         snapshot_dir.mkdir(parents=True, exist_ok=True)
         name = f"{env_dirname(env_id)}-g{generation}-{int(time.time())}-{os.urandom(4).hex()}.tar.gz"
         final = snapshot_dir / name
-        part = snapshot_dir / (name + ".partial")
         with self._lock:
             journal = list(self._journal_of(env).values())[-JOURNAL_KEEP:]
             base = self._bases.get(env.base.fingerprint) if env.base is not None else None
@@ -541,13 +540,7 @@ class EnvStore:
             _save_base(base, snapshot_dir)
             headers[_PAX_BASE] = base.fingerprint
             delta = _Delta(base.manifest, env.base)
-        try:
-            with tarfile.open(part, "w:gz", compresslevel=1, format=tarfile.PAX_FORMAT, pax_headers=headers) as tar:
-                _tar_tree(tar, env.path, delta)
-            os.replace(part, final)
-        except BaseException:
-            part.unlink(missing_ok=True)
-            raise
+        _write_tar(final, env.path, headers, delta)
         return str(final)
 
     def restore(self, env_id: str, snapshot: str, template: str | None = None) -> Environment:
@@ -972,21 +965,25 @@ def _tar_tree(tar: tarfile.TarFile, root: Path, delta: _Delta | None = None) -> 
         os.close(fd)
 
 
+def _write_tar(out: Path, root: Path, headers: dict[str, str], delta: _Delta | None = None) -> None:
+    """Write the tree at ``root`` (:func:`_tar_tree`) to ``out``, which appears whole or not at all."""
+    part = out.with_name(f"{out.name}.{os.urandom(4).hex()}.partial")
+    try:
+        with tarfile.open(part, "w:gz", compresslevel=1, format=tarfile.PAX_FORMAT, pax_headers=headers) as tar:
+            _tar_tree(tar, root, delta)
+        os.replace(part, out)
+    except BaseException:
+        part.unlink(missing_ok=True)
+        raise
+
+
 def _save_base(base: Base, snapshot_dir: Path) -> None:
     """Save ``base`` as ``<snapshot_dir>/bases/<fingerprint>.tar.gz`` unless it is there."""
     out = snapshot_dir / _BASES_DIR / f"{base.fingerprint}.tar.gz"
     if out.is_file():
         return
     out.parent.mkdir(exist_ok=True)
-    part = out.with_name(f"{out.name}.{os.urandom(4).hex()}.partial")
-    try:
-        with tarfile.open(part, "w:gz", compresslevel=1, format=tarfile.PAX_FORMAT,
-                          pax_headers={_PAX_BASE: base.fingerprint}) as tar:
-            _tar_tree(tar, base.path)
-        os.replace(part, out)
-    except BaseException:
-        part.unlink(missing_ok=True)
-        raise
+    _write_tar(out, base.path, {_PAX_BASE: base.fingerprint})
 
 
 def _deleted_of(members: list[tarfile.TarInfo], snapshot: str) -> list[str]:
