@@ -114,10 +114,12 @@ class CoordinatorSettings:
     policy: str = key("elastic", "placement policy", env="TANGRAM_POLICY", choices=("elastic", "fifo"))
     pipeline_below_s: float = key(PlacementPolicy.PIPELINE_BELOW_S, "core-bound actions whose class is learned to "
                                   "take less than this run pipelined, binding no core (0: never)", minimum=0)
+    env_moves: bool = key(True, "let the scheduler move a stateful environment to another worker when its "
+                          "waiting action would finish sooner there, or off a crowded worker while its agent "
+                          "thinks (off: an environment stays on the worker it started on)", flag="--no-env-moves")
     env_move_s: float = key(10.0, "first guess of the seconds it takes to move a stateful environment to another "
-                            "worker (its holder saves it, the next one restores it); the scheduler moves one "
-                            "when its waiting action would finish sooner elsewhere, and learns the real cost "
-                            "from each move (0: environments never move)", minimum=0)
+                            "worker (its holder saves it, the next one restores it); the scheduler learns the "
+                            "real cost from each move (to keep environments where they start: env_moves = false)", minimum=0.01)
     max_attempts: int = key(3, "attempts per action across worker losses", minimum=1)
     worker_timeout_s: float = key(5.0, "seconds of silence before a worker is lost", flag="--worker-timeout",
                                   minimum=0.1)

@@ -35,15 +35,14 @@ from .security import CurveKeys, is_loopback
 log = logging.getLogger("tangram.launch")
 
 
-def make_policy(name: str, pipeline_below_s: float | None = None, env_move_s: float = 0.0) -> SchedulingPolicy:
-    """The named placement policy; ``env_move_s`` 0: environments never move."""
-    move = env_move_s or None
+def make_policy(name: str, pipeline_below_s: float | None = None, env_move_s: float | None = None) -> SchedulingPolicy:
+    """The named placement policy; ``env_move_s`` (the first guess of a move's cost) None: environments never move."""
     if name == "fifo":
         from .policy.fifo import FifoPolicy
-        return FifoPolicy(pipeline_below_s=pipeline_below_s, env_move_s=move)
+        return FifoPolicy(pipeline_below_s=pipeline_below_s, env_move_s=env_move_s)
     if name == "elastic":
         from .policy.elastic import ElasticScheduler
-        return ElasticScheduler(pipeline_below_s=pipeline_below_s, env_move_s=move)
+        return ElasticScheduler(pipeline_below_s=pipeline_below_s, env_move_s=env_move_s)
     raise ConfigError(f"unknown policy {name!r} (choose elastic or fifo)")
 
 
@@ -70,7 +69,7 @@ def build_coordinator(settings: Settings, *, reuse_ports: bool = True) -> Coordi
     common = ["--config", str(settings.file)] if settings.file else []
     service_args = common + worker_flags(settings, "services") + ["--kinds", "reward"]
     backend = pool = None
-    policy = make_policy(cfg.policy, cfg.pipeline_below_s, cfg.env_move_s)
+    policy = make_policy(cfg.policy, cfg.pipeline_below_s, cfg.env_move_s if cfg.env_moves else None)
     if cfg.backend == "local":
         from .backends.local import LocalBackend
         backend = LocalBackend(cfg.run_dir / "workers")

@@ -186,3 +186,18 @@ def test_the_sandbox_template_is_every_new_environments_default_and_must_be_a_di
                     "default_template": "project"}
     with pytest.raises(ConfigError, match="template .*gone is not a directory"):
         sandbox_templates(parse("worker", "--sandbox-template", str(tmp_path / "gone")).sandbox)
+
+
+def test_environment_moves_are_turned_off_by_their_own_key_not_by_a_zero_cost(tmp_path):
+    from tangram_hpc.launch import build_coordinator
+    run = ("--run-dir", str(tmp_path / "run"), "--insecure", "--backend", "none")
+    on = build_coordinator(parse("coordinator", *run, "--env-move-s", "3"))
+    off = build_coordinator(parse("coordinator", *run, "--no-env-moves"))
+    try:
+        assert on.policy.env_move_s == 3.0 and off.policy.env_move_s is None    # None: the policy never moves one
+    finally:
+        on.close()
+        off.close()
+    assert load(write(tmp_path, "[coordinator]\nenv_moves = false\n"), environ={}).coordinator.env_moves is False
+    with pytest.raises(ConfigError, match="env_move_s .*must be at least 0.01"):
+        load(write(tmp_path, "[coordinator]\nenv_move_s = 0\n"), environ={})
