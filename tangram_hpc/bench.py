@@ -44,13 +44,17 @@ from .sim.bounds import capacity_bound
 from .sim.engine import SimResult, cluster_shapes, service_infos, simulate
 from .sim.workload import Plan, Workload, WorkloadError, load_workload, preset_names
 
-__all__ = ["add_arguments", "main", "run_bench", "tangram_run", "baseline_makers", "BASELINES"]
+__all__ = ["add_arguments", "main", "run_bench", "run_seeds", "seed_spread", "parse_seeds", "tangram_run",
+           "baseline_makers", "BASELINES"]
 
 
 #: baselines in the order they are reported
 BASELINES = ("trajectory-max", "trajectory-best", "task-isolated", "pooled-fifo-min", "pooled-fifo-max",
              "pooled-sjf-min", "pooled-sjf-max")
 STEP_TOLERANCE = 0.01    # a cut cluster "reaches" a step time within 1 %
+MAX_SEEDS = 1000
+#: "no worse" across seeds allows this relative difference: sums of the same times in another order
+TIE_TOLERANCE = 1e-9
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,7 +67,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cluster-scale", type=float, default=1.0,
                         help="multiply the cluster's worker counts by this (default 1)")
     parser.add_argument("--steps", type=int, default=None, help="override the number of RL steps")
-    parser.add_argument("--seed", type=int, default=None, help="override the workload's seed")
+    parser.add_argument("--seed", type=parse_seeds, default=None, metavar="SEEDS",
+                        help="override the workload's seed; several (100-104, or 1,5,9) run the bench once per "
+                             "seed and print the spread of each figure and on how many seeds tangram was no "
+                             "worse than each baseline (without the savings search)")
     parser.add_argument("--no-search", action="store_true",
                         help="skip the savings (the searches for the smallest clusters at equal step time)")
     parser.add_argument("--quiet", action="store_true",
@@ -266,6 +273,24 @@ def savings(plan: Plan, runs: dict[str, SimResult], baselines: list[str], best_s
     return out
 
 
+def parse_seeds(text: str) -> list[int]:
+    """``7``, ``100-104`` or ``1,5,9-11`` as the list of seeds it names, in order, each once."""
+    seeds: list[int] = []
+    for part in text.split(","):
+        lo, dash, hi = part.strip().partition("-")
+        try:
+            first, last = int(lo), int(hi) if dash else int(lo)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"seed {part.strip()!r}: expected N or N-M (N, M >= 0)") from None
+        if first < 0 or last < first or last - first >= MAX_SEEDS:
+            raise argparse.ArgumentTypeError(f"seed range {part.strip()!r}: expected N-M with 0 <= N <= M "
+                                             f"and at most {MAX_SEEDS} seeds")
+        seeds.extend(s for s in range(first, last + 1) if s not in seeds)
+    if len(seeds) > MAX_SEEDS:
+        raise argparse.ArgumentTypeError(f"{len(seeds)} seeds: at most {MAX_SEEDS}")
+    return seeds
+
+
 def run_bench(w: Workload, *, search: bool = True, progress=None) -> tuple[dict[str, Any], dict[str, SimResult]]:
     plan = w.sample()
     if progress:
@@ -299,6 +324,70 @@ def run_bench(w: Workload, *, search: bool = True, progress=None) -> tuple[dict[
         fig["savings"] = savings(plan, runs, [b for b in BASELINES if b in runs], meta["trajectory_best_size"],
                                  progress)
     return fig, runs
+
+
+def run_seeds(w: Workload, seeds: list[int], *, progress=None) -> dict[str, Any]:
+    """The bench (without the savings search) on each seed of ``w``, and the spread (:func:`seed_spread`)."""
+    figs = []
+    for n, seed in enumerate(seeds, 1):
+        if progress:
+            progress(f"seed {seed} ({n}/{len(seeds)})")
+        fig, _ = run_bench(replace(w, seed=seed), search=False, progress=progress)
+        fig["seed"] = seed
+        figs.append(fig)
+    return {"workload": w.name, "source": w.source, "seeds": list(seeds), "steps": w.rollout.steps,
+            "spread": seed_spread(figs), "runs": figs}
+
+
+def _spread(xs: list[float]) -> dict[str, float]:
+    return {"median": float(np.median(xs)), "min": float(min(xs)), "max": float(max(xs))}
+
+
+def seed_spread(figs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Across the figures of several seeds: median, min and max of each policy's mean ACT and step,
+    of each baseline's ratio to tangram, and on how many seeds tangram's were no worse than the
+    baseline's (within :data:`TIE_TOLERANCE`).  A policy infeasible on some seeds counts over the rest."""
+    names = list(dict.fromkeys(k for f in figs for k in f["policies"]))
+    policies, vs = {}, {}
+    for k in names:
+        have = [f["policies"][k] for f in figs if k in f["policies"]]
+        policies[k] = {"seeds": len(have), "mean_act": _spread([p["mean_act"] for p in have]),
+                       "step_s": _spread([p["step_s"] for p in have])}
+        if k == "tangram":
+            continue
+        pairs = [(f["policies"][k], f["policies"]["tangram"]) for f in figs if k in f["policies"]]
+        vs[k] = {"seeds": len(pairs)}
+        for fig_key, out in (("mean_act", "act"), ("step_s", "step")):
+            vs[k][f"{out}_ratio"] = _spread([b[fig_key] / t[fig_key] for b, t in pairs])
+            vs[k][f"no_worse_{out}"] = sum(t[fig_key] <= b[fig_key] * (1 + TIE_TOLERANCE) for b, t in pairs)
+    return {"seeds": len(figs), "policies": policies, "tangram_vs": vs,
+            "trajectory_best_sizes": [f.get("trajectory_best_size") for f in figs],
+            "bound_ratio": _spread([f["tangram_bound_ratio"] for f in figs])}
+
+
+def _fmt_seeds(res: dict[str, Any]) -> str:
+    sp = res["spread"]
+    n = sp["seeds"]
+
+    def rng(s, fmt):
+        return f"{format(s['median'], fmt)} [{format(s['min'], fmt)}, {format(s['max'], fmt)}]"
+    lines = [f"{'policy':18s} {'mean ACT: median [min, max]':>30s} {'step s: median [min, max]':>28s}"]
+    lines.append("-" * len(lines[0]))
+    for k, p in sp["policies"].items():
+        note = f"  (on {p['seeds']} of {n} seeds)" if p["seeds"] < n else ""
+        if k == "trajectory-best":
+            note += f"  (sizes {', '.join(map(str, sp['trajectory_best_sizes']))})"
+        lines.append(f"{k:18s} {rng(p['mean_act'], '.3f'):>30s} {rng(p['step_s'], '.1f'):>28s}{note}")
+    lines.append("")
+    lines.append(f"tangram / capacity-aware bound: {rng(sp['bound_ratio'], '.2f')}")
+    lines.append("")
+    lines.append(f"{'baseline / tangram':18s} {'ACT: median [min, max]':>26s} {'step: median [min, max]':>26s} "
+                 f"{'tangram no worse: ACT, step':>28s}")
+    for k, v in sp["tangram_vs"].items():
+        lines.append(f"{k:18s} {rng(v['act_ratio'], '.3f'):>26s} {rng(v['step_ratio'], '.3f'):>26s} "
+                     f"{str(v['no_worse_act']) + ' / ' + str(v['seeds']):>14s} "
+                     f"{str(v['no_worse_step']) + ' / ' + str(v['seeds']):>13s}")
+    return "\n".join(lines)
 
 
 def _fmt_table(fig: dict[str, Any]) -> str:
@@ -407,8 +496,10 @@ def main(args: argparse.Namespace) -> int:
         return 2
     if args.scale != 1.0 or args.cluster_scale != 1.0 or args.steps is not None:
         w = w.scaled(trajectories=args.scale, cluster=args.cluster_scale, steps=args.steps)
+    if args.seed is not None and len(args.seed) > 1:
+        return _main_seeds(args, w)
     if args.seed is not None:
-        w = replace(w, seed=args.seed)
+        w = replace(w, seed=args.seed[0])
     t0 = time.perf_counter()
     with progress_reporter(args.quiet) as progress:
         fig, runs = run_bench(w, search=not args.no_search, progress=progress)
@@ -422,6 +513,25 @@ def main(args: argparse.Namespace) -> int:
     if args.plot:
         for p in write_plots(runs, args.plot, w.name):
             print(f"wrote {p}", file=sys.stderr)
+    return 0
+
+
+def _main_seeds(args: argparse.Namespace, w: Workload) -> int:
+    if args.plot:
+        print("tangram-hpc bench: --plot draws one run: give one seed", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    with progress_reporter(args.quiet) as progress:
+        res = run_seeds(w, args.seed, progress=progress)
+    res["bench_wall_s"] = time.perf_counter() - t0
+    first = res["runs"][0]
+    print(f"workload {w.name} ({w.source}): {len(args.seed)} seeds ({', '.join(map(str, args.seed))}), "
+          f"{first['trajectories']:,} trajectories and about {first['actions']:,} actions each, "
+          f"{w.rollout.steps} steps; no savings search (it runs with one seed)")
+    print(_fmt_seeds(res))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
     return 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -265,3 +266,55 @@ def test_step_aware_pool_keeps_the_capacity_of_a_step_for_the_next():
     at_step2 = [a for t, _, a, _, _ in r.trace if t >= r.step_durations[0]]
     assert at_step2 and at_step2[0] == 16        # all four workers still there when step 2 begins
     assert r.cpu_cores_max == 16
+
+
+def test_bench_seeds_are_named_as_lists_and_ranges():
+    assert bench.parse_seeds("7") == [7]
+    assert bench.parse_seeds("100-102") == [100, 101, 102]
+    assert bench.parse_seeds("1,5, 9-11,5") == [1, 5, 9, 10, 11]
+    for bad in ("a", "5-3", "-1", "1-", f"0-{bench.MAX_SEEDS}"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            bench.parse_seeds(bad)
+
+
+def _fig(tangram: tuple[float, float], base: tuple[float, float] | None, size: int = 2) -> dict:
+    pol = {"tangram": {"mean_act": tangram[0], "step_s": tangram[1]}}
+    if base is not None:
+        pol["pooled-sjf-max"] = {"mean_act": base[0], "step_s": base[1]}
+    return {"policies": pol, "tangram_bound_ratio": 1.0, "trajectory_best_size": size}
+
+
+def test_the_spread_over_seeds_counts_where_tangram_was_no_worse():
+    figs = [_fig((2.0, 100.0 * (1 + 1e-12)), (3.0, 100.0)),     # better ACT; a tie in step within rounding
+            _fig((2.0, 110.0), (1.9, 100.0)),                    # worse on both
+            _fig((4.0, 90.0), None),                             # the baseline could not run on this seed
+            _fig((3.0, 95.0), (3.0, 96.0))]                      # equal ACT counts as no worse
+    sp = bench.seed_spread(figs)
+    assert sp["seeds"] == 4 and sp["policies"]["tangram"]["mean_act"] == {"median": 2.5, "min": 2.0, "max": 4.0}
+    b = sp["tangram_vs"]["pooled-sjf-max"]
+    assert b["seeds"] == 3 and sp["policies"]["pooled-sjf-max"]["seeds"] == 3
+    assert (b["no_worse_act"], b["no_worse_step"]) == (2, 2)
+    assert b["act_ratio"]["min"] == pytest.approx(0.95) and b["act_ratio"]["max"] == pytest.approx(1.5)
+    assert b["act_ratio"]["median"] == pytest.approx(1.0)
+
+
+def test_bench_on_several_seeds_runs_each_seed_and_writes_the_spread(tmp_path, capsys):
+    ap = argparse.ArgumentParser()
+    bench.add_arguments(ap)
+    out = tmp_path / "seeds.json"
+    args = ap.parse_args(["--workload", "judge", "--scale", "0.1", "--steps", "1", "--quiet", "--seed", "3-4",
+                          "--json", str(out)])
+    assert bench.main(args) == 0
+    res = json.loads(out.read_text())
+    assert res["seeds"] == [3, 4] and [r["seed"] for r in res["runs"]] == [3, 4]
+    w = load_workload("judge").scaled(trajectories=0.1, steps=1)
+    alone, _ = bench.run_bench(replace(w, seed=4), search=False)
+    assert res["runs"][1]["policies"]["tangram"]["mean_act"] == alone["policies"]["tangram"]["mean_act"]
+    assert res["runs"][0]["policies"]["tangram"]["mean_act"] != alone["policies"]["tangram"]["mean_act"]
+    acts = [r["policies"]["tangram"]["mean_act"] for r in res["runs"]]
+    assert res["spread"]["policies"]["tangram"]["mean_act"]["median"] == pytest.approx(sum(acts) / 2)
+    assert all(r["savings"] == {} for r in res["runs"])
+    text = capsys.readouterr().out
+    assert "2 seeds (3, 4)" in text and "tangram no worse" in text
+    plot = ap.parse_args(["--workload", "judge", "--quiet", "--seed", "1,2", "--plot", str(tmp_path / "p")])
+    assert bench.main(plot) == 2
