@@ -362,6 +362,9 @@ def seed_spread(figs: list[dict[str, Any]]) -> dict[str, Any]:
             vs[k][f"no_worse_{out}"] = sum(t[fig_key] <= b[fig_key] * (1 + TIE_TOLERANCE) for b, t in pairs)
     return {"seeds": len(figs), "policies": policies, "tangram_vs": vs,
             "trajectory_best_sizes": [f.get("trajectory_best_size") for f in figs],
+            "infeasible": {k: {"seeds": sum(k in f.get("infeasible", {}) for f in figs),
+                               "why": next(f["infeasible"][k] for f in figs if k in f.get("infeasible", {}))}
+                           for k in dict.fromkeys(k for f in figs for k in f.get("infeasible", {}))},
             "bound_ratio": _spread([f["tangram_bound_ratio"] for f in figs])}
 
 
@@ -378,6 +381,8 @@ def _fmt_seeds(res: dict[str, Any]) -> str:
         if k == "trajectory-best":
             note += f"  (sizes {', '.join(map(str, sp['trajectory_best_sizes']))})"
         lines.append(f"{k:18s} {rng(p['mean_act'], '.3f'):>30s} {rng(p['step_s'], '.1f'):>28s}{note}")
+    for k, v in sp["infeasible"].items():
+        lines.append(f"{k:18s} cannot run here on {v['seeds']} of {n} seeds: {v['why']}")
     lines.append("")
     lines.append(f"tangram / capacity-aware bound: {rng(sp['bound_ratio'], '.2f')}")
     lines.append("")

@@ -287,12 +287,13 @@ def _fig(tangram: tuple[float, float], base: tuple[float, float] | None, size: i
 def test_the_spread_over_seeds_counts_where_tangram_was_no_worse():
     figs = [_fig((2.0, 100.0 * (1 + 1e-12)), (3.0, 100.0)),     # better ACT; a tie in step within rounding
             _fig((2.0, 110.0), (1.9, 100.0)),                    # worse on both
-            _fig((4.0, 90.0), None),                             # the baseline could not run on this seed
+            dict(_fig((4.0, 90.0), None), infeasible={"pooled-sjf-max": "stalls"}),   # it could not run here
             _fig((3.0, 95.0), (3.0, 96.0))]                      # equal ACT counts as no worse
     sp = bench.seed_spread(figs)
     assert sp["seeds"] == 4 and sp["policies"]["tangram"]["mean_act"] == {"median": 2.5, "min": 2.0, "max": 4.0}
     b = sp["tangram_vs"]["pooled-sjf-max"]
     assert b["seeds"] == 3 and sp["policies"]["pooled-sjf-max"]["seeds"] == 3
+    assert sp["infeasible"] == {"pooled-sjf-max": {"seeds": 1, "why": "stalls"}}
     assert (b["no_worse_act"], b["no_worse_step"]) == (2, 2)
     assert b["act_ratio"]["min"] == pytest.approx(0.95) and b["act_ratio"]["max"] == pytest.approx(1.5)
     assert b["act_ratio"]["median"] == pytest.approx(1.0)
