@@ -330,9 +330,9 @@ def run_seeds(w: Workload, seeds: list[int], *, progress=None) -> dict[str, Any]
     """The bench (without the savings search) on each seed of ``w``, and the spread (:func:`seed_spread`)."""
     figs = []
     for n, seed in enumerate(seeds, 1):
-        if progress:
-            progress(f"seed {seed} ({n}/{len(seeds)})")
-        fig, _ = run_bench(replace(w, seed=seed), search=False, progress=progress)
+        def said(msg: str, head: str = f"seed {seed} ({n}/{len(seeds)})") -> None:
+            progress(f"{head}: {msg}")
+        fig, _ = run_bench(replace(w, seed=seed), search=False, progress=said if progress else None)
         fig["seed"] = seed
         figs.append(fig)
     return {"workload": w.name, "source": w.source, "seeds": list(seeds), "steps": w.rollout.steps,
