@@ -27,8 +27,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import replace
 from typing import Any, Callable
 
@@ -71,6 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="override the workload's seed; several (100-104, or 1,5,9) run the bench once per "
                              "seed and print the spread of each figure and on how many seeds tangram was no "
                              "worse than each baseline (without the savings search)")
+    parser.add_argument("--jobs", type=int, default=1, metavar="N",
+                        help="with several seeds: run N at once, each in its own process (default 1; 0: one "
+                             "per CPU this process may use)")
     parser.add_argument("--no-search", action="store_true",
                         help="skip the savings (the searches for the smallest clusters at equal step time)")
     parser.add_argument("--quiet", action="store_true",
@@ -326,15 +331,33 @@ def run_bench(w: Workload, *, search: bool = True, progress=None) -> tuple[dict[
     return fig, runs
 
 
-def run_seeds(w: Workload, seeds: list[int], *, progress=None) -> dict[str, Any]:
-    """The bench (without the savings search) on each seed of ``w``, and the spread (:func:`seed_spread`)."""
-    figs = []
-    for n, seed in enumerate(seeds, 1):
-        def said(msg: str, head: str = f"seed {seed} ({n}/{len(seeds)})") -> None:
-            progress(f"{head}: {msg}")
-        fig, _ = run_bench(replace(w, seed=seed), search=False, progress=said if progress else None)
-        fig["seed"] = seed
-        figs.append(fig)
+def _seed_fig(w: Workload, seed: int, progress=None) -> dict[str, Any]:
+    fig, _ = run_bench(replace(w, seed=seed), search=False, progress=progress)
+    fig["seed"] = seed
+    return fig
+
+
+def run_seeds(w: Workload, seeds: list[int], *, jobs: int = 1, progress=None) -> dict[str, Any]:
+    """The bench (without the savings search) on each seed of ``w``, and the spread (:func:`seed_spread`).
+
+    ``jobs`` > 1 runs that many seeds at once, each in a process of its own (a seed's figures do
+    not depend on what else runs).
+    """
+    if jobs > 1 and len(seeds) > 1:
+        bar = getattr(progress, "task", None)
+        bar = bar(f"{len(seeds)} seeds, {min(jobs, len(seeds))} at a time", len(seeds)) if bar else None
+        with ProcessPoolExecutor(min(jobs, len(seeds))) as pool:
+            futures = [pool.submit(_seed_fig, w, seed) for seed in seeds]
+            for _ in as_completed(futures):
+                if bar is not None:
+                    bar.advance(1)
+            figs = [f.result() for f in futures]
+    else:
+        figs = []
+        for n, seed in enumerate(seeds, 1):
+            def said(msg: str, head: str = f"seed {seed} ({n}/{len(seeds)})") -> None:
+                progress(f"{head}: {msg}")
+            figs.append(_seed_fig(w, seed, said if progress else None))
     return {"workload": w.name, "source": w.source, "seeds": list(seeds), "steps": w.rollout.steps,
             "spread": seed_spread(figs), "runs": figs}
 
@@ -525,9 +548,12 @@ def _main_seeds(args: argparse.Namespace, w: Workload) -> int:
     if args.plot:
         print("tangram-hpc bench: --plot draws one run: give one seed", file=sys.stderr)
         return 2
+    if args.jobs < 0:
+        print("tangram-hpc bench: --jobs must be 0 (one per CPU) or more", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
     with progress_reporter(args.quiet) as progress:
-        res = run_seeds(w, args.seed, progress=progress)
+        res = run_seeds(w, args.seed, jobs=args.jobs or len(os.sched_getaffinity(0)), progress=progress)
     res["bench_wall_s"] = time.perf_counter() - t0
     first = res["runs"][0]
     print(f"workload {w.name} ({w.source}): {len(args.seed)} seeds ({', '.join(map(str, args.seed))}), "

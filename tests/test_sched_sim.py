@@ -319,3 +319,10 @@ def test_bench_on_several_seeds_runs_each_seed_and_writes_the_spread(tmp_path, c
     assert "2 seeds (3, 4)" in text and "tangram no worse" in text
     plot = ap.parse_args(["--workload", "judge", "--quiet", "--seed", "1,2", "--plot", str(tmp_path / "p")])
     assert bench.main(plot) == 2
+    # two at once, each in its own process: the same figures, in the order of the seeds
+    both = bench.run_seeds(w, [4, 3], jobs=2)
+    assert [r["seed"] for r in both["runs"]] == [4, 3]
+
+    def figures(run):       # all but the wall time each simulation took
+        return json.loads(json.dumps({k: dict(v, sim_wall_s=0) for k, v in run["policies"].items()}))
+    assert [figures(r) for r in both["runs"]] == [figures(r) for r in reversed(res["runs"])]
