@@ -533,7 +533,7 @@ def main(args: argparse.Namespace) -> int:
         fig, runs = run_bench(w, search=not args.no_search, progress=progress)
     fig["bench_wall_s"] = time.perf_counter() - t0
     print(f"workload {w.name} ({w.source}): {fig['trajectories']:,} trajectories, {fig['actions']:,} actions, "
-          f"{w.rollout.steps} steps")
+          f"{w.rollout.steps} step{'s' if w.rollout.steps != 1 else ''}")
     print(_fmt_table(fig))
     if args.json:
         with open(args.json, "w") as f:
@@ -558,7 +558,8 @@ def _main_seeds(args: argparse.Namespace, w: Workload) -> int:
     first = res["runs"][0]
     print(f"workload {w.name} ({w.source}): {len(args.seed)} seeds ({', '.join(map(str, args.seed))}), "
           f"{first['trajectories']:,} trajectories and about {first['actions']:,} actions each, "
-          f"{w.rollout.steps} steps; no savings search (it runs with one seed)")
+          f"{w.rollout.steps} step{'s' if w.rollout.steps != 1 else ''} each; no savings search (it runs with "
+          f"one seed)")
     print(_fmt_seeds(res))
     if args.json:
         with open(args.json, "w") as f:
