@@ -119,7 +119,8 @@ class CoordinatorSettings:
                           "thinks (off: an environment stays on the worker it started on)", flag="--no-env-moves")
     env_move_s: float = key(10.0, "first guess of the seconds it takes to move a stateful environment to another "
                             "worker (its holder saves it, the next one restores it); the scheduler learns the "
-                            "real cost from each move (to keep environments where they start: env_moves = false)", minimum=0.01)
+                            "real cost from each move (to keep environments where they start: env_moves = false)",
+                            minimum=0.01)
     max_attempts: int = key(3, "attempts per action across worker losses", minimum=1)
     worker_timeout_s: float = key(5.0, "seconds of silence before a worker is lost", flag="--worker-timeout",
                                   minimum=0.1)
