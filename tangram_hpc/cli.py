@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import re
 import sys
 
@@ -90,10 +91,17 @@ def main(argv: list[str] | None = None) -> int:
     _, main_name = _ENTRY.get(args._command, ("add_arguments", "main"))
     mod = importlib.import_module(args._module)
     try:
-        return int(getattr(mod, main_name)(args) or 0)
+        rc = int(getattr(mod, main_name)(args) or 0)
+        sys.stdout.flush()          # a reader that went away shows here, not in Python's exit
+        return rc
     except ConfigError as e:
         print(f"tangram-hpc {args._command}: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # the reader went away (``| head``): stop quietly, and send what is still buffered, which
+        # Python flushes at exit, nowhere
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

@@ -52,6 +52,18 @@ def test_submit_and_status_against_a_running_coordinator(cluster):
     assert len(st["workers"]) == 2
 
 
+def test_output_cut_short_by_its_reader_is_no_traceback():
+    """``tangram-hpc bench ... | head -1``: the reader leaves after one line; the command stops quietly."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.Popen([sys.executable, "-m", "tangram_hpc.cli", "bench", "--workload", "judge", "--scale", "0.1",
+                          "--steps", "1", "--no-search", "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env=env)
+    p.stdout.close()                    # as head does after its line; here before the first
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 1
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
 def test_submit_without_coordinator_fails_clearly(tmp_path):
     r = cli("submit", "-c", str(tmp_path / "nope.json"), "true")
     assert r.returncode != 0 and "no connection file" in r.stderr
