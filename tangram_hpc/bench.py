@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing
 import os
 import sys
 import time
@@ -346,7 +347,8 @@ def run_seeds(w: Workload, seeds: list[int], *, jobs: int = 1, progress=None) ->
     if jobs > 1 and len(seeds) > 1:
         bar = getattr(progress, "task", None)
         bar = bar(f"{len(seeds)} seeds, {min(jobs, len(seeds))} at a time", len(seeds)) if bar else None
-        with ProcessPoolExecutor(min(jobs, len(seeds))) as pool:
+        # spawned, not forked: the progress display's thread may hold a lock at the moment of a fork
+        with ProcessPoolExecutor(min(jobs, len(seeds)), mp_context=multiprocessing.get_context("spawn")) as pool:
             futures = [pool.submit(_seed_fig, w, seed) for seed in seeds]
             for _ in as_completed(futures):
                 if bar is not None:
