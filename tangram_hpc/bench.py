@@ -44,7 +44,7 @@ from .progress import progress_reporter
 from .resources import CPU, GPU
 from .sim.baselines import PooledPolicy, TaskIsolatedPolicy, TrajectoryBoundPolicy, isolated_split, unconstrained_peaks
 from .sim.bounds import capacity_bound
-from .sim.engine import SimResult, cluster_shapes, service_infos, simulate
+from .sim.engine import SimResult, SimulationStalled, cluster_shapes, service_infos, simulate
 from .sim.workload import Plan, Workload, WorkloadError, load_workload, preset_names
 
 __all__ = ["add_arguments", "main", "run_bench", "run_seeds", "seed_spread", "parse_seeds", "tangram_run",
@@ -159,8 +159,8 @@ def baseline_runs(plan: Plan, progress=None) -> tuple[dict[str, SimResult], dict
             progress(f"simulating trajectory-bound with {size}-core sandboxes ...")
         try:
             tried[size] = run_baseline(plan, "trajectory-best", size=size)
-        except RuntimeError as e:
-            stalled[size] = str(e)
+        except SimulationStalled as e:
+            stalled[size] = f"stuck at t={e.at:.0f} s with {e.waiting} actions waiting and none running"
     meta["trajectory_sizes"] = {s: {"mean_act": float(r.act.mean()), "step_s": r.mean_step}
                                 for s, r in tried.items()}
     meta["trajectory_sizes"].update({s: None for s in stalled})
@@ -174,15 +174,16 @@ def baseline_runs(plan: Plan, progress=None) -> tuple[dict[str, SimResult], dict
                 out[name] = replace(tried[size], name=name)
             else:
                 why = stalled.get(size) or "no sandbox size can run this workload on the cluster"
+                at_once = ", all needed at once at a per-turn barrier" if w.rollout.sync_turns else ""
                 meta["infeasible"][name] = (f"{size}-core sandboxes for {w.rollout.trajectories_per_step} "
-                                            f"trajectories stall: {why}" if size else why)
+                                            f"trajectories{at_once}: {why}" if size else why)
             continue
         if progress:
             progress(f"simulating {name} ...")
         try:
             out[name] = run_baseline(plan, name, progress=progress)
-        except RuntimeError as e:
-            meta["infeasible"][name] = str(e)
+        except SimulationStalled as e:
+            meta["infeasible"][name] = f"stuck at t={e.at:.0f} s with {e.waiting} actions waiting and none running"
     return out, meta
 
 
@@ -222,7 +223,7 @@ def smallest_cluster(plan: Plan, run: Callable[[Plan], SimResult], target_step: 
         if (cpu, gpu) not in cache:
             try:
                 cache[(cpu, gpu)] = run(_cluster(plan, cpu, gpu))
-            except RuntimeError:     # stalled: the setup cannot run on so few workers (a pool per task)
+            except SimulationStalled:     # the setup cannot run on so few workers (a pool per task)
                 cache[(cpu, gpu)] = None
         return cache[(cpu, gpu)]
 

@@ -13,7 +13,7 @@ from tangram_hpc import bench
 from tangram_hpc.policy.elastic import ElasticScheduler
 from tangram_hpc.policy.fifo import FifoPolicy
 from tangram_hpc.policy.predict import Predictor
-from tangram_hpc.sim.baselines import TrajectoryBoundPolicy
+from tangram_hpc.sim.baselines import PooledPolicy, TrajectoryBoundPolicy
 from tangram_hpc.sim.engine import Simulation, simulate
 from tangram_hpc.sim.workload import WorkloadError, load_workload, parse_workload, preset_names
 
@@ -326,3 +326,17 @@ def test_bench_on_several_seeds_runs_each_seed_and_writes_the_spread(tmp_path, c
     def figures(run):       # all but the wall time each simulation took
         return json.loads(json.dumps({k: dict(v, sim_wall_s=0) for k, v in run["policies"].items()}))
     assert [figures(r) for r in both["runs"]] == [figures(r) for r in reversed(res["runs"])]
+
+
+def test_a_setup_that_stalls_is_infeasible_and_a_bug_is_not(monkeypatch):
+    w = load_workload("tir").scaled(trajectories=0.2, steps=1)
+    fig, _ = bench.run_bench(w, search=False)
+    why = fig["infeasible"]["trajectory-max"]
+    assert "8-core sandboxes for 51 trajectories, all needed at once at a per-turn barrier: stuck at t=" in why
+    assert "trajectory-max" not in fig["policies"] and "tangram" in fig["policies"]
+
+    def broken(self, now):
+        raise RuntimeError("a bug in a baseline")
+    monkeypatch.setattr(PooledPolicy, "schedule", broken)
+    with pytest.raises(RuntimeError, match="a bug in a baseline"):      # not reported as "cannot run here"
+        bench.run_bench(w, search=False)

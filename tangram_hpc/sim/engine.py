@@ -49,8 +49,8 @@ from ..policy.residency import Resident, choose_victims
 from ..resources import CPU, GPU, ResourceClass, ServiceInfo, WorkerInfo, WorkerShape
 from .workload import Plan, Service, Workload
 
-__all__ = ["SimResult", "Simulation", "simulate", "cluster_shapes", "action_specs_for", "service_infos",
-           "CPU_KINDS", "GPU_KINDS"]
+__all__ = ["SimResult", "Simulation", "SimulationStalled", "simulate", "cluster_shapes", "action_specs_for",
+           "service_infos", "CPU_KINDS", "GPU_KINDS"]
 
 _FINISH, _SUBMIT, _UP, _STEP, _TICK, _MOVED = 0, 1, 2, 3, 4, 5
 
@@ -212,6 +212,18 @@ class EventCalendar:
 
     def __bool__(self) -> bool:
         return bool(self.cur) or bool(self.keys)
+
+
+class SimulationStalled(RuntimeError):
+    """Actions wait and nothing runs or will come: the setup cannot run the workload (an action
+    that fits no worker, or sandboxes that every trajectory of a turn needs at once)."""
+
+    def __init__(self, name: str, at: float, waiting: int, running: int):
+        super().__init__(f"{name}: simulation stalled at t={at:.0f} with {waiting} waiting and {running} "
+                         f"running actions (an action that fits no worker?)")
+        self.at = at
+        self.waiting = waiting
+        self.running = running
 
 
 class SimWorker:
@@ -405,9 +417,7 @@ class Simulation:
                          f"{policy.running_count} running")
         self.events = events
         if not self.done:
-            raise RuntimeError(f"{self.name}: simulation stalled at t={now:.0f} with {policy.pending_count} "
-                               f"waiting and {policy.running_count} running actions "
-                               f"(an action that fits no worker?)")
+            raise SimulationStalled(self.name, now, policy.pending_count, policy.running_count)
         return self._result(now, time.perf_counter() - t_wall)
 
     def _on_step(self, e: tuple) -> None:
