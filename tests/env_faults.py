@@ -273,6 +273,11 @@ def run_fault(fault: str, workdir: Path, *, envs: int = 50, steps: int = 3, slee
         if fault != "drain":
             traj.pump_until_every_env_ran()   # the faults strike workers that hold environments
         if fault in ("sigstop", "scancel", "sigkill"):
+            # Strike while the victim's commands sleep, not as they end: the first actions of all
+            # environments end together, right as the pump above returns, and a command killed
+            # between its append and its journal record runs again (the at-least-once window of
+            # docs/reliability.md), which is not what these scenarios check.
+            traj.pump(time.monotonic() + sleep_s / 2, more=False)
             victim = _busy_worker(client)
             log(f"[{fault}] victim {victim['id']} pid {victim['pid']} running {victim['running']}, "
                 f"holding {victim.get('envs')} environments")
