@@ -10,7 +10,7 @@ from tangram_hpc.actions import ActionSpec, Demand
 from tangram_hpc.policy.base import Launch, PoolView, Reclaim, WorkerStatus
 from tangram_hpc.policy.pool import ClusterCapacity, PartitionFree, PoolConfig, PoolController
 from tangram_hpc.policy.predict import Predictor, amdahl_time, feature_key
-from tangram_hpc.resources import WorkerInfo, WorkerShape
+from tangram_hpc.resources import CPU, GPU, WorkerInfo, WorkerShape
 
 CPU_SHAPE = WorkerShape(16, 32000)
 GPU_SHAPE = WorkerShape(8, 0, 1, 40000)
@@ -322,3 +322,36 @@ def test_a_decaying_offered_load_does_not_keep_an_idle_pool():
     idle = [_ws("w0", idle_since=1.0)]
     assert pc.decide(PoolView(3.0, [], idle, offered_load={"cpu": 1.5})) == []          # within the TTL
     assert pc.decide(PoolView(30.0, [], idle, offered_load={"cpu": 0.9})) == [Reclaim("w0", "idle")]
+
+
+def test_a_huge_backlog_is_summed_from_a_sample_that_sees_every_action_in_turn():
+    # Each waiting action's predicted core-seconds costs a predictor call in the coordinator's loop:
+    # past BACKLOG_SAMPLE of a class, a decision sums every k-th (another offset each time) and scales.
+    cap = PoolController.BACKLOG_SAMPLE
+    n = 3 * cap + 7
+    cpu = [ActionSpec("sandbox", label="t", duration_hint=float(1 + i % 50), id=f"c{i}") for i in range(n)]
+    cpu[n // 2] = ActionSpec("sandbox", label="t", demand=Demand(12, 12), duration_hint=1.0, id="big")
+    gpu = [ActionSpec("reward", demand=Demand(1, 1, 0, 1000, "judge"), id=f"g{i}") for i in range(3)]
+    pred = Predictor()
+    exact = {"cpu": sum(pred.mean_core_seconds(s) for s in cpu), "gpu": sum(pred.mean_core_seconds(s) for s in gpu)}
+    asked: list[str] = []
+
+    class Counting(Predictor):
+        def mean_core_seconds(self, spec):
+            asked.append(spec.id)
+            return super().mean_core_seconds(spec)
+    pc = PoolController(PoolConfig([CPU_SHAPE, GPU_SHAPE]), Counting())
+    seen: set[str] = set()
+    for turn in range(4):
+        asked.clear()
+        demand = pc._tally(PoolView(float(turn), cpu + gpu, []))
+        assert sum(a.startswith("c") or a == "big" for a in asked) <= cap and sum(a.startswith("g") for a in asked) == 3
+        assert (demand[CPU].waiting, demand[GPU].waiting) == (n, 3)
+        assert demand[CPU].biggest == 12                    # the one large action, whether sampled or not
+        assert demand[CPU].backlog == pytest.approx(exact["cpu"], rel=0.02)
+        assert demand[GPU].backlog == pytest.approx(exact["gpu"])     # a small class is summed whole
+        seen.update(asked)
+    assert seen >= {s.id for s in cpu}                      # every action counted within a few decisions
+    small = PoolController(PoolConfig([CPU_SHAPE]), Predictor())
+    d = small._tally(PoolView(0.0, cpu[:cap], []))[CPU]
+    assert d.backlog == sum(pred.mean_core_seconds(s) for s in cpu[:cap])   # at the limit: exact, in order
