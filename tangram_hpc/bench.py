@@ -160,7 +160,7 @@ def baseline_runs(plan: Plan, progress=None) -> tuple[dict[str, SimResult], dict
         try:
             tried[size] = run_baseline(plan, "trajectory-best", size=size)
         except SimulationStalled as e:
-            stalled[size] = f"stuck at t={e.at:.0f} s with {e.waiting} actions waiting and none running"
+            stalled[size] = e.reason
     meta["trajectory_sizes"] = {s: {"mean_act": float(r.act.mean()), "step_s": r.mean_step}
                                 for s, r in tried.items()}
     meta["trajectory_sizes"].update({s: None for s in stalled})
@@ -183,7 +183,7 @@ def baseline_runs(plan: Plan, progress=None) -> tuple[dict[str, SimResult], dict
         try:
             out[name] = run_baseline(plan, name, progress=progress)
         except SimulationStalled as e:
-            meta["infeasible"][name] = f"stuck at t={e.at:.0f} s with {e.waiting} actions waiting and none running"
+            meta["infeasible"][name] = e.reason
     return out, meta
 
 

@@ -504,7 +504,7 @@ class PlacementPolicy(SchedulingPolicy):
         self._fit_memo.clear()
         lost = list(w.running)
         for rec in w.running.values():
-            self._end_running(rec)
+            self._end_running(rec, now)
             self.predictor.observe(rec.spec, None, rec.cores, now)
         w.running.clear()
         w.busy_envs.clear()
@@ -845,12 +845,10 @@ class PlacementPolicy(SchedulingPolicy):
         if rec is None or rec.state is not _RUNNING:
             return
         w = rec.worker
-        self._end_running(rec)
+        self._end_running(rec, now)
         if w is not None:
             del w.running[action_id]
             env = rec.spec.env
-            if env is not None and not rec.elastic and rec.cores:
-                self._rigid_change(w, -rec.cores, now)
             self._touch(w)
             if env is not None and self.env_move_s is not None:
                 self._env_idle[env] = now
@@ -865,7 +863,7 @@ class PlacementPolicy(SchedulingPolicy):
         else:
             self.predictor.observe(spec, run_time, rec.cores, now)
 
-    def _end_running(self, rec: ActionRecord) -> None:
+    def _end_running(self, rec: ActionRecord, now: float) -> None:
         rec.state = _GONE
         w = rec.worker
         self.tally.ended(rec, w)
@@ -878,6 +876,8 @@ class PlacementPolicy(SchedulingPolicy):
             w.light -= 1
         env = spec.env
         if env is not None:
+            if not rec.elastic and rec.cores:
+                self._rigid_change(w, -rec.cores, now)
             left = w.busy_envs[env] - 1
             if left:
                 w.busy_envs[env] = left
@@ -1304,8 +1304,8 @@ class PlacementPolicy(SchedulingPolicy):
         w.running[spec.id] = rec
         env = spec.env
         if env is not None:
-            if not rec.elastic and d.min_cores:
-                self._rigid_change(w, d.min_cores, now)
+            if not rec.elastic and rec.cores:
+                self._rigid_change(w, rec.cores, now)
             w.busy_envs[env] = w.busy_envs.get(env, 0) + 1
             if self._env_first.get(env) is rec:
                 del self._env_first[env]

@@ -224,6 +224,8 @@ class SimulationStalled(RuntimeError):
         self.at = at
         self.waiting = waiting
         self.running = running
+        #: the same without the run's name and the guess, for a report that gives its own cause
+        self.reason = f"stuck at t={at:.0f} s with {waiting} actions waiting and {running or 'none'} running"
 
 
 class SimWorker:
