@@ -279,9 +279,11 @@ def test_bench_seeds_are_named_as_lists_and_ranges():
 
 def _fig(tangram: tuple[float, float], base: tuple[float, float] | None, size: int = 2) -> dict:
     pol = {"tangram": {"mean_act": tangram[0], "step_s": tangram[1]}}
+    vs = {}
     if base is not None:
         pol["pooled-sjf-max"] = {"mean_act": base[0], "step_s": base[1]}
-    return {"policies": pol, "tangram_bound_ratio": 1.0, "trajectory_best_size": size}
+        vs["pooled-sjf-max"] = {"act_ratio_ceiling": base[0] / 1.5}     # a per-action bound of 1.5 s
+    return {"policies": pol, "tangram_vs": vs, "tangram_bound_ratio": 1.0, "trajectory_best_size": size}
 
 
 def test_the_spread_over_seeds_counts_where_tangram_was_no_worse():
@@ -297,6 +299,19 @@ def test_the_spread_over_seeds_counts_where_tangram_was_no_worse():
     assert (b["no_worse_act"], b["no_worse_step"]) == (2, 2)
     assert b["act_ratio"]["min"] == pytest.approx(0.95) and b["act_ratio"]["max"] == pytest.approx(1.5)
     assert b["act_ratio"]["median"] == pytest.approx(1.0)
+    assert b["act_ratio_ceiling"] == {"median": pytest.approx(2.0), "min": pytest.approx(1.2667, abs=1e-4),
+                                      "max": pytest.approx(2.0)}
+
+
+def test_the_ceiling_is_the_baselines_act_over_the_per_action_bound(capsys):
+    w = load_workload("judge").scaled(trajectories=0.1, steps=1)
+    fig, runs = bench.run_bench(w, search=False)
+    bound = runs["tangram"].lower_bound.mean()
+    for k, v in fig["tangram_vs"].items():
+        assert v["act_ratio_ceiling"] == pytest.approx(runs[k].act.mean() / bound)
+        # nothing reaches it but a run with no queueing at all: tangram's own ratio stays below
+        assert v["act_ratio"] <= v["act_ratio_ceiling"]
+    assert "any scheduler at most" in bench._fmt_table(fig)
 
 
 def test_bench_on_several_seeds_runs_each_seed_and_writes_the_spread(tmp_path, capsys):
