@@ -75,8 +75,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "seed and print the spread of each figure and on how many seeds tangram was no "
                              "worse than each baseline (without the savings search)")
     parser.add_argument("--jobs", type=int, default=1, metavar="N",
-                        help="with several seeds: run N at once, each in its own process (default 1; 0: one "
-                             "per CPU this process may use)")
+                        help="run N simulations at once, each in its own process: the seeds, with several; "
+                             "with one, the sandbox sizes, the baselines and tangram, then the savings "
+                             "searches (default 1; 0: one per CPU this process may use). The figures are the "
+                             "same as with one")
     parser.add_argument("--no-search", action="store_true",
                         help="skip the savings (the searches for the smallest clusters at equal step time)")
     parser.add_argument("--quiet", action="store_true",
@@ -142,8 +144,72 @@ def run_baseline(plan: Plan, name: str, *, size: int | None = None, progress=Non
     return simulate(plan, pol, name=name, progress=progress)
 
 
-def baseline_runs(plan: Plan, progress=None) -> tuple[dict[str, SimResult], dict[str, Any]]:
-    """Every baseline on the plan; also which sandbox size was best, what each size gave, what cannot run.
+#: one simulation of the bench: a baseline (with its sandbox size for the trajectory-bound ones) or tangram
+SimTask = tuple[str, int | None]
+
+_PLAN: Plan | None = None       # the plan a pool process simulates (sent once per process)
+_TANGRAM_CUTS: dict[tuple[int, int], SimResult] = {}     # a pool process's tangram runs on cut clusters
+
+
+def _set_plan(plan: Plan) -> None:
+    global _PLAN
+    _PLAN = plan
+    _TANGRAM_CUTS.clear()
+
+
+def _in_processes(fn: Callable[..., Any], calls: list[tuple], jobs: int, label: str, progress=None,
+                  plan: Plan | None = None) -> list[Any]:
+    """``fn(*args)`` for each ``args`` of ``calls``, ``jobs`` at a time, each in a process of its own
+    (given ``plan`` once, as its ``_PLAN``); the results in the order of ``calls``.  A bar on ``progress``
+    counts the calls done."""
+    n = min(jobs, len(calls))
+    bar = getattr(progress, "task", None)
+    bar = bar(f"{label}, {n} at a time", len(calls)) if bar else None
+    init = (_set_plan, (plan,)) if plan is not None else (None, ())
+    # spawned, not forked: the progress display's thread may hold a lock at the moment of a fork
+    with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn"), initializer=init[0],
+                             initargs=init[1]) as pool:
+        futures = [pool.submit(fn, *args) for args in calls]
+        for _ in as_completed(futures):
+            if bar is not None:
+                bar.advance(1)
+        return [f.result() for f in futures]
+
+
+def _simulate_task(task: SimTask, plan: Plan | None = None, progress=None) -> SimResult | str:
+    """The run of ``task`` on ``plan`` (a pool process: the one it was given), or why a baseline stalled."""
+    plan = plan if plan is not None else _PLAN
+    assert plan is not None
+    name, size = task
+    if name == "tangram":
+        return tangram_run(plan, progress=progress)     # the product stalling is an error, not a figure
+    try:
+        return run_baseline(plan, name, size=size, progress=progress)
+    except SimulationStalled as e:
+        return e.reason
+
+
+def _simulate_all(plan: Plan, tasks: list[SimTask], jobs: int, progress=None) -> dict[SimTask, SimResult | str]:
+    """Every task's run: one after another, or ``jobs`` at a time, each in a process of its own
+    (a simulation is deterministic: the figures are the same either way)."""
+    if jobs <= 1 or len(tasks) <= 1:
+        out = {}
+        for task in tasks:
+            if progress:
+                name, size = task
+                progress(f"simulating trajectory-bound with {size}-core sandboxes ..." if size is not None
+                         else f"simulating {name} ...")
+            out[task] = _simulate_task(task, plan, progress)
+        return out
+    results = _in_processes(_simulate_task, [(task,) for task in tasks], jobs, f"{len(tasks)} simulations",
+                            progress, plan)
+    return dict(zip(tasks, results))
+
+
+def baseline_runs(plan: Plan, progress=None, *, jobs: int = 1,
+                  tangram: bool = False) -> tuple[dict[str, SimResult], dict[str, Any]]:
+    """Every baseline on the plan (and tangram, with ``tangram``); also which sandbox size was best,
+    what each size gave, what cannot run.  ``jobs`` > 1: that many simulations at once.
 
     A setup that stalls cannot run the workload on this cluster (trajectory-bound sandboxes with
     per-turn barriers: every trajectory of the batch needs its sandbox at once); it is reported
@@ -152,21 +218,19 @@ def baseline_runs(plan: Plan, progress=None) -> tuple[dict[str, SimResult], dict
     out: dict[str, SimResult] = {}
     meta: dict[str, Any] = {"infeasible": {}}
     w = plan.workload
-    tried: dict[int, SimResult] = {}
-    stalled: dict[int, str] = {}
-    for size in _sandbox_sizes(w):
-        if progress:
-            progress(f"simulating trajectory-bound with {size}-core sandboxes ...")
-        try:
-            tried[size] = run_baseline(plan, "trajectory-best", size=size)
-        except SimulationStalled as e:
-            stalled[size] = e.reason
+    sizes = _sandbox_sizes(w)
+    others = [n for n in BASELINES if n not in ("trajectory-best", "trajectory-max")]
+    tasks: list[SimTask] = ([("trajectory-best", s) for s in sizes] + [(n, None) for n in others]
+                            + ([("tangram", None)] if tangram else []))
+    done = _simulate_all(plan, tasks, jobs, progress)
+    tried = {s: r for (n, s), r in done.items() if n == "trajectory-best" and not isinstance(r, str)}
+    stalled = {s: r for (n, s), r in done.items() if n == "trajectory-best" and isinstance(r, str)}
     meta["trajectory_sizes"] = {s: {"mean_act": float(r.act.mean()), "step_s": r.mean_step}
                                 for s, r in tried.items()}
     meta["trajectory_sizes"].update({s: None for s in stalled})
     best = min(tried, key=lambda s: (float(tried[s].act.mean()), s)) if tried else None
     meta["trajectory_best_size"] = best
-    biggest = max(_sandbox_sizes(w))
+    biggest = max(sizes)
     for name in BASELINES:
         if name in ("trajectory-best", "trajectory-max"):
             size = best if name == "trajectory-best" else biggest
@@ -178,12 +242,13 @@ def baseline_runs(plan: Plan, progress=None) -> tuple[dict[str, SimResult], dict
                 meta["infeasible"][name] = (f"{size}-core sandboxes for {w.rollout.trajectories_per_step} "
                                             f"trajectories{at_once}: {why}" if size else why)
             continue
-        if progress:
-            progress(f"simulating {name} ...")
-        try:
-            out[name] = run_baseline(plan, name, progress=progress)
-        except SimulationStalled as e:
-            meta["infeasible"][name] = e.reason
+        r = done[(name, None)]
+        if isinstance(r, str):
+            meta["infeasible"][name] = r
+        else:
+            out[name] = r
+    if tangram:
+        out["tangram"] = done[("tangram", None)]
     return out, meta
 
 
@@ -242,42 +307,54 @@ def smallest_cluster(plan: Plan, run: Callable[[Plan], SimResult], target_step: 
 
 
 def savings(plan: Plan, runs: dict[str, SimResult], baselines: list[str], best_size: int,
-            progress=None) -> dict[str, Any]:
-    """Per baseline: it and tangram, each cut to the smallest cluster reaching the baseline's step time."""
+            progress=None, *, jobs: int = 1) -> dict[str, Any]:
+    """Per baseline: it and tangram, each cut to the smallest cluster reaching the baseline's step time.
+
+    ``jobs`` > 1: that many baselines' searches at once, each in a process of its own."""
+    targets = {name: runs[name].mean_step for name in baselines}
+    if jobs <= 1 or len(baselines) <= 1:
+        cuts: dict[tuple[int, int], SimResult] = {}       # tangram's runs, shared by the searches
+        return {name: _saving(plan, name, targets[name], best_size, cuts, progress) for name in baselines}
+    results = _in_processes(_saving, [(None, name, targets[name], best_size) for name in baselines], jobs,
+                            f"savings: {len(baselines)} searches", progress, plan)
+    return dict(zip(baselines, results))
+
+
+def _saving(plan: Plan | None, name: str, target: float, best_size: int,
+            cuts: dict[tuple[int, int], SimResult] | None = None, progress=None) -> dict[str, Any]:
+    """One baseline's entry of :func:`savings` (``plan`` None: a pool process's own)."""
+    plan = plan if plan is not None else _PLAN
+    assert plan is not None
+    cuts = cuts if cuts is not None else _TANGRAM_CUTS
     uses_gpu = any(a.service for a in plan.workload.actions)
-    tangram_cache: dict[tuple[int, int], SimResult] = {}
 
     def tangram(p: Plan) -> SimResult:
         key = (p.workload.cluster.cpu_workers, p.workload.cluster.gpu_workers)
-        if key not in tangram_cache:
+        if key not in cuts:
             if progress:
                 progress(f"  tangram with at most {key[0]} CPU / {key[1]} GPU workers ...")
-            tangram_cache[key] = tangram_run(p, name=f"tangram[{key[0]},{key[1]}]")
-        return tangram_cache[key]
+            cuts[key] = tangram_run(p, name=f"tangram[{key[0]},{key[1]}]")
+        return cuts[key]
 
-    out: dict[str, Any] = {}
-    for name in baselines:
-        target = runs[name].mean_step
-        if progress:
-            progress(f"savings against {name} (step {target:.0f}s): cutting its cluster ...")
-        cut = smallest_cluster(plan, lambda p, n=name: run_baseline(p, n, size=best_size), target, uses_gpu)
-        mine = smallest_cluster(plan, tangram, target, uses_gpu)
-        ent: dict[str, Any] = {"step_s": target}
-        if cut is not None:
-            ent["baseline"] = {"cpu_workers": cut[0], "gpu_workers": cut[1], "step_s": cut[2].mean_step,
-                               "cpu_core_s": cut[2].cpu_core_s, "gpu_s": cut[2].gpu_s}
-        if mine is None:
-            ent["tangram"] = None
-        else:
-            ent["tangram"] = {"cpu_workers": mine[0], "gpu_workers": mine[1], "step_s": mine[2].mean_step,
-                              "cpu_core_s": mine[2].cpu_core_s, "gpu_s": mine[2].gpu_s,
-                              "mean_act": float(mine[2].act.mean())}
-        if cut is not None and mine is not None:
-            b, t = cut[2], mine[2]
-            ent["cpu_saving"] = 1 - t.cpu_core_s / b.cpu_core_s if b.cpu_core_s else None
-            ent["gpu_saving"] = (1 - t.gpu_s / b.gpu_s) if b.gpu_s else None
-        out[name] = ent
-    return out
+    if progress:
+        progress(f"savings against {name} (step {target:.0f}s): cutting its cluster ...")
+    cut = smallest_cluster(plan, lambda p: run_baseline(p, name, size=best_size), target, uses_gpu)
+    mine = smallest_cluster(plan, tangram, target, uses_gpu)
+    ent: dict[str, Any] = {"step_s": target}
+    if cut is not None:
+        ent["baseline"] = {"cpu_workers": cut[0], "gpu_workers": cut[1], "step_s": cut[2].mean_step,
+                           "cpu_core_s": cut[2].cpu_core_s, "gpu_s": cut[2].gpu_s}
+    if mine is None:
+        ent["tangram"] = None
+    else:
+        ent["tangram"] = {"cpu_workers": mine[0], "gpu_workers": mine[1], "step_s": mine[2].mean_step,
+                          "cpu_core_s": mine[2].cpu_core_s, "gpu_s": mine[2].gpu_s,
+                          "mean_act": float(mine[2].act.mean())}
+    if cut is not None and mine is not None:
+        b, t = cut[2], mine[2]
+        ent["cpu_saving"] = 1 - t.cpu_core_s / b.cpu_core_s if b.cpu_core_s else None
+        ent["gpu_saving"] = (1 - t.gpu_s / b.gpu_s) if b.gpu_s else None
+    return ent
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -298,14 +375,13 @@ def parse_seeds(text: str) -> list[int]:
     return seeds
 
 
-def run_bench(w: Workload, *, search: bool = True, progress=None) -> tuple[dict[str, Any], dict[str, SimResult]]:
+def run_bench(w: Workload, *, search: bool = True, jobs: int = 1,
+              progress=None) -> tuple[dict[str, Any], dict[str, SimResult]]:
+    """The bench on one sample of ``w``; ``jobs`` > 1 runs that many of its simulations at once."""
     plan = w.sample()
     if progress:
         progress(f"{w.name}: {plan.n_trajectories:,} trajectories, {plan.n_actions:,} actions")
-    runs, meta = baseline_runs(plan, progress)
-    if progress:
-        progress("simulating tangram ...")
-    runs["tangram"] = tangram_run(plan, progress=progress)
+    runs, meta = baseline_runs(plan, progress, jobs=jobs, tangram=True)
     t = runs["tangram"]
     fig: dict[str, Any] = {
         "workload": w.name, "source": w.source, "trajectories": plan.n_trajectories,
@@ -331,7 +407,7 @@ def run_bench(w: Workload, *, search: bool = True, progress=None) -> tuple[dict[
     fig["tangram_bound_ratio"] = ts["bound_ratio"]
     if search:
         fig["savings"] = savings(plan, runs, [b for b in BASELINES if b in runs], meta["trajectory_best_size"],
-                                 progress)
+                                 progress, jobs=jobs)
     return fig, runs
 
 
@@ -348,15 +424,7 @@ def run_seeds(w: Workload, seeds: list[int], *, jobs: int = 1, progress=None) ->
     not depend on what else runs).
     """
     if jobs > 1 and len(seeds) > 1:
-        bar = getattr(progress, "task", None)
-        bar = bar(f"{len(seeds)} seeds, {min(jobs, len(seeds))} at a time", len(seeds)) if bar else None
-        # spawned, not forked: the progress display's thread may hold a lock at the moment of a fork
-        with ProcessPoolExecutor(min(jobs, len(seeds)), mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = [pool.submit(_seed_fig, w, seed) for seed in seeds]
-            for _ in as_completed(futures):
-                if bar is not None:
-                    bar.advance(1)
-            figs = [f.result() for f in futures]
+        figs = _in_processes(_seed_fig, [(w, seed) for seed in seeds], jobs, f"{len(seeds)} seeds", progress)
     else:
         figs = []
         for n, seed in enumerate(seeds, 1):
@@ -539,13 +607,17 @@ def main(args: argparse.Namespace) -> int:
         return 2
     if args.scale != 1.0 or args.cluster_scale != 1.0 or args.steps is not None:
         w = w.scaled(trajectories=args.scale, cluster=args.cluster_scale, steps=args.steps)
+    if args.jobs < 0:
+        print("tangram-hpc bench: --jobs must be 0 (one per CPU) or more", file=sys.stderr)
+        return 2
+    jobs = args.jobs or len(os.sched_getaffinity(0))
     if args.seed is not None and len(args.seed) > 1:
-        return _main_seeds(args, w)
+        return _main_seeds(args, w, jobs)
     if args.seed is not None:
         w = replace(w, seed=args.seed[0])
     t0 = time.perf_counter()
     with progress_reporter(args.quiet) as progress:
-        fig, runs = run_bench(w, search=not args.no_search, progress=progress)
+        fig, runs = run_bench(w, search=not args.no_search, jobs=jobs, progress=progress)
     fig["bench_wall_s"] = time.perf_counter() - t0
     print(f"workload {w.name} ({w.source}): {fig['trajectories']:,} trajectories, {fig['actions']:,} actions, "
           f"{w.rollout.steps} step{'s' if w.rollout.steps != 1 else ''}")
@@ -559,16 +631,13 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _main_seeds(args: argparse.Namespace, w: Workload) -> int:
+def _main_seeds(args: argparse.Namespace, w: Workload, jobs: int) -> int:
     if args.plot:
         print("tangram-hpc bench: --plot draws one run: give one seed", file=sys.stderr)
         return 2
-    if args.jobs < 0:
-        print("tangram-hpc bench: --jobs must be 0 (one per CPU) or more", file=sys.stderr)
-        return 2
     t0 = time.perf_counter()
     with progress_reporter(args.quiet) as progress:
-        res = run_seeds(w, args.seed, jobs=args.jobs or len(os.sched_getaffinity(0)), progress=progress)
+        res = run_seeds(w, args.seed, jobs=jobs, progress=progress)
     res["bench_wall_s"] = time.perf_counter() - t0
     first = res["runs"][0]
     print(f"workload {w.name} ({w.source}): {len(args.seed)} seeds ({', '.join(map(str, args.seed))}), "

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import pickle
 from dataclasses import replace
 
 import numpy as np
@@ -14,7 +15,7 @@ from tangram_hpc.policy.elastic import ElasticScheduler
 from tangram_hpc.policy.fifo import FifoPolicy
 from tangram_hpc.policy.predict import Predictor
 from tangram_hpc.sim.baselines import PooledPolicy, TrajectoryBoundPolicy
-from tangram_hpc.sim.engine import Simulation, simulate
+from tangram_hpc.sim.engine import Simulation, SimulationStalled, simulate
 from tangram_hpc.sim.workload import WorkloadError, load_workload, parse_workload, preset_names
 
 
@@ -341,6 +342,31 @@ def test_bench_on_several_seeds_runs_each_seed_and_writes_the_spread(tmp_path, c
     def figures(run):       # all but the wall time each simulation took
         return json.loads(json.dumps({k: dict(v, sim_wall_s=0) for k, v in run["policies"].items()}))
     assert [figures(r) for r in both["runs"]] == [figures(r) for r in reversed(res["runs"])]
+
+
+def _figures(fig: dict) -> str:
+    """A bench figure without the wall times its simulations took."""
+    def strip(x):
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items() if k not in ("sim_wall_s", "bench_wall_s")}
+        return [strip(v) for v in x] if isinstance(x, list) else x
+    return json.dumps(strip(fig), sort_keys=True)
+
+
+def test_one_seed_with_jobs_gives_the_same_figures_as_one_at_a_time():
+    # tir: a baseline that stalls at every size it needs, and the savings searches
+    w = load_workload("tir").scaled(trajectories=0.2, steps=1)
+    alone, _ = bench.run_bench(w, search=True)
+    both, runs = bench.run_bench(w, search=True, jobs=2)
+    assert "trajectory-max" in both["infeasible"] and both["savings"]
+    assert _figures(both) == _figures(alone)
+    assert set(runs) == set(both["policies"])
+
+
+def test_a_stall_crosses_a_process_boundary_with_its_facts():
+    e = pickle.loads(pickle.dumps(SimulationStalled("run", 41.0, 19, 0)))
+    assert isinstance(e, SimulationStalled) and (e.at, e.waiting, e.running) == (41.0, 19, 0)
+    assert e.reason == "stuck at t=41 s with 19 actions waiting and none running"
 
 
 def test_a_setup_that_stalls_is_infeasible_and_a_bug_is_not(monkeypatch):

@@ -221,11 +221,15 @@ class SimulationStalled(RuntimeError):
     def __init__(self, name: str, at: float, waiting: int, running: int):
         super().__init__(f"{name}: simulation stalled at t={at:.0f} with {waiting} waiting and {running} "
                          f"running actions (an action that fits no worker?)")
+        self.name = name
         self.at = at
         self.waiting = waiting
         self.running = running
         #: the same without the run's name and the guess, for a report that gives its own cause
         self.reason = f"stuck at t={at:.0f} s with {waiting} actions waiting and {running or 'none'} running"
+
+    def __reduce__(self):       # rebuilt from its fields in another process (a bench job), not from its message
+        return SimulationStalled, (self.name, self.at, self.waiting, self.running)
 
 
 class SimWorker:
