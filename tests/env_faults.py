@@ -65,6 +65,7 @@ class Outcome:
     notes: list[str] = field(default_factory=list)
     counters: dict = field(default_factory=dict)   # the coordinator's, at the end
     leaked_jobs: list[str] = field(default_factory=list)   # jobs of the scenario still there after its stop
+    duplicated_ids: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
     def row(self) -> str:
@@ -222,10 +223,23 @@ def judge(outcome: Outcome, traj: Trajectories, logs: dict[str, list[str] | None
                 outcome.lost += 1
             elif counts[aid] > 1:
                 outcome.duplicated += counts[aid] - 1
+                outcome.duplicated_ids.append(aid)
                 outcome.notes.append(f"{env}: {aid} x{counts[aid]} (attempts {r.attempts}, {r.env_state} on "
                                      f"{r.worker})")
         if lines is None:
             outcome.envs_lost += 1
+
+
+def _log_lines(shared: Path, needle: str, limit: int = 10) -> list[str]:
+    """Lines of the scenario's job logs (workers and coordinator) that mention ``needle``."""
+    out = []
+    for path in sorted(shared.rglob("*_log.err")) + sorted(shared.glob("*.out")):
+        try:
+            text = path.read_text(errors="replace")
+        except OSError:
+            continue
+        out += [f"{path.name}: {line.strip()}" for line in text.splitlines() if needle in line]
+    return out[:limit]
 
 
 def _busy_worker(client: Client, timeout: float = 120.0) -> dict:
@@ -312,6 +326,8 @@ def run_fault(fault: str, workdir: Path, *, envs: int = 50, steps: int = 3, slee
             outcome.notes.append(f"{len(traj.running)} actions without a result after 300 s")
         logs = read_back(client, traj.env_ids)
         judge(outcome, traj, logs)
+        for aid in outcome.duplicated_ids:      # what the workers said of its attempts, for the report
+            outcome.notes += [f"[log] {line}" for line in _log_lines(shared, aid)]
         st = client.status()
         outcome.counters = {k: st[k] for k in ("workers_lost", "retried", "replayed", "stale_results")}
         outcome.notes.append(f"workers lost {st['workers_lost']}, retried {st['retried']}, replayed "
