@@ -161,11 +161,15 @@ def _set_plan(plan: Plan) -> None:
     _TANGRAM_CUTS.clear()
 
 
+def _with_plan(fn: Callable[..., Any], *args: Any) -> Any:
+    return fn(_PLAN, *args)
+
+
 def _in_processes(fn: Callable[..., Any], calls: list[tuple], jobs: int, label: str, progress=None,
                   plan: Plan | None = None) -> list[Any]:
-    """``fn(*args)`` for each ``args`` of ``calls``, ``jobs`` at a time, each in a process of its own
-    (given ``plan`` once, as its ``_PLAN``); the results in the order of ``calls``.  A bar on ``progress``
-    counts the calls done."""
+    """``fn(*args)`` for each ``args`` of ``calls`` (with ``plan``: ``fn(plan, *args)``, the plan sent
+    once per process), ``jobs`` at a time, each in a process of its own; the results in the order
+    of ``calls``.  A bar on ``progress`` counts the calls done."""
     n = min(jobs, len(calls))
     bar = getattr(progress, "task", None)
     bar = bar(f"{label}, {n} at a time", len(calls)) if bar else None
@@ -173,17 +177,16 @@ def _in_processes(fn: Callable[..., Any], calls: list[tuple], jobs: int, label: 
     # spawned, not forked: the progress display's thread may hold a lock at the moment of a fork
     with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn"), initializer=init[0],
                              initargs=init[1]) as pool:
-        futures = [pool.submit(fn, *args) for args in calls]
+        futures = [pool.submit(_with_plan, fn, *args) if plan is not None else pool.submit(fn, *args)
+                   for args in calls]
         for _ in as_completed(futures):
             if bar is not None:
                 bar.advance(1)
         return [f.result() for f in futures]
 
 
-def _simulate_task(task: SimTask, plan: Plan | None = None, progress=None) -> SimResult | str:
-    """The run of ``task`` on ``plan`` (a pool process: the one it was given), or why a baseline stalled."""
-    plan = plan if plan is not None else _PLAN
-    assert plan is not None
+def _simulate_task(plan: Plan, task: SimTask, progress=None) -> SimResult | str:
+    """The run of ``task`` on ``plan``, or why a baseline stalled."""
     name, size = task
     if name == "tangram":
         return tangram_run(plan, progress=progress)     # the product stalling is an error, not a figure
@@ -203,7 +206,7 @@ def _simulate_all(plan: Plan, tasks: list[SimTask], jobs: int, progress=None) ->
                 name, size = task
                 progress(f"simulating trajectory-bound with {size}-core sandboxes ..." if size is not None
                          else f"simulating {name} ...")
-            out[task] = _simulate_task(task, plan, progress)
+            out[task] = _simulate_task(plan, task, progress)
         return out
     results = _in_processes(_simulate_task, [(task,) for task in tasks], jobs, f"{len(tasks)} simulations",
                             progress, plan)
@@ -319,16 +322,15 @@ def savings(plan: Plan, runs: dict[str, SimResult], baselines: list[str], best_s
     if jobs <= 1 or len(baselines) <= 1:
         cuts: dict[tuple[int, int], SimResult] = {}       # tangram's runs, shared by the searches
         return {name: _saving(plan, name, targets[name], best_size, cuts, progress) for name in baselines}
-    results = _in_processes(_saving, [(None, name, targets[name], best_size) for name in baselines], jobs,
+    results = _in_processes(_saving, [(name, targets[name], best_size) for name in baselines], jobs,
                             f"savings: {len(baselines)} searches", progress, plan)
     return dict(zip(baselines, results))
 
 
-def _saving(plan: Plan | None, name: str, target: float, best_size: int,
+def _saving(plan: Plan, name: str, target: float, best_size: int,
             cuts: dict[tuple[int, int], SimResult] | None = None, progress=None) -> dict[str, Any]:
-    """One baseline's entry of :func:`savings` (``plan`` None: a pool process's own)."""
-    plan = plan if plan is not None else _PLAN
-    assert plan is not None
+    """One baseline's entry of :func:`savings` (``cuts``: tangram's runs so far; by default the
+    process's own)."""
     cuts = cuts if cuts is not None else _TANGRAM_CUTS
     uses_gpu = any(a.service for a in plan.workload.actions)
 

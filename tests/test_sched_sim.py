@@ -315,6 +315,15 @@ def test_the_ceiling_is_the_baselines_act_over_the_per_action_bound(capsys):
     assert "any scheduler at most" in bench._fmt_table(fig)
 
 
+def _figures(fig: dict) -> str:
+    """A bench figure without the wall times its simulations took."""
+    def strip(x):
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items() if k not in ("sim_wall_s", "bench_wall_s")}
+        return [strip(v) for v in x] if isinstance(x, list) else x
+    return json.dumps(strip(fig), sort_keys=True)
+
+
 def test_bench_on_several_seeds_runs_each_seed_and_writes_the_spread(tmp_path, capsys):
     ap = argparse.ArgumentParser()
     bench.add_arguments(ap)
@@ -338,19 +347,8 @@ def test_bench_on_several_seeds_runs_each_seed_and_writes_the_spread(tmp_path, c
     # two at once, each in its own process: the same figures, in the order of the seeds
     both = bench.run_seeds(w, [4, 3], jobs=2)
     assert [r["seed"] for r in both["runs"]] == [4, 3]
-
-    def figures(run):       # all but the wall time each simulation took
-        return json.loads(json.dumps({k: dict(v, sim_wall_s=0) for k, v in run["policies"].items()}))
-    assert [figures(r) for r in both["runs"]] == [figures(r) for r in reversed(res["runs"])]
-
-
-def _figures(fig: dict) -> str:
-    """A bench figure without the wall times its simulations took."""
-    def strip(x):
-        if isinstance(x, dict):
-            return {k: strip(v) for k, v in x.items() if k not in ("sim_wall_s", "bench_wall_s")}
-        return [strip(v) for v in x] if isinstance(x, list) else x
-    return json.dumps(strip(fig), sort_keys=True)
+    assert ([_figures(r["policies"]) for r in both["runs"]]
+            == [_figures(r["policies"]) for r in reversed(res["runs"])])
 
 
 def test_one_seed_with_jobs_gives_the_same_figures_as_one_at_a_time():

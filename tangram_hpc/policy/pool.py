@@ -194,15 +194,9 @@ class PoolController(PoolPolicy):
             d = out[k]
             d.waiting = len(waiting)
             d.biggest = max(spec.demand.min_cores for spec in waiting)
-            if len(waiting) <= self.BACKLOG_SAMPLE:
-                for spec in waiting:
-                    d.backlog += core_seconds(spec)
-            else:
-                every = -(-len(waiting) // self.BACKLOG_SAMPLE)
-                sample = waiting[self._decisions % every::every]
-                for spec in sample:
-                    d.backlog += core_seconds(spec)
-                d.backlog *= len(waiting) / len(sample)
+            every = -(-len(waiting) // self.BACKLOG_SAMPLE)
+            sample = waiting[self._decisions % every::every] if every > 1 else waiting
+            d.backlog = sum(map(core_seconds, sample)) * (len(waiting) / len(sample))
         for ws in view.workers:
             k = ws.launched_shape.resource
             d = out.get(k) or out.setdefault(k, _Demand())
