@@ -127,6 +127,37 @@ def test_snapshot_restore_on_another_worker(tmp_path):
         w2.close()
 
 
+# 25 directories of 200-character names: a path of 5,025 bytes, past what the kernel takes in one call
+DEEP = "python3 -c \"import os\nfor i in range(25):\n  os.mkdir('d' * 200); os.chdir('d' * 200)\nopen('deep', 'w').write('deep\\n')\""
+READ_DEEP = "python3 -c \"import os\nfor i in range(25):\n  os.chdir('d' * 200)\nprint(open('deep').read(), end='')\""
+
+
+def test_paths_past_path_max_and_every_mode_survive_a_restore_and_an_adoption(tmp_path):
+    """Sandboxed code decides how deep and with which modes its environment's files lie: a move
+    (restore elsewhere) or a dead worker's adoption must give them all back, or the environment is lost."""
+    shared = tmp_path / "shared" / "snapshots"
+    w1 = SandboxManager(tmp_path / "w1" / "envs", shared)
+    w2 = SandboxManager(tmp_path / "w2" / "envs", shared)
+    w3 = SandboxManager(tmp_path / "w3" / "envs", shared)
+    modes = "stat -c '%n %a' open shared dir tool"
+    try:
+        made = w1.run(act(DEEP + " && echo s > open && chmod 777 open && echo t > shared && chmod 666 shared"
+                          " && mkdir dir && chmod 2775 dir && echo x > tool && chmod 4755 tool", env="e"), CPU)
+        assert made.status == Status.OK, made
+        w2.restore("e", w1.snapshot("e"))
+        r = w2.run(act(f"{READ_DEEP} && {modes}", env="e"), CPU)
+        # what was saved comes back but for the setuid and setgid bits
+        assert (r.status, r.output["stdout"]) == (Status.OK, "deep\nopen 777\nshared 666\ndir 775\ntool 755\n"), r
+        w3.adopt("e", str(w2.root))
+        r = w3.run(act(f"{READ_DEEP} && {modes} && echo more > deep-too", env="e"), CPU)
+        assert (r.status, r.output["stdout"]) == (Status.OK, "deep\nopen 777\nshared 666\ndir 775\ntool 755\n"), r
+        assert not (w2.root / env_path(w3, "e").name).exists()      # the dead worker's copy is gone
+    finally:
+        w1.close()
+        w2.close()
+        w3.close()
+
+
 def test_restore_rejects_escaping_snapshot(tmp_path):
     import io
     import tarfile

@@ -654,7 +654,7 @@ class EnvStore:
         _kill_leftovers(src)
         journal = _read_journal(src_journal)
         self.drop(env_id)
-        dest, uid = self._put_in_place(env_id, lambda tmp: shutil.copytree(src, tmp, symlinks=True),
+        dest, uid = self._put_in_place(env_id, lambda tmp: _copy_tree(src, tmp),
                                        f"adopt {env_id!r} from {src}")
         env = self._install(env_id, dest, uid, template, journal)
         _rmtree(src)
@@ -1037,10 +1037,166 @@ def _open_dirs_for_owner(root: Path) -> list[tuple[str, int]]:
 
 
 def _extract(tar: tarfile.TarFile, dest: Path, members: list[tarfile.TarInfo]) -> None:
-    if hasattr(tarfile, "tar_filter"):
-        tar.extractall(dest, members=members, filter="tar")
-    else:
-        tar.extractall(dest, members=members)
+    """Unpack ``members`` (checked by :func:`_safe_member`) under ``dest``, modes as saved.
+
+    Each entry is made relative to its directory's descriptor, reached one level at a time
+    without following symlinks: sandboxed code can make paths longer than the kernel takes in
+    one call (PATH_MAX), and no member may reach through a symlink an earlier one made. A
+    directory gets its mode and time after its contents (a read-only one would refuse them).
+    """
+    at = _OpenPath(dest)
+    sources = _OpenPath(dest)        # hard links' targets, apart: the member's own directory stays open
+    dirs: list[tuple[list[str], tarfile.TarInfo]] = []
+    try:
+        for m in members:
+            parts = _member_parts(m.name)
+            if not parts:
+                dirs.append((parts, m))
+                continue
+            parent, name = at.open(parts[:-1], m.name), parts[-1]
+            if m.isdir():
+                try:
+                    os.mkdir(name, 0o700, dir_fd=parent)
+                except FileExistsError:
+                    if not stat.S_ISDIR(os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode):
+                        os.unlink(name, dir_fd=parent)
+                        os.mkdir(name, 0o700, dir_fd=parent)
+                dirs.append((parts, m))
+                continue
+            _unlink_if_there(name, parent)
+            if m.issym():
+                os.symlink(m.linkname, name, dir_fd=parent)
+                os.utime(name, (m.mtime, m.mtime), dir_fd=parent, follow_symlinks=False)
+            elif m.islnk():
+                target = _member_parts(m.linkname)
+                os.link(target[-1], name, src_dir_fd=sources.open(target[:-1], m.linkname), dst_dir_fd=parent,
+                        follow_symlinks=False)
+            else:
+                fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW_FILE, 0o600, dir_fd=parent)
+                with os.fdopen(fd, "wb") as out:
+                    data = tar.extractfile(m)
+                    if data is not None:
+                        shutil.copyfileobj(data, out, 1 << 20)
+                    os.chmod(fd, m.mode)
+                    os.utime(fd, (m.mtime, m.mtime))
+        for parts, m in reversed(dirs):         # the deepest first: their parents are still searchable
+            fd = at.open(parts, m.name)
+            os.chmod(fd, m.mode)
+            os.utime(fd, (m.mtime, m.mtime))
+    finally:
+        at.close()
+        sources.close()
+
+
+def _member_parts(name: str) -> list[str]:
+    parts = [p for p in name.split("/") if p not in ("", ".")]
+    if len(parts) > _MAX_DEPTH + 1:
+        raise EnvError(f"snapshot member {name[:200]!r}... nests deeper than {_MAX_DEPTH} levels")
+    return parts
+
+
+def _unlink_if_there(name: str, dirfd: int) -> None:
+    try:
+        st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        raise EnvError(f"snapshot member {name!r} would replace a directory")
+    os.unlink(name, dir_fd=dirfd)
+
+
+class _OpenPath:
+    """Descriptors of the directories from a root down to the one last asked for, kept open so
+    that the entries of one directory (together in a snapshot) do not walk down again."""
+
+    def __init__(self, root: Path):
+        self.fds = [os.open(root, NOFOLLOW_DIR)]
+        self.names: list[str] = []
+
+    def open(self, parts: list[str], what: str) -> int:
+        """The directory ``parts`` below the root (never through a symlink)."""
+        k = 0
+        names = self.names
+        while k < len(names) and k < len(parts) and names[k] == parts[k]:
+            k += 1
+        while len(names) > k:
+            names.pop()
+            os.close(self.fds.pop())
+        for part in parts[k:]:
+            try:
+                fd = os.open(part, NOFOLLOW_DIR, dir_fd=self.fds[-1])
+            except OSError as exc:
+                raise EnvError(f"snapshot member {what[:200]!r}: {part[:200]!r} is not a plain directory") from exc
+            names.append(part)
+            self.fds.append(fd)
+        return self.fds[-1]
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+
+
+def _copy_tree(src: Path, dest: Path) -> None:
+    """Copy the tree ``src`` to the new directory ``dest`` (symlinks as symlinks, modes and times
+    kept, devices and fifos left out), one level at a time: its paths may be longer than PATH_MAX."""
+    top = os.open(src, NOFOLLOW_DIR)
+    try:
+        os.mkdir(dest, 0o700)
+        out = os.open(dest, NOFOLLOW_DIR)
+        try:
+            _copy_dir(top, out, 1)
+            _copy_meta(os.fstat(top), out)
+        finally:
+            os.close(out)
+    finally:
+        os.close(top)
+
+
+def _copy_meta(st: os.stat_result, fd: int) -> None:
+    os.chmod(fd, stat.S_IMODE(st.st_mode))
+    os.utime(fd, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def _copy_dir(src: int, dst: int, depth: int) -> None:
+    if depth > _MAX_DEPTH:
+        raise EnvError(f"environment nests directories deeper than {_MAX_DEPTH} levels: not copied")
+    with os.scandir(src) as it:
+        names = [e.name for e in it]
+    for name in names:
+        try:
+            st = os.stat(name, dir_fd=src, follow_symlinks=False)
+            if stat.S_ISDIR(st.st_mode):
+                sub = os.open(name, NOFOLLOW_DIR, dir_fd=src)
+                try:
+                    os.mkdir(name, 0o700, dir_fd=dst)
+                    out = os.open(name, NOFOLLOW_DIR, dir_fd=dst)
+                    try:
+                        _copy_dir(sub, out, depth + 1)
+                        _copy_meta(os.fstat(sub), out)
+                    finally:
+                        os.close(out)
+                finally:
+                    os.close(sub)
+            elif stat.S_ISLNK(st.st_mode):
+                os.symlink(os.readlink(name, dir_fd=src), name, dir_fd=dst)
+                os.utime(name, ns=(st.st_atime_ns, st.st_mtime_ns), dir_fd=dst, follow_symlinks=False)
+            elif stat.S_ISREG(st.st_mode):
+                fin = os.open(name, os.O_RDONLY | _NOFOLLOW_FILE, dir_fd=src)
+                try:
+                    fout = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW_FILE, 0o600, dir_fd=dst)
+                    try:
+                        st = os.fstat(fin)
+                        while os.sendfile(fout, fin, None, 1 << 24):
+                            pass
+                        _copy_meta(st, fout)
+                    finally:
+                        os.close(fout)
+                finally:
+                    os.close(fin)
+        except OSError as exc:
+            if exc.errno not in _CHANGED_MEANWHILE:
+                raise
 
 
 def _tarinfo(name: str, st: os.stat_result, kind: bytes) -> tarfile.TarInfo:
@@ -1125,10 +1281,28 @@ def _chown_inside(root: Path, rels: Iterable[str], uid: int) -> None:
 
 
 def chown_tree(path: Path, uid: int) -> None:
-    os.chown(path, uid, uid, follow_symlinks=False)
-    for dirpath, dirnames, filenames in os.walk(path):
-        for n in dirnames + filenames:
-            os.chown(os.path.join(dirpath, n), uid, uid, follow_symlinks=False)
+    """Give ``uid`` the tree ``path``, one level at a time (paths may be longer than PATH_MAX)."""
+    top = os.open(path, NOFOLLOW_DIR)
+    try:
+        os.chown(top, uid, uid)
+        _chown_dir(top, uid, 1)
+    finally:
+        os.close(top)
+
+
+def _chown_dir(dirfd: int, uid: int, depth: int) -> None:
+    if depth > _MAX_DEPTH:
+        raise EnvError(f"environment nests directories deeper than {_MAX_DEPTH} levels")
+    with os.scandir(dirfd) as it:
+        entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+    for name, is_dir in entries:
+        os.chown(name, uid, uid, dir_fd=dirfd, follow_symlinks=False)
+        if is_dir:
+            sub = os.open(name, NOFOLLOW_DIR, dir_fd=dirfd)
+            try:
+                _chown_dir(sub, uid, depth + 1)
+            finally:
+                os.close(sub)
 
 
 def _rmtree(path: Path) -> None:
