@@ -104,3 +104,18 @@ def test_the_asyncio_handle(cluster):
             await asyncio.sleep(0)
     asyncio.run(main())
     wait_until(lambda: not env_dirs(cluster, "async-traj"), 15, 0.05, "the environment's directory to go")
+
+
+@pytest.mark.sandbox
+@needs_bwrap
+def test_a_template_this_worker_lacks_is_the_requests_error_and_the_environment_can_still_be_made(cluster):
+    with cluster.client() as c:
+        bad = c.submit(sandbox("echo never", env="tpl", template="nosuch")).result(30)
+        assert bad.status == "error" and "unknown template 'nosuch'" in bad.error and "not created" in bad.error, bad
+        # nothing was made, so nothing was lost: the next action creates it
+        made = c.submit(sandbox("echo kept > f", env="tpl")).result(30)
+        assert (made.status, made.env_state) == ("ok", "created"), made
+        # a template named after the environment exists is ignored, as documented
+        again = c.submit(sandbox("cat f", env="tpl", template="nosuch")).result(30)
+        assert (again.status, again.output["stdout"], again.env_state) == ("ok", "kept\n", "kept"), again
+        c.close_env("tpl")

@@ -33,12 +33,14 @@ from typing import Any, Callable
 
 from .. import protocol as P
 from ..actions import ActionSpec, EnvState, Status
-from .environments import EnvError
+from .environments import EnvError, UnknownTemplate
 
 log = logging.getLogger("tangram.worker")
 
 #: How long a save waits for the actions still running in the environment.
 _SAVE_WAIT_S = 60.0
+#: What a grant does to the environment, for messages.
+_DONE = {P.GRANT_NEW: "created", P.GRANT_RESTORE: "restored", P.GRANT_ADOPT: "adopted"}
 
 
 class EnvHost:
@@ -140,8 +142,13 @@ class EnvHost:
                     state = EnvState.ADOPTED
                 else:
                     return None, (Status.ERROR, None, f"unknown environment grant {grant!r}")
+            except UnknownTemplate as e:
+                # the request's mistake, and nothing was made: the coordinator forgets the environment,
+                # so that its next action creates it (not a copy lost before it existed)
+                self._reply([P.ENV_GONE, env, gen, str(e)])
+                return None, (Status.ERROR, None, f"environment {env!r} was not created: {e}")
             except (EnvError, OSError) as e:
-                return None, (Status.ENV_LOST, None, f"environment {env!r} could not be {source}d here: {e}")
+                return None, (Status.ENV_LOST, None, f"environment {env!r} could not be {_DONE[source]} here: {e}")
             finally:
                 with self._lock:
                     self._making.pop(env, None)

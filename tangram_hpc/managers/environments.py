@@ -52,7 +52,7 @@ from .env_bases import Base, BaseRef, scan_base, settled_now, unchanged
 
 __all__ = [
     "Template", "EmptyTemplate", "TreeTemplate", "PythonEnvTemplate", "template_from_config",
-    "Environment", "EnvStore", "EnvError", "UID_RANGE", "NOFOLLOW_DIR", "write_inside", "read_inside",
+    "Environment", "EnvStore", "EnvError", "UnknownTemplate", "UID_RANGE", "NOFOLLOW_DIR", "write_inside", "read_inside",
     "is_plain_dir", "JOURNAL_KEEP", "snapshot_identity", "env_dirname",
 ]
 
@@ -79,6 +79,10 @@ UID_RANGE = (0x6A000000, 0x6A000000 + (1 << 20))
 
 class EnvError(RuntimeError):
     """An environment could not be created, found, written, saved or restored."""
+
+
+class UnknownTemplate(EnvError):
+    """A payload names a template this worker does not have: the request's error, not the environment's."""
 
 
 class Template(Protocol):
@@ -357,18 +361,17 @@ class EnvStore:
         ``env_id`` None gives a throwaway environment, removed on release.
         """
         template = template or self.default_template
-        if template not in self.templates:
-            raise EnvError(f"unknown template {template!r}; configured: {sorted(self.templates)}")
         throwaway = env_id is None
         key = env_id if env_id is not None else f"_throwaway-{os.urandom(8).hex()}"
         with self._lock:
             if self._closed:
                 raise EnvError("sandbox manager is closed")
             env = self._envs.get(key)
-            if env is not None:
+            if env is not None:         # a payload's template matters only to the action that creates it
                 env.busy += 1
                 creator = False
             else:
+                self.check_template(template)
                 now = time.monotonic()
                 env = Environment(key, self.root / env_dirname(key), template, None, now, now,
                                   throwaway, busy=1)
@@ -394,6 +397,11 @@ class EnvStore:
             if env.failure is not None:
                 raise EnvError(f"environment {key!r} failed to be created: {env.failure}")
         return env
+
+    def check_template(self, template: str | None) -> None:
+        """Raise :class:`UnknownTemplate` unless ``template`` (None: the default) is configured here."""
+        if (template or self.default_template) not in self.templates:
+            raise UnknownTemplate(f"unknown template {template!r}; configured: {sorted(self.templates)}")
 
     def has(self, env_id: str) -> bool:
         """Whether ``env_id`` is here and ready."""
