@@ -315,6 +315,21 @@ def test_payload_files_cannot_escape_through_symlinks(mgr, tmp_path):
     assert good.status == Status.OK and good.output["stdout"] == "bytes\n"
 
 
+def test_payload_values_no_command_could_take_are_the_requests_error(mgr):
+    """Refused before anything runs, with what is wrong, not an internal crash or a wrong kill."""
+    cpu = [ALL_CPUS[0]]
+    for payload, why in [({"cmd": "echo a\0b"}, "NUL"), ({"cmd": ["echo", "a\0b"]}, "NUL"),
+                         ({"cmd": "true", "files": {"dir/": "x"}}, "not directories"),
+                         ({"cmd": "true", "limits": {"memory_mb": 2 ** 44}}, "at most 1099511627776"),
+                         ({"cmd": "true", "limits": {"cpu_s": 2 ** 62}}, "at most 1099511627776")]:
+        r = mgr.run(ActionSpec("sandbox", payload, env="vals"), cpu)
+        assert r.status == Status.ERROR and r.error.startswith("bad sandbox payload") and why in r.error, (payload, r)
+    # the largest value taken works as a limit
+    r = mgr.run(ActionSpec("sandbox", {"cmd": "echo ran", "limits": {"cpu_s": 2 ** 40, "memory_mb": 2 ** 40}}), cpu)
+    assert (r.status, r.output["stdout"]) == (Status.OK, "ran\n"), r
+    assert mgr.run(ActionSpec("sandbox", {"cmd": "ls -A"}, env="vals"), cpu).output["stdout"] == ""
+
+
 def test_missing_bwrap_refuses_with_fix(run_dir):
     m = SandboxManager(run_dir / "envs", bwrap="/nonexistent/bwrap")
     try:

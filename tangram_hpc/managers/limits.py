@@ -26,6 +26,8 @@ WRAPPER_ENVIRON = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
 _ENV = shutil.which("env", path=WRAPPER_ENVIRON["PATH"]) or "/usr/bin/env"
 
 _MB = 1024 * 1024
+#: The largest value any limit takes: 2**40 MiB is 2**60 bytes, within every kernel interface.
+_LIMIT_MAX = 1 << 40
 
 
 class LimitsError(ValueError):
@@ -77,6 +79,9 @@ class Limits:
                 continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v <= 0:
                 raise LimitsError(f"limits.{f.name} must be a positive number, got {v!r}")
+            if v > _LIMIT_MAX:      # past it, bytes of a MiB figure overflow what the kernel takes
+                raise LimitsError(f"limits.{f.name} must be at most {_LIMIT_MAX} (2**40), got {v!r}; "
+                                  f"None for no limit")
             if f.name != "timeout_s" and not float(v).is_integer():
                 raise LimitsError(f"limits.{f.name} must be an integer, got {v!r}")
 

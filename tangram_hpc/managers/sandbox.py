@@ -121,6 +121,8 @@ def parse_payload(p: Any) -> _Request:
             raise PayloadError(f"payload cmd[0] {argv[0]!r} must be a program, not contain '='")
     else:
         raise PayloadError("payload cmd must be a non-empty string or list of strings")
+    if any("\0" in a for a in argv):
+        raise PayloadError("payload cmd may not contain NUL bytes (no program can receive one)")
     stdin = p.get("stdin")
     if isinstance(stdin, str):
         stdin = stdin.encode()
@@ -140,6 +142,9 @@ def parse_payload(p: Any) -> _Request:
     if not isinstance(files, Mapping) or not all(
             isinstance(k, str) and isinstance(v, (str, bytes, bytearray)) for k, v in files.items()):
         raise PayloadError("payload files must map relative paths to str or bytes")
+    dirs = sorted(k for k in files if k.endswith("/") or "\0" in k)
+    if dirs:
+        raise PayloadError(f"payload files must name files, not directories or paths with NUL bytes: {dirs[:5]}")
     template = p.get("template")
     if template is not None and not isinstance(template, str):
         raise PayloadError("payload template must be a string")
