@@ -101,8 +101,14 @@ class ClientSession:
             yield from self._submit_frames(batch)
 
     def _submit_frames(self, batch: list) -> Iterator[bytes]:
-        frame = P.encode(P.SUBMIT, batch)
-        if len(frame) <= self.max_frame:
+        try:
+            frame = P.encode(P.SUBMIT, batch)
+        except (TypeError, ValueError, OverflowError) as exc:
+            # a value msgpack has no form for (a set, an object, an integer past 64 bits): the batch
+            # is split until the action that holds it fails alone, the others go out
+            frame, why = None, (f"rejected: the action cannot be sent ({type(exc).__name__}: {exc}); a payload "
+                                f"holds only None, bool, int (64 bits), float, str, bytes, lists and maps")
+        if frame is not None and len(frame) <= self.max_frame:
             yield frame
         elif len(batch) > 1:  # split to fit the coordinator's frame limit
             half = len(batch) // 2
@@ -113,9 +119,10 @@ class ClientSession:
             entry = self.pending.pop(aid, None)
             if entry is not None:
                 now = time.time()
-                _settle(entry[0], ActionResult(aid, "error", error=(
-                    f"rejected: the action is {len(frame)} bytes on the wire, over the coordinator's frame "
-                    f"limit of {self.max_frame}; pass large data through files"), submitted=now, finished=now))
+                if frame is not None:
+                    why = (f"rejected: the action is {len(frame)} bytes on the wire, over the coordinator's frame "
+                           f"limit of {self.max_frame}; pass large data through files")
+                _settle(entry[0], ActionResult(aid, "error", error=why, submitted=now, finished=now))
 
     # -- what arrived ----------------------------------------------------------------
     def on_frame(self, frame: bytes) -> int:

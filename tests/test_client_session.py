@@ -55,6 +55,23 @@ def test_batches_split_to_the_coordinators_frame_limit_and_an_oversized_action_f
     assert big.id not in s.pending
 
 
+def test_an_action_msgpack_cannot_carry_fails_alone_and_the_rest_of_its_batch_goes_out():
+    s = ClientSession("test")
+    good = [function("math:sqrt", i) for i in range(9)]
+    bad = [function("math:sqrt", 2 ** 64), function("builtins:len", {1, 2})]
+    futs = {}
+    for spec in good[:4] + [bad[0]] + good[4:] + [bad[1]]:
+        futs[spec.id] = Future()
+        s.add(spec, futs[spec.id])
+    sent = [w["i"] for f in s.frames() for w in _decode(f)[1]]
+    assert sent == [sp.id for sp in good]
+    for spec in bad:
+        res = futs[spec.id].result(0)
+        assert res.status == "error" and res.error.startswith("rejected: the action cannot be sent"), res
+        assert spec.id not in s.pending
+    assert all(not futs[sp.id].done() for sp in good)
+
+
 def test_a_result_resolves_its_future_once_and_duplicates_are_ignored():
     s, specs, futs = _session_with(3)
     list(s.frames())
