@@ -43,7 +43,7 @@ __all__ = [
 BUILTIN_KINDS = ("sandbox", "reward", "function")
 _extra_kinds: set[str] = set()
 _KIND_RE = re.compile(r"^[a-z][a-z0-9_.-]{0,31}$")
-_ID_MAX = 128
+ID_MAX = 128
 _LABEL_MAX = 256
 
 
@@ -88,7 +88,7 @@ class Demand:
                 f"demand.max_cores ({self.max_cores}) is below min_cores ({self.min_cores})")
         if self.max_cores > 4096:
             raise ValidationError("demand.max_cores above 4096")
-        if self.service is not None and (not isinstance(self.service, str) or not 0 < len(self.service) <= _ID_MAX):
+        if self.service is not None and (not isinstance(self.service, str) or not 0 < len(self.service) <= ID_MAX):
             raise ValidationError("demand.service must be a non-empty string of at most 128 characters")
 
 
@@ -180,7 +180,7 @@ class ActionSpec:
         if unknown:
             raise ValidationError(f"unknown action fields {sorted(map(str, unknown))}")
         aid = w.get("i")
-        if not isinstance(aid, str) or not 0 < len(aid) <= _ID_MAX:
+        if not isinstance(aid, str) or not 0 < len(aid) <= ID_MAX:
             raise ValidationError("action id must be a non-empty string of at most 128 characters")
         kind = w.get("k")
         if not isinstance(kind, str) or (kind not in BUILTIN_KINDS and kind not in _extra_kinds):
@@ -213,7 +213,7 @@ class ActionSpec:
 _WIRE_KEYS = frozenset("ikpedhtrjslx")
 
 
-def _opt_str(w: dict, key: str, name: str, limit: int = _ID_MAX) -> str | None:
+def _opt_str(w: dict, key: str, name: str, limit: int = ID_MAX) -> str | None:
     v = w.get(key)
     if v is None:
         return None

@@ -40,6 +40,7 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from functools import partial
 from typing import Any, Iterable
 
 import zmq
@@ -89,11 +90,20 @@ class ActionFuture(Future):
 
     ``result()`` never raises for a failed action; while it waits, the calling thread may do the
     client's socket I/O itself instead of waiting for the I/O thread to hand the result over.
+    ``cancel()`` cancels the action too (as :meth:`Client.cancel` does) and the future at once.
     """
 
-    def __init__(self, client: "Client"):
+    def __init__(self, client: "Client", action_id: str | None = None):
         super().__init__()
         self._client = client
+        self.action_id = action_id
+
+    def cancel(self) -> bool:
+        if not super().cancel():
+            return False            # it has its result already
+        if self.action_id is not None and not self._client._closed:
+            self._client.cancel(self.action_id)
+        return True
 
     def result(self, timeout: float | None = None) -> Any:
         if not self.done():
@@ -207,7 +217,7 @@ class Client(_ClientBase):
         """Queue one action; the future resolves to its :class:`ActionResult`."""
         if self._closed:
             raise CoordinatorError("the client is closed")
-        fut = ActionFuture(self)
+        fut = ActionFuture(self, spec.id)
         self._session.add(spec, fut)
         self._kick()
         return fut
@@ -218,7 +228,7 @@ class Client(_ClientBase):
         add = self._session.add
         futs = []
         for spec in specs:
-            fut = ActionFuture(self)
+            fut = ActionFuture(self, spec.id)
             add(spec, fut)
             futs.append(fut)
         self._kick()
@@ -262,6 +272,8 @@ class Client(_ClientBase):
         return self._ask_status({"op": op}, P.POOL, timeout)
 
     def _ask_status(self, body: dict | None, mtype: int, timeout: float) -> dict:
+        if self._closed:
+            raise CoordinatorError("the client is closed")
         fut = ActionFuture(self)
         self._session.ask_status(fut, body, mtype)
         self._kick()
@@ -518,8 +530,14 @@ class AsyncClient(_ClientBase):
         loop = self._start()
         fut = loop.create_future()
         self._session.add(spec, fut)
+        fut.add_done_callback(partial(self._cancel_if_cancelled, spec.id))
         self._flush()
         return fut
+
+    def _cancel_if_cancelled(self, action_id: str, fut: "asyncio.Future[ActionResult]") -> None:
+        # a future cancelled by its caller (wait_for's timeout, a cancelled task) cancels its action
+        if fut.cancelled() and not self._closed:
+            self.cancel(action_id)
 
     async def submit(self, spec: ActionSpec) -> ActionResult:
         return await self.submit_nowait(spec)
@@ -530,6 +548,7 @@ class AsyncClient(_ClientBase):
         for spec in specs:
             fut = loop.create_future()
             self._session.add(spec, fut)
+            fut.add_done_callback(partial(self._cancel_if_cancelled, spec.id))
             futs.append(fut)
         self._flush()
         return list(await asyncio.gather(*futs))

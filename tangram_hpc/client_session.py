@@ -20,7 +20,7 @@ from concurrent.futures import InvalidStateError as FutureStateError
 from typing import Any, Iterator
 
 from . import protocol as P
-from .actions import ActionResult, ActionSpec
+from .actions import ID_MAX, ActionResult, ActionSpec
 from .connection import ConnectionInfo
 from .errors import CoordinatorError
 
@@ -61,8 +61,18 @@ class ClientSession:
 
     # -- what the caller asks for ----------------------------------------------------
     def add(self, spec: ActionSpec, fut: Any) -> None:
+        aid = spec.id
+        if type(aid) is not str or not 0 < len(aid) <= ID_MAX or aid in self.pending:
+            # refused here: the coordinator could only answer with an error frame naming no action,
+            # and a second future under a pending id would take the first one's result
+            why = ("is already pending in this client" if type(aid) is str and 0 < len(aid) <= ID_MAX
+                   else f"must be a non-empty string of at most {ID_MAX} characters")
+            now = time.time()
+            _settle(fut, ActionResult(str(aid)[:ID_MAX], "error", error=f"rejected: action id {str(aid)[:80]!r} {why}",
+                                      submitted=now, finished=now))
+            return
         wire = spec.to_wire()
-        self.pending[spec.id] = (fut, wire)
+        self.pending[aid] = (fut, wire)
         self.outq.append(wire)
 
     def cancel(self, ids: list[str]) -> None:

@@ -107,6 +107,58 @@ def test_cancel_kills_a_running_command(client):
     assert client.status()["zombie_cores"] == 0 and time.time() - t0 < 5
 
 
+def _wait_until_nothing_runs(client, t0: float) -> None:
+    deadline = time.time() + 5
+    while (client.status()["running"] or client.status()["zombie_cores"]) and time.time() < deadline:
+        time.sleep(0.05)
+    st = client.status()
+    assert st["running"] == 0 and st["zombie_cores"] == 0 and time.time() - t0 < 5, st
+
+
+def test_cancelling_a_future_cancels_its_action(client):
+    fut = client.submit(sandbox("sleep 30"))
+    deadline = time.time() + 10
+    while client.status()["running"] == 0 and time.time() < deadline:
+        time.sleep(0.05)
+    t0 = time.time()
+    assert fut.cancel() and fut.cancelled() and fut.action_id
+    _wait_until_nothing_runs(client, t0)        # killed, not left to run its 30 s
+    assert client.submit(function("math:sqrt", 4)).result(10).output == 2.0   # the client goes on
+
+
+def test_an_asyncio_future_cancelled_by_its_caller_cancels_its_action(cluster, client):
+    async def go():
+        async with AsyncClient(connection_file=str(cluster.connection_file)) as c:
+            fut = c.submit_nowait(sandbox("sleep 30"))
+            deadline = time.time() + 10
+            while (await c.status())["running"] == 0 and time.time() < deadline:
+                await asyncio.sleep(0.05)
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(fut, 0.2)        # cancels the future on its timeout
+            return time.time()
+    _wait_until_nothing_runs(client, asyncio.run(go()))
+
+
+def test_ids_the_client_cannot_use_fail_alone_and_at_once(client):
+    spec = sandbox("sleep 0.5")
+    first = client.submit(spec)
+    again = client.submit(spec)                                 # the same id while it is pending
+    long = client.submit(ActionSpec(kind="function", payload={"fn": "math:sqrt", "args": [1]}, id="x" * 200))
+    assert again.result(0).status == Status.ERROR and "already pending in this client" in again.result(0).error
+    assert long.result(0).status == Status.ERROR and "at most 128 characters" in long.result(0).error
+    assert first.result(10).ok and client.outstanding == 0
+
+
+def test_an_id_two_clients_submit_is_answered_to_both(cluster):
+    spec = sandbox("sleep 0.5; echo once")
+    with cluster.client() as c1, cluster.client() as c2:
+        a = c1.submit(spec)
+        time.sleep(0.1)
+        b = c2.submit(spec)
+        ra, rb = a.result(10), b.result(10)
+    assert ra.ok and rb.ok and ra.output["stdout"] == rb.output["stdout"] == "once\n" and ra.attempts == 1
+
+
 def test_idempotency_key_runs_once(client):
     key = "idem-" + os.urandom(4).hex()
     a = client.submit(ActionSpec(kind="function", payload={"fn": "os:urandom", "args": [8]}, idempotency_key=key))

@@ -308,7 +308,7 @@ def test_idempotency_key_shared_by_a_live_and_a_finished_action_runs_once():
     assert take_assign(ledger) == {} and ledger.counters.submitted == 1
 
 
-def test_resubmission_from_a_reconnected_client_is_answered_at_the_new_identity():
+def test_an_id_resubmitted_under_another_identity_is_answered_there_and_at_the_first():
     ledger = make()
     join(ledger, "w1")
     live, finished = sleep(), sleep()
@@ -318,11 +318,14 @@ def test_resubmission_from_a_reconnected_client_is_answered_at_the_new_identity(
     take_results(ledger)
     submit(ledger, C1, live)
     take_assign(ledger)
-    submit(ledger, C2, live, finished, now=2.0)   # the same client, back under a new identity
+    submit(ledger, C2, live, finished, now=2.0)   # the same client back under a new identity, or another
+    submit(ledger, C2, live, now=2.5)             # asked twice there: answered once
     assert only_result(ledger, C2)[:3] == [finished.id, "ok", "cached"]
     assert take_assign(ledger) == {} and ledger.counters.submitted == 2
     done(ledger, "w1", live.id, 1, output="live")
-    assert only_result(ledger, C2)[:3] == [live.id, "ok", "live"]
+    res = take_results(ledger)
+    assert {c: [r[:3] for r in rs] for c, rs in res.items()} == {C1: [[live.id, "ok", "live"]],
+                                                               C2: [[live.id, "ok", "live"]]}
 
 
 # -- admission -----------------------------------------------------------------------

@@ -180,7 +180,12 @@ class ActionLedger:
             aid = spec.id
             live = actions.get(aid)
             if live is not None:
-                live.client = client  # a resubmission from a reconnected client: answer it there
+                # the same id from another identity (the client back under a new one, or a second
+                # client using the id): answer it there too, and the first one still
+                if client != live.client and (live.waiters is None or (client, aid) not in live.waiters):
+                    if live.waiters is None:
+                        live.waiters = []
+                    live.waiters.append((client, aid))
                 continue
             done = self._recent.get(aid)
             if done is not None:
