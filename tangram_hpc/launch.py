@@ -82,28 +82,30 @@ def build_coordinator(settings: Settings, *, reuse_ports: bool = True) -> Coordi
         backend = backend_from_settings(settings.slurm, run_dir=cfg.run_dir)
         # The pool sizes itself with the durations the scheduler learns.
         pool = pool_from_settings(settings.slurm, getattr(policy, "predictor", None))
-    services = _declared_services(settings)
+    specs = _service_specs(settings)
+    services = {s.name: ServiceInfo(int(s.memory_mb)) for s in specs if s.memory_mb}
     if services:
         policy.set_services(services)   # so the scheduler knows sizes and batch limits before any call
     if pool is not None:
-        # An action larger than every shape the pool can provide fails at once with the reason
-        # instead of waiting forever (with backend none any size of worker may still join).
-        policy.set_shapes(pool.shapes)
+        # An action larger than every shape the pool can provide, or calling a service none of its
+        # service workers hosts, fails at once with the reason instead of waiting forever (with
+        # backend none any worker may still join).
+        policy.set_shapes(pool.shapes, hosted=[s.name for s in specs])
     return Coordinator(cfg, policy, pool=pool, backend=backend, curve=curve, cpu_worker_args=tuple(common),
                        service_worker_args=tuple(service_args), throttle=LaunchThrottle(settings.launch))
 
 
-def _declared_services(settings: Settings) -> dict[str, ServiceInfo]:
-    """The reward services of [services], as the scheduler sees them (those whose size is known).
+def _service_specs(settings: Settings) -> list:
+    """The reward services of [services]: what every service worker the coordinator starts hosts.
 
-    Only the size: a spec's ``max_batch`` counts inputs per model call, the scheduler's requests.
+    The scheduler gets their names and the sizes of those whose size is known; only the size: a
+    spec's ``max_batch`` counts inputs per model call, the scheduler's requests.
     """
     sv = settings.services
     if not (sv.file or sv.service):
-        return {}
+        return []
     from .managers.service_spec import specs_from_cli
-    return {s.name: ServiceInfo(int(s.memory_mb))
-            for s in specs_from_cli(sv.file, sv.service) if s.memory_mb}
+    return list(specs_from_cli(sv.file, sv.service))
 
 
 def _reuse_ports(cfg: CoordinatorSettings) -> CoordinatorSettings:

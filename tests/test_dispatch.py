@@ -11,7 +11,7 @@ from concurrent.futures import as_completed
 import pytest
 
 from support import wait_until
-from tangram_hpc import ActionSpec, AsyncClient, Client, Demand, Status, function, sandbox
+from tangram_hpc import ActionSpec, AsyncClient, Client, Demand, Status, function, reward, sandbox
 from tangram_hpc.client import CoordinatorError
 
 
@@ -179,6 +179,11 @@ def test_resubmitting_a_finished_action_returns_the_same_result(cluster):
 def test_demand_no_worker_shape_can_hold_fails_with_the_reason(client):
     r = client.submit(ActionSpec(kind="sandbox", payload={"cmd": "true"}, demand=Demand(64, 64))).result(10)
     assert r.status == Status.ERROR and "cannot be placed" in r.error
+
+
+def test_a_reward_call_with_no_service_worker_to_run_it_fails_with_the_reason(client):
+    r = client.submit(reward("judge", [{"response": "a", "reference": "a"}])).result(10)
+    assert r.status == Status.ERROR and "cannot be placed" in r.error and "no service workers" in r.error, r
 
 
 def test_async_client(cluster):

@@ -446,6 +446,23 @@ def test_unplaceable_actions_are_reported_with_reason():
     assert p.unplaceable(2) == []
 
 
+@pytest.mark.parametrize("policy", [ElasticScheduler, FifoPolicy])
+def test_a_service_call_no_worker_could_ever_host_is_unplaceable(policy):
+    p = policy()
+    p.set_shapes([WorkerShape(8)])                  # CPU workers only: no service runs anywhere
+    p.submit(ActionSpec("reward", id="judge", demand=Demand(service="judge")), 0)
+    assert [(x, "starts no service workers" in why) for x, why in p.unplaceable(0)] == [("judge", True)]
+    # service workers that host the run's services: those calls wait for them, others cannot
+    p.set_shapes([WorkerShape(8), WorkerShape(1, gpu_mem_mb=2000)], hosted=["judge"])
+    p.submit(ActionSpec("reward", id="other", demand=Demand(service="other")), 1)
+    bad = dict(p.unplaceable(1))
+    assert list(bad) == ["other"] and "hosted by no worker (the run's services: judge)" in bad["other"]
+    # a registered worker that hosts it (or declares no list: any) makes it placeable
+    p.add_worker(WorkerInfo("g", 1, gpu_mem_mb=2000, kinds=GPU, services=frozenset({"other"})), 2)
+    p.set_shapes([WorkerShape(8), WorkerShape(1, gpu_mem_mb=2000)], hosted=["judge"])
+    assert p.unplaceable(2) == []
+
+
 def test_cancel_and_counts():
     p = FifoPolicy()
     p.submit(ActionSpec("sandbox", id="a"), 0)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import Iterable
 
 from ..actions import ActionSpec
 from ..resources import ClusterCapacity, ResourceClass, WorkerInfo, WorkerShape
@@ -51,8 +52,9 @@ class SchedulingPolicy(ABC):
     def set_draining(self, worker_id: str, draining: bool) -> None:
         """A draining worker gets no new actions (scale-down, time limit)."""
 
-    def set_shapes(self, shapes: list[WorkerShape]) -> None:
-        """The worker shapes the pool can ever provide (see :meth:`unplaceable`)."""
+    def set_shapes(self, shapes: list[WorkerShape], hosted: Iterable[str] | None = None) -> None:
+        """The worker shapes the pool can ever provide, and the services its service workers host
+        (None: any; see :meth:`unplaceable`)."""
 
     def update_worker(self, worker_id: str, *, services: frozenset[str] | None = None,
                       envs: frozenset[str] | None = None, now: float = 0.0) -> None:

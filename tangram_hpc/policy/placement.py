@@ -218,6 +218,7 @@ class ShapeLimit:
     cores: int
     mem_mb: int = 0                  # 0: not limited
     gpu_mem_mb: int | None = 0
+    serves: bool = False             # a worker of services (GPUs, or a memory budget standing in)
 
     @classmethod
     def of(cls, shape: WorkerShape) -> "ShapeLimit":
@@ -227,7 +228,7 @@ class ShapeLimit:
             gpu = None                   # GPUs of unknown memory (a Slurm gres request)
         else:
             gpu = shape.gpu_mem_mb       # a memory budget standing in for a GPU (services on the CPU)
-        return cls(shape.cores, shape.mem_mb, gpu)
+        return cls(shape.cores, shape.mem_mb, gpu, bool(shape.gpus or shape.gpu_mem_mb))
 
     def holds(self, min_cores: int, mem_mb: int, gpu_mem_mb: int) -> bool:
         return (self.cores >= min_cores and (self.mem_mb == 0 or self.mem_mb >= mem_mb)
@@ -382,6 +383,7 @@ class PlacementPolicy(SchedulingPolicy):
         self._wseq = 0
         self._qseq = 0
         self._limits: tuple[ShapeLimit, ...] = ()
+        self._hosted: frozenset[str] | None = None
         self._unplaceable: dict[str, tuple[ActionRecord, str]] = {}
         self._fit_memo: dict[tuple, str | None] = {}   # (kind, demand) -> why it fits nothing (None: fits)
         self._heads: list | None = None
@@ -393,14 +395,17 @@ class PlacementPolicy(SchedulingPolicy):
         self.set_shapes(shapes)
 
     # -- configuration ---------------------------------------------------------
-    def set_shapes(self, shapes: Iterable[WorkerShape | ShapeLimit]) -> None:
+    def set_shapes(self, shapes: Iterable[WorkerShape | ShapeLimit], hosted: Iterable[str] | None = None) -> None:
         """The worker shapes the pool can ever provide; actions larger than all are unplaceable.
 
         An action is unplaceable when it fits neither any of these shapes nor
         any registered worker.  With no shapes configured nothing is declared
-        unplaceable (the driver may add workers of any size).
+        unplaceable (the driver may add workers of any size).  ``hosted``: the
+        services the pool's service workers are started with (None: any), so a
+        call of another service, or of any when no shape serves, is unplaceable.
         """
         self._limits = tuple(s if isinstance(s, ShapeLimit) else ShapeLimit.of(s) for s in shapes)
+        self._hosted = None if hosted is None else frozenset(hosted)
         self._fit_memo.clear()
         for rec in list(self._recs.values()):
             if rec.state is not _PENDING:
@@ -451,13 +456,20 @@ class PlacementPolicy(SchedulingPolicy):
 
     def _too_big_now(self, spec: ActionSpec) -> str | None:
         d = spec.demand
+        svc = d.service
+        hosted = self._hosted
         for lim in self._limits:
-            if lim.holds(d.min_cores, d.mem_mb, d.gpu_mem_mb):
+            if lim.holds(d.min_cores, d.mem_mb, d.gpu_mem_mb) and (
+                    not svc or lim.serves and (hosted is None or svc in hosted)):
                 return None
         for w in self._workers.values():    # a registered worker larger than the shapes counts too
             if (w.cores >= d.min_cores and w.mem >= d.mem_mb and w.gpu_mem >= d.gpu_mem_mb
-                    and spec.kind in w.kinds):
+                    and spec.kind in w.kinds and (not svc or self._can_host(w, svc))):
                 return None
+        if svc and not any(lim.serves for lim in self._limits):
+            return f"service {svc!r}: the pool starts no service workers and no registered worker hosts it"
+        if svc and hosted is not None and svc not in hosted:
+            return f"service {svc!r} is hosted by no worker (the run's services: {', '.join(sorted(hosted)) or 'none'})"
         big = max(self._limits, key=lambda s: (s.cores, s.mem_mb, s.gpu_mem_mb or 0))
         gpu = "unlimited" if big.gpu_mem_mb is None else big.gpu_mem_mb
         return (f"demand min_cores={d.min_cores} mem_mb={d.mem_mb} gpu_mem_mb={d.gpu_mem_mb} exceeds "
