@@ -97,7 +97,7 @@ GRANT_HELD, GRANT_NEW, GRANT_RESTORE, GRANT_ADOPT = "held", "new", "restore", "a
 ENV_SAVE, ENV_DROP, ENV_KEEP = "save", "drop", "keep"
 ENV_SAVED, ENV_UNSAVED, ENV_GONE = "saved", "unsaved", "gone"
 _ENV_FROM_WORKER = frozenset({ENV_SAVED, ENV_UNSAVED, ENV_GONE})
-_MAX_ENV_ID = 128
+_MAX_ID = 128        # action, environment and worker ids
 
 #: Default largest frame accepted (bytes).  Also set as ZMQ_MAXMSGSIZE so the
 #: transport drops larger frames before they are buffered whole.
@@ -127,9 +127,9 @@ def decode(frame: bytes, allowed: frozenset[int], max_bytes: int = MAX_FRAME_BYT
     if not isinstance(msg, list) or len(msg) != 3:
         raise ProtocolError("malformed", "frame must be [version, type, body]")
     version, mtype, body = msg
-    if version != PROTOCOL_VERSION:
+    if type(version) is not int or version != PROTOCOL_VERSION:   # msgpack's true would equal 1
         raise ProtocolError("version", f"protocol version {version!r} not supported; this peer speaks {PROTOCOL_VERSION}")
-    if not isinstance(mtype, int) or mtype not in allowed:  # a list or map here is unhashable
+    if type(mtype) is not int or mtype not in allowed:  # a list or map here is unhashable; true is no type
         raise ProtocolError("unknown_type", f"message type {mtype!r} not accepted here")
     shape = _BODY_SHAPE.get(mtype)
     if shape is not None and not isinstance(body, shape):
@@ -180,7 +180,7 @@ def check_register(body: dict) -> dict:
 
 
 def _env_gen_pair(e: Any) -> bool:
-    return (isinstance(e, list) and len(e) == 2 and isinstance(e[0], str) and 0 < len(e[0]) <= _MAX_ENV_ID
+    return (isinstance(e, list) and len(e) == 2 and isinstance(e[0], str) and 0 < len(e[0]) <= _MAX_ID
             and isinstance(e[1], int) and not isinstance(e[1], bool) and 0 <= e[1] < 1 << 62)
 
 
@@ -207,8 +207,9 @@ def check_env_item(item: Any) -> tuple[str, str, int, str | None]:
     return item[0], item[1], item[2], item[3]
 
 
-def check_env_ids(body: list) -> list[str]:
-    """A CLOSE_ENV body: environment ids."""
-    if len(body) > 100_000 or not all(isinstance(e, str) and 0 < len(e) <= _MAX_ENV_ID for e in body):
-        raise ProtocolError("malformed", "CLOSE_ENV body must be a list of environment ids")
+def check_ids(mtype: int, body: list) -> list[str]:
+    """A CANCEL or CLOSE_ENV body: action or environment ids."""
+    if len(body) > 100_000 or not all(isinstance(e, str) and 0 < len(e) <= _MAX_ID for e in body):
+        raise ProtocolError("malformed", f"{NAMES[mtype]} body must be a list of ids (strings of 1 to {_MAX_ID} "
+                                         f"characters, at most 100,000)")
     return body

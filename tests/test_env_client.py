@@ -29,9 +29,9 @@ def test_close_env_goes_out_as_one_frame_after_what_was_submitted_before():
 
 def test_a_close_env_body_of_non_ids_is_refused_at_the_edge():
     with pytest.raises(P.ProtocolError):
-        P.check_env_ids(["ok", 5])
+        P.check_ids(P.CLOSE_ENV, ["ok", 5])
     with pytest.raises(P.ProtocolError):
-        P.check_env_ids(["x" * 200])
+        P.check_ids(P.CANCEL, ["x" * 200])
 
 
 @pytest.fixture(scope="module")

@@ -171,9 +171,9 @@ def _consume(frame: bytes, allowed: frozenset) -> None:
             P.check_register(body)
         except P.ProtocolError:
             pass
-    if mtype == P.CLOSE_ENV:
+    if mtype in (P.CLOSE_ENV, P.CANCEL):
         try:
-            P.check_env_ids(body)
+            P.check_ids(mtype, body)
         except P.ProtocolError:
             pass
 

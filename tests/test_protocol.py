@@ -30,6 +30,10 @@ MALFORMED = {
     "wrong_body_shape": (msgpack.packb([P.PROTOCOL_VERSION, P.SUBMIT, {"a": 1}]), "malformed"),
     "int_map_keys": (msgpack.packb([P.PROTOCOL_VERSION, P.HELLO, {1: 2}]), "malformed"),
     "empty": (b"", "malformed"),
+    "true_for_the_version": (msgpack.packb([True, P.HELLO, {}]), "version"),
+    "true_for_the_type": (msgpack.packb([P.PROTOCOL_VERSION, True, {}]), "unknown_type"),
+    "cancel_of_non_ids": (msgpack.packb([P.PROTOCOL_VERSION, P.CANCEL, [1, [], {}, None]]), "malformed"),
+    "close_env_of_non_ids": (msgpack.packb([P.PROTOCOL_VERSION, P.CLOSE_ENV, ["x" * 200]]), "malformed"),
 }
 
 
@@ -37,7 +41,9 @@ MALFORMED = {
 def test_malformed_frames_raise_protocol_error(name):
     frame, code = MALFORMED[name]
     with pytest.raises(P.ProtocolError) as e:
-        P.decode(frame, P.CLIENT_TYPES)
+        mtype, body = P.decode(frame, P.CLIENT_TYPES)
+        if mtype in (P.CANCEL, P.CLOSE_ENV):    # what the coordinator checks next
+            P.check_ids(mtype, body)
     assert e.value.code == code
 
 

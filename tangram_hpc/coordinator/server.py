@@ -299,7 +299,7 @@ class Coordinator:
         elif mtype == P.HEARTBEAT:
             self.clients.send_multipart([ident, P.encode(P.HEARTBEAT, {"coordinator": self.id})], zmq.NOBLOCK)
         elif mtype == P.CANCEL:
-            self.ledger.cancel(body, time.time())
+            self.ledger.cancel(P.check_ids(mtype, body), time.time())
         elif mtype == P.STATUS:
             st = self.status(allocations=body.get("allocations") is True)
             self.clients.send_multipart([ident, P.encode(P.STATUS, st)], zmq.NOBLOCK)
@@ -317,7 +317,7 @@ class Coordinator:
         elif mtype == P.HELLO:
             self.clients.send_multipart([ident, P.encode(P.WELCOME, self._welcome())], zmq.NOBLOCK)
         elif mtype == P.CLOSE_ENV:
-            self.ledger.close_env(P.check_env_ids(body), time.time())
+            self.ledger.close_env(P.check_ids(mtype, body), time.time())
 
     def _welcome(self) -> dict:
         c = self.config
