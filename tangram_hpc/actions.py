@@ -44,6 +44,8 @@ BUILTIN_KINDS = ("sandbox", "reward", "function")
 _extra_kinds: set[str] = set()
 _KIND_RE = re.compile(r"^[a-z][a-z0-9_.-]{0,31}$")
 ID_MAX = 128
+#: A MiB figure past this overflows the byte counts the kernel takes (a cgroup limit).
+_MEM_MAX_MB = 1 << 40
 _LABEL_MAX = 256
 
 
@@ -88,6 +90,8 @@ class Demand:
                 f"demand.max_cores ({self.max_cores}) is below min_cores ({self.min_cores})")
         if self.max_cores > 4096:
             raise ValidationError("demand.max_cores above 4096")
+        if self.mem_mb > _MEM_MAX_MB or self.gpu_mem_mb > _MEM_MAX_MB:
+            raise ValidationError(f"demand.mem_mb and gpu_mem_mb must be at most {_MEM_MAX_MB} MiB (2**40)")
         if self.service is not None and (not isinstance(self.service, str) or not 0 < len(self.service) <= ID_MAX):
             raise ValidationError("demand.service must be a non-empty string of at most 128 characters")
 
@@ -227,7 +231,7 @@ def _opt_num(w: dict, key: str, name: str) -> float | None:
     if v is None:
         return None
     if not isinstance(v, (int, float)) or isinstance(v, bool) or v != v or v < 0 or v > 1e9:
-        raise ValidationError(f"{name} must be a non-negative number")
+        raise ValidationError(f"{name} must be a number of seconds from 0 to 1e9 (about 32 years), got {v!r:.40}")
     return float(v)
 
 

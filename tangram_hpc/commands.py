@@ -7,6 +7,7 @@ import sys
 import time
 
 from .actions import ActionSpec, Demand
+from .errors import ValidationError
 from .client import Client
 
 
@@ -24,17 +25,32 @@ def _client(args: argparse.Namespace) -> Client:
 def _cores(text: str) -> tuple[int, int]:
     lo, _, hi = text.partition("-")
     try:
-        return int(lo), int(hi or lo)
+        cores = int(lo), int(hi or lo)
     except ValueError:
         raise argparse.ArgumentTypeError(f"cores must be N or MIN-MAX, got {text!r}") from None
+    if not 0 <= cores[0] <= cores[1]:
+        raise argparse.ArgumentTypeError(f"cores must be N or MIN-MAX with MIN <= MAX, got {text!r}")
+    return cores
+
+
+def _json_list(text: str) -> list:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text[:80]!r}") from None
+    if not isinstance(value, list):
+        raise argparse.ArgumentTypeError(f"must be a JSON list, e.g. '[1, 2]', got {text[:80]!r}")
+    return value
 
 
 def add_submit_arguments(p: argparse.ArgumentParser) -> None:
+    p.epilog = ("Exit status: 0 for an ok result; a failed command's own exit code (128+N when signal N "
+                "killed it, e.g. 137 on a timeout); 1 for another result; 124 when none came within --wait.")
     _connection_args(p)
     p.add_argument("command", nargs="?", help="shell command for a sandbox action")
     p.add_argument("--kind", default="sandbox", help="sandbox (default), function or reward")
     p.add_argument("--fn", help="function target 'module:function' (kind function)")
-    p.add_argument("--args", default="[]", help="JSON list of arguments (function) or inputs (reward)")
+    p.add_argument("--args", type=_json_list, default=[], help="JSON list of arguments (function) or inputs (reward)")
     p.add_argument("--service", help="reward-model service (kind reward)")
     p.add_argument("--env", help="stateful environment id to run in")
     p.add_argument("--cores", type=_cores, default=(1, 1), help="N or MIN-MAX cores (default 1)")
@@ -47,7 +63,7 @@ def add_submit_arguments(p: argparse.ArgumentParser) -> None:
 
 def build_spec(args: argparse.Namespace) -> ActionSpec:
     lo, hi = args.cores
-    extra = json.loads(args.args)
+    extra = args.args
     if args.kind == "sandbox":
         if not args.command:
             raise SystemExit("tangram-hpc submit: give the command to run, e.g. tangram-hpc submit 'echo hi'")
@@ -63,8 +79,11 @@ def build_spec(args: argparse.Namespace) -> ActionSpec:
         lo = hi = 0
     else:
         payload = {"cmd": args.command, "args": extra}
-    return ActionSpec(kind=args.kind, payload=payload, env=args.env, timeout=args.timeout,
-                      demand=Demand(lo, hi, args.mem_mb, args.gpu_mem_mb, args.service))
+    try:
+        return ActionSpec(kind=args.kind, payload=payload, env=args.env, timeout=args.timeout,
+                          demand=Demand(lo, hi, args.mem_mb, args.gpu_mem_mb, args.service))
+    except ValidationError as e:
+        raise SystemExit(f"tangram-hpc submit: {e}") from None
 
 
 def submit_main(args: argparse.Namespace) -> int:
@@ -91,7 +110,10 @@ def submit_main(args: argparse.Namespace) -> int:
               f"ACT {res.act * 1000:.1f} ms" + (f": {res.error}" if res.error else ""), file=sys.stderr)
     if res.ok:
         return 0
-    return res.output.get("returncode", 1) if isinstance(res.output, dict) and res.output.get("returncode") else 1
+    rc = res.output.get("returncode") if isinstance(res.output, dict) else None
+    if not isinstance(rc, int) or rc == 0:
+        return 1
+    return 128 - rc if rc < 0 else rc       # killed by signal N (a timeout: SIGKILL): 128 + N, as a shell says
 
 
 def _why_waiting(c: Client) -> str:

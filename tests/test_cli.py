@@ -124,6 +124,18 @@ def test_submit_wait_timeout_is_a_message_not_a_traceback(cluster):
     assert "Traceback" not in r.stderr and "The coordinator has 2 workers" in r.stderr
 
 
+def test_submit_refuses_bad_arguments_with_a_message_and_says_how_a_command_ended(cluster):
+    conn = str(cluster.connection_file)
+    for args, says in [(["--kind", "function", "--fn", "math:sqrt", "--args", "notjson"], "not JSON"),
+                       (["--kind", "function", "--fn", "math:sqrt", "--args", "{}"], "must be a JSON list"),
+                       (["--cores", "4-2", "true"], "MIN <= MAX"),
+                       (["--mem-mb", str(2 ** 44), "true"], "at most 1099511627776 MiB")]:
+        r = cli("submit", "-c", conn, *args)
+        assert r.returncode != 0 and says in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+    r = cli("submit", "-c", conn, "--timeout", "0.5", "sleep 30")
+    assert r.returncode == 137 and "[timeout]" in r.stderr, (r.returncode, r.stderr)     # SIGKILL: 128 + 9
+
+
 def test_text_status_shows_environments_and_faults(cluster):
     from tangram_hpc import sandbox
     conn = str(cluster.connection_file)
