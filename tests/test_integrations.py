@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import os
+import signal
 
 import aiohttp
 import pytest
@@ -58,14 +60,22 @@ def test_verl_compute_score_batch_and_errors(cluster):
     # A ground truth that is not text reaches the service as JSON text.
     (s,) = tverl.compute_score_batch(["x"], ["a b"], [{"inputs": ["a"], "outputs": ["b"]}], **kw)
     assert s == pytest.approx(expected("a b", '{"inputs": ["a"], "outputs": ["b"]}'), abs=1e-5)
-    # No worker offers this service: the actions wait for one, the caller for wait_s, then they are cancelled.
-    bad = {"service": "no-such-service", "connection_file": str(cluster.connection_file), "wait_s": 1.0}
-    with pytest.raises(RewardError, match="no result from reward service 'no-such-service' within 1s"):
+    # No worker can ever offer this service: the call fails at once, saying why.
+    bad = {"service": "no-such-service", "connection_file": str(cluster.connection_file), "wait_s": 30.0}
+    with pytest.raises(RewardError, match="cannot be placed: service 'no-such-service' is hosted by no worker"):
         tverl.compute_score_batch(["x"], ["a"], ["b"], **bad)
     assert tverl.compute_score_batch(["x"], ["a"], ["b"], on_error=-1.0, **bad) == [-1.0]
-    with pytest.raises(RewardError, match="no result from reward service 'no-such-service' within 1s"):
-        asyncio.run(tverl.compute_score("x", "a", "b", **bad))
-    assert asyncio.run(tverl.compute_score("x", "a", "b", on_error=0.0, **bad)) == 0.0
+    # The service's worker hangs: the caller waits wait_s, then its actions are cancelled.
+    hung = dict(kw, wait_s=1.0)
+    with cluster.client() as c:
+        (pid,) = [w["pid"] for w in c.status()["workers"] if w["kinds"] == ["reward"]]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(RewardError, match="no result from reward service 'judge' within 1s"):
+            tverl.compute_score_batch(["x"], ["a"], ["b"], **hung)
+        assert asyncio.run(tverl.compute_score("x", "a", "b", on_error=0.0, **hung)) == 0.0
+    finally:
+        os.kill(pid, signal.SIGCONT)
     with cluster.client() as c:  # and nothing of them is left in the queue
         assert c.status()["pending"] == 0
 
@@ -118,4 +128,4 @@ def test_openrlhf_remote_reward_endpoint(cluster):
         assert reply["scores"] == reply["rewards"] and reply["extra_logs"] == {}
     assert batch["rewards"] == pytest.approx([expected(r, g) for r, g in SAMPLES[:5]], abs=1e-5)
     assert invalid[0] == 422 and invalid[1]["detail"][0]["loc"] == ["body", "labels"]
-    assert unknown[0] == 502 and "no result from reward service 'nope' within 2s" in unknown[1]["detail"]
+    assert unknown[0] == 502 and "cannot be placed: service 'nope' is hosted by no worker" in unknown[1]["detail"]

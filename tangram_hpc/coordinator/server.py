@@ -491,7 +491,8 @@ class Coordinator:
             "environments": self.ledger.envs.counts(),
             "workers": [
                 {"id": w.info.id, "host": w.info.host, "pid": w.info.extra.get("pid"), "handle": w.info.handle,
-                 "cores": w.info.cores, "busy_cores": w.busy_cores, "zombie_cores": w.zombie_cores,
+                 "kinds": sorted(w.info.kinds), "cores": w.info.cores, "busy_cores": w.busy_cores,
+                 "zombie_cores": w.zombie_cores,
                  "running": len(w.running), "gpus": w.info.gpus, "services": sorted(w.services),
                  "envs": len(w.envs), "state": w.state, "last_seen_s": round(now - w.last_seen, 2)}
                 for w in self.workers],
