@@ -133,24 +133,25 @@ READ_DEEP = "python3 -c \"import os\nfor i in range(25):\n  os.chdir('d' * 200)\
 
 
 def test_paths_past_path_max_and_every_mode_survive_a_restore_and_an_adoption(tmp_path):
-    """Sandboxed code decides how deep and with which modes its environment's files lie: a move
+    """Sandboxed code decides how deep and with which modes and times its environment's files lie: a move
     (restore elsewhere) or a dead worker's adoption must give them all back, or the environment is lost."""
     shared = tmp_path / "shared" / "snapshots"
     w1 = SandboxManager(tmp_path / "w1" / "envs", shared)
     w2 = SandboxManager(tmp_path / "w2" / "envs", shared)
     w3 = SandboxManager(tmp_path / "w3" / "envs", shared)
-    modes = "stat -c '%n %a' open shared dir tool"
+    modes = "stat -c '%n %a' open shared dir tool && stat -c %Y shared"
     try:
         made = w1.run(act(DEEP + " && echo s > open && chmod 777 open && echo t > shared && chmod 666 shared"
-                          " && mkdir dir && chmod 2775 dir && echo x > tool && chmod 4755 tool", env="e"), CPU)
+                          " && mkdir dir && chmod 2775 dir && echo x > tool && chmod 4755 tool"
+                          " && touch -d @1000000000 shared", env="e"), CPU)
         assert made.status == Status.OK, made
         w2.restore("e", w1.snapshot("e"))
         r = w2.run(act(f"{READ_DEEP} && {modes}", env="e"), CPU)
         # what was saved comes back but for the setuid and setgid bits
-        assert (r.status, r.output["stdout"]) == (Status.OK, "deep\nopen 777\nshared 666\ndir 775\ntool 755\n"), r
+        assert (r.status, r.output["stdout"]) == (Status.OK, "deep\nopen 777\nshared 666\ndir 775\ntool 755\n1000000000\n"), r
         w3.adopt("e", str(w2.root))
         r = w3.run(act(f"{READ_DEEP} && {modes} && echo more > deep-too", env="e"), CPU)
-        assert (r.status, r.output["stdout"]) == (Status.OK, "deep\nopen 777\nshared 666\ndir 775\ntool 755\n"), r
+        assert (r.status, r.output["stdout"]) == (Status.OK, "deep\nopen 777\nshared 666\ndir 775\ntool 755\n1000000000\n"), r
         assert not (w2.root / env_path(w3, "e").name).exists()      # the dead worker's copy is gone
     finally:
         w1.close()

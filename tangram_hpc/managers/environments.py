@@ -1085,6 +1085,7 @@ def _extract(tar: tarfile.TarFile, dest: Path, members: list[tarfile.TarInfo]) -
                     data = tar.extractfile(m)
                     if data is not None:
                         shutil.copyfileobj(data, out, 1 << 20)
+                    out.flush()             # before the time is set: a later write would move it
                     os.chmod(fd, m.mode)
                     os.utime(fd, (m.mtime, m.mtime))
         for parts, m in reversed(dirs):         # the deepest first: their parents are still searchable
@@ -1192,9 +1193,11 @@ def _copy_dir(src: int, dst: int, depth: int) -> None:
             elif stat.S_ISREG(st.st_mode):
                 fin = os.open(name, os.O_RDONLY | _NOFOLLOW_FILE, dir_fd=src)
                 try:
+                    st = os.fstat(fin)
+                    if not stat.S_ISREG(st.st_mode):
+                        continue            # replaced by something else since it was listed
                     fout = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW_FILE, 0o600, dir_fd=dst)
                     try:
-                        st = os.fstat(fin)
                         while os.sendfile(fout, fin, None, 1 << 24):
                             pass
                         _copy_meta(st, fout)
