@@ -32,6 +32,16 @@ SHARED=$(mkdir -p "$SHARED" && cd "$SHARED" && pwd)
 export TANGRAM_SHARED=$SHARED
 CONN=${TANGRAM_CONNECTION_FILE:-$SHARED/coordinator.json}
 export TANGRAM_CONNECTION_FILE=$CONN
+if [[ -s $CONN ]]; then
+    # a coordinator still running with this file: writing over it would cut its clients and workers off
+    old_job=$(sed -n 's/.*"slurm_job_id": *"\([0-9_]*\)".*/\1/p' "$CONN")
+    old_state=$([[ -n $old_job ]] && squeue -h -j "$old_job" -o %T 2>/dev/null || true)
+    if [[ -n $old_state ]]; then
+        echo "a coordinator (job $old_job, $old_state) runs with $CONN; stop it (scancel $old_job) or launch" \
+             "with another --shared directory or TANGRAM_CONNECTION_FILE" >&2
+        exit 1
+    fi
+fi
 rm -f "$CONN"   # a file from an earlier run would look like success
 # the job must import tangram_hpc even when it is not installed
 export PYTHONPATH="$HERE${PYTHONPATH:+:$PYTHONPATH}"

@@ -5,10 +5,12 @@ import argparse
 import json
 import sys
 import time
+from contextlib import contextmanager
+from typing import Iterator
 
 from .actions import ActionSpec, Demand
-from .errors import ValidationError
 from .client import Client
+from .errors import ValidationError
 
 
 def _connection_args(p: argparse.ArgumentParser) -> None:
@@ -20,6 +22,20 @@ def _client(args: argparse.Namespace) -> Client:
     if args.address:
         return Client(args.address)
     return Client(connection_file=args.connection_file)
+
+
+@contextmanager
+def _connected(args: argparse.Namespace, command: str) -> Iterator[Client]:
+    """A client of the coordinator; no connection file, or no answer from the coordinator, is one line."""
+    try:
+        client = _client(args)
+    except (ValueError, OSError) as e:      # no connection file given, none there, or not readable
+        raise SystemExit(f"tangram-hpc {command}: {e}") from None
+    with client:
+        try:
+            yield client
+        except TimeoutError as e:           # the file names a coordinator that does not answer
+            raise SystemExit(f"tangram-hpc {command}: {e} (is the connection file stale?)") from None
 
 
 def _cores(text: str) -> tuple[int, int]:
@@ -88,7 +104,7 @@ def build_spec(args: argparse.Namespace) -> ActionSpec:
 
 def submit_main(args: argparse.Namespace) -> int:
     spec = build_spec(args)
-    with _client(args) as c:
+    with _connected(args, "submit") as c:
         try:
             res = c.submit(spec).result(timeout=args.wait)
         except TimeoutError:
@@ -221,7 +237,7 @@ def format_allocations(allocs: list[dict]) -> str:
 
 
 def status_main(args: argparse.Namespace) -> int:
-    with _client(args) as c:
+    with _connected(args, "status") as c:
         while True:
             st = c.status(allocations=args.allocations)
             print(json.dumps(st, indent=2) if args.json else format_status(st), flush=True)
@@ -238,7 +254,7 @@ def add_pool_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def pool_main(args: argparse.Namespace) -> int:
-    with _client(args) as c:
+    with _connected(args, "pool") as c:
         st = c.pool(args.op)
     if st.get("pool_error"):
         print(f"tangram-hpc pool {args.op}: {st['pool_error']}", file=sys.stderr)

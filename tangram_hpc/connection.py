@@ -31,6 +31,9 @@ class ConnectionInfo:
     server_public_key: str = ""
     client_key_file: str = ""
     version: int = 1
+    #: The Slurm job the coordinator runs in ("" outside one): a launch script asks squeue whether
+    #: the coordinator of an existing file still runs before it writes over it.
+    slurm_job_id: str = ""
 
     @property
     def secure(self) -> bool:

@@ -64,9 +64,17 @@ def test_output_cut_short_by_its_reader_is_no_traceback():
     assert "Traceback" not in err and "BrokenPipe" not in err, err
 
 
-def test_submit_without_coordinator_fails_clearly(tmp_path):
-    r = cli("submit", "-c", str(tmp_path / "nope.json"), "true")
-    assert r.returncode != 0 and "no connection file" in r.stderr
+def test_client_commands_without_a_coordinator_say_so_in_one_line(tmp_path):
+    for command in (["submit", "true"], ["status"], ["pool", "pause"]):
+        r = cli(command[0], "-c", str(tmp_path / "nope.json"), *command[1:])
+        assert r.returncode == 1 and "no connection file" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    # a file left by a coordinator that is gone: nobody answers at its address
+    from tangram_hpc.connection import ConnectionInfo
+    stale = tmp_path / "stale.json"
+    ConnectionInfo("tcp://127.0.0.1:9", "tcp://127.0.0.1:9", "gone", str(tmp_path)).write(stale)
+    r = cli("status", "-c", str(stale))
+    assert r.returncode == 1 and "no status from the coordinator" in r.stderr and "stale" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
 
 
 @pytest.mark.slow

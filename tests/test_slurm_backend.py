@@ -218,6 +218,12 @@ def test_cli_arguments_build_the_config(tmp_path):
     assert (launch.breaker, launch.rate, launch.burst) == (3, 2.0, 8)
     with pytest.raises(ConfigError, match="sbatch wants KEY=VALUE"):
         backend_config(slurm("--slurm-sbatch", "constraint"))
+    # options the backend sets itself would pass the checks made on their settings (a time limit
+    # shorter than the checked time_min drained every worker at birth, one launch after another)
+    for item, setting in [("time=1", "time_min"), ("--time=1", "time_min"), ("cpus_per_task=8", "worker_cores"),
+                          ("signal=B:TERM@5", "time-limit warning")]:
+        with pytest.raises(ConfigError, match=f"sbatch may not set .*: the backend sets it from .*{setting}"):
+            backend_config(slurm(f"--slurm-sbatch={item}"))
     pool = pool_from_settings(slurm("--slurm-worker-cores", "2", "--slurm-max-workers", "3", "--slurm-gpu-workers",
                                     "1", "--slurm-partition", "cpu", "--slurm-gpu-partition", "gpu",
                                     "--slurm-idle", "7"))

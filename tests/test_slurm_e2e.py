@@ -59,6 +59,18 @@ def worker_jobs(view):
     return [j for j in view.jobs(name_prefix="tgw-") if j.active]
 
 
+def test_a_second_launch_on_the_same_connection_file_is_refused_and_leaves_it(coordinator):
+    from tangram_hpc.connection import ConnectionInfo
+    before = ConnectionInfo.read(coordinator["conn"])
+    assert before.slurm_job_id == coordinator["job"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    out = subprocess.run([str(REPO / "scripts" / "launch-coordinator.sh"), "--shared", str(coordinator["shared"]),
+                          "--wait", "10"], capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 1 and f"a coordinator (job {coordinator['job']}, RUNNING) runs with" in out.stderr, out
+    assert ConnectionInfo.read(coordinator["conn"]) == before
+    assert coordinator["client"].status()["workers"] is not None      # still reachable
+
+
 def test_workers_reach_the_advertised_second_loopback_address(coordinator):
     from tangram_hpc.connection import ConnectionInfo
     info = ConnectionInfo.read(coordinator["conn"])
@@ -139,3 +151,18 @@ def test_graceful_stop_ends_the_job_completed(coordinator):
     assert not os.path.exists(coordinator["conn"])
     out = (coordinator["shared"] / f"tangram-coordinator-{job}.out").read_text()
     assert "coordinator stopped (exit status 0)" in out
+
+
+def test_a_coordinator_job_too_short_for_its_drain_signal_says_so(tmp_path, dev_cluster):
+    """--signal=B:TERM@300 would stop it at once under a limit of 5 minutes: the job says why and fails."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(TANGRAM_SHARED=str(tmp_path), TANGRAM_PYTHON=str(REPO / ".venv" / "bin" / "python"),
+               PYTHONPATH=str(REPO))
+    job = subprocess.run(["sbatch", "--parsable", "--time=3", "--chdir", str(tmp_path), "--export=ALL",
+                          str(REPO / "slurm_templates" / "coordinator.sbatch")],
+                         capture_output=True, text=True, env=env, check=True).stdout.strip().split(";")[0]
+    view = CliClusterView()
+    wait_until(lambda: not [j for j in view.jobs([int(job)]) if j.active], 60, what="the short job to end")
+    out = (tmp_path / f"tangram-coordinator-{job}.out").read_text()
+    assert "it needs a --time of 10 minutes or more" in out, out
+    assert not (tmp_path / "coordinator.json").exists()

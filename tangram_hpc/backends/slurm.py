@@ -500,6 +500,17 @@ def slurm_shapes(s: SlurmSettings) -> list[WorkerShape]:
     return shapes
 
 
+#: sbatch options every worker job gets from the backend, and the setting each comes from.
+_SET_BY_THE_BACKEND = {
+    "time": "[slurm] time_min", "t": "[slurm] time_min", "partition": "[slurm] partition / gpu_partition",
+    "p": "[slurm] partition / gpu_partition", "account": "[slurm] account", "A": "[slurm] account",
+    "qos": "[slurm] qos", "q": "[slurm] qos", "cpus-per-task": "[slurm] worker_cores", "c": "[slurm] worker_cores",
+    "mem": "[slurm] worker_mem_mb / mem_per_core_mb", "gres": "[slurm] gpus_per_worker",
+    "signal": "the time-limit warning it needs", "job-name": "the worker's handle", "J": "the worker's handle",
+    "nodes": "one node per worker", "N": "one node per worker", "ntasks-per-node": "one task per worker",
+}
+
+
 def backend_config(s: SlurmSettings, run_dir: str | os.PathLike | None = None) -> SlurmBackendConfig:
     """The backend config of a coordinator's [slurm] settings; ``run_dir``: the coordinator's."""
     extra = {}
@@ -507,7 +518,13 @@ def backend_config(s: SlurmSettings, run_dir: str | os.PathLike | None = None) -
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"[slurm] sbatch wants KEY=VALUE, got {item!r}")
-        extra[key.strip().lstrip("-")] = value
+        key = key.strip().lstrip("-")
+        own = _SET_BY_THE_BACKEND.get(key.replace("_", "-"))
+        if own is not None:
+            # it would replace what the backend asks for, past the checks made on that setting
+            # (a time limit shorter than time_min drains every worker at birth, one launch after another)
+            raise ConfigError(f"[slurm] sbatch may not set {key}: the backend sets it from {own}")
+        extra[key] = value
     return SlurmBackendConfig(
         partition=s.partition, gpu_partition=s.gpu_partition, account=s.account, qos=s.qos, time_min=s.time_min,
         mem_per_core_mb=s.mem_per_core_mb, extra_sbatch=extra, setup=tuple(s.setup),

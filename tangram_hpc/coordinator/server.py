@@ -105,7 +105,8 @@ class Coordinator:
             client_address=f"tcp://{host}:{cport}", worker_address=f"tcp://{host}:{wport}",
             coordinator_id=self.id, run_dir=str(cfg.run_dir),
             server_public_key=curve.server_public_text if curve else "",
-            client_key_file=str(curve.client_key_file) if curve else "")
+            client_key_file=str(curve.client_key_file) if curve else "",
+            slurm_job_id=os.environ.get("SLURM_JOB_ID", ""))
         self.info.write(cfg.connection_file)
         return self.info
 
