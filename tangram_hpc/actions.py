@@ -214,7 +214,8 @@ class ActionSpec:
         )
 
 
-_WIRE_KEYS = frozenset("ikpedhtrjslx")
+# "a": a resubmission's age, seconds since the client first submitted it (the ledger reads it)
+_WIRE_KEYS = frozenset("ikpedhtrjslxa")
 
 
 def _opt_str(w: dict, key: str, name: str, limit: int = ID_MAX) -> str | None:

@@ -172,7 +172,7 @@ class _ClientBase:
 
     def _fail_unresolved(self) -> None:
         err = CoordinatorError("the client was closed before the result arrived")
-        futs = [f for f, _ in list(self._session.pending.values())] + list(self._session.status_waiters)
+        futs = [e[0] for e in list(self._session.pending.values())] + list(self._session.status_waiters)
         for fut in futs:
             if not fut.done():
                 fut.set_exception(err)

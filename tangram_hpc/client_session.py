@@ -48,8 +48,9 @@ class ClientSession:
 
     def __init__(self, name: str):
         self.name = name
-        #: action id -> (future, wire form); an entry leaves only when its result arrives
-        self.pending: dict[str, tuple[Any, dict]] = {}
+        #: action id -> (future, wire form, when it was submitted: monotonic); an entry leaves only
+        #: when its result arrives
+        self.pending: dict[str, tuple[Any, dict, float]] = {}
         #: messages to send: action wire maps (batched into SUBMIT frames) and (type, body) pairs
         self.outq: deque = deque()
         self.status_waiters: deque = deque()
@@ -72,7 +73,7 @@ class ClientSession:
                                       submitted=now, finished=now))
             return
         wire = spec.to_wire()
-        self.pending[aid] = (fut, wire)
+        self.pending[aid] = (fut, wire, time.monotonic())
         self.outq.append(wire)
 
     def cancel(self, ids: list[str]) -> None:
@@ -182,7 +183,12 @@ class ClientSession:
 
     def _requeue_unfinished(self, cid: str) -> None:
         """A new coordinator incarnation knows nothing of ours: submit every unfinished action again."""
-        wires = [w for _, w in list(self.pending.values())]
+        now = time.monotonic()
+        wires = []
+        for _, w, submitted in list(self.pending.values()):
+            # how long ago it was first submitted: the new incarnation counts its ACT from then
+            w["a"] = round(now - submitted, 3)
+            wires.append(w)
         log.warning("coordinator restarted (%s -> %s): resubmitting %d unfinished actions",
                     self.coordinator, cid, len(wires))
         self.resubmissions += len(wires)

@@ -103,6 +103,9 @@ def test_a_new_coordinator_incarnation_gets_every_unfinished_action_once():
     assert sorted(resent) == sorted([sp.id for sp in specs[1:]] + [late.id])   # no duplicate of the queued one
     assert [t for t, _ in frames].count(P.STATUS) == 1
     assert s.resubmissions == 4 and s.max_frame == 1 << 20 and s.coordinator == "B"
+    # each says how long ago it was first submitted, so that the new incarnation counts its ACT from then
+    ages = [w["a"] for t, b in frames if t == P.SUBMIT for w in b]
+    assert len(ages) == 4 and all(0 <= a < 5 for a in ages)
 
 
 def test_status_replies_go_to_waiters_in_order_and_errors_are_kept():

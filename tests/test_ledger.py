@@ -328,6 +328,20 @@ def test_an_id_resubmitted_under_another_identity_is_answered_there_and_at_the_f
                                                                C2: [[live.id, "ok", "live"]]}
 
 
+def test_a_resubmission_to_a_new_incarnation_counts_its_act_from_the_first_submission():
+    ledger = make()
+    join(ledger, "w1")
+    first, junk = sleep(), sleep()
+    wires = [first.to_wire() | {"a": 20.0}, junk.to_wire() | {"a": float("nan")}]
+    ledger.submit(C1, wires, 100.0)
+    for spec in (first, junk):
+        take_assign(ledger, 100.0)
+        done(ledger, "w1", spec.id, 1, now=101.0)
+    res = {r[0]: r for r in take_results(ledger)[C1]}
+    assert res[first.id][4] == 80.0 and res[junk.id][4] == 100.0      # submitted: 20 s before; a NaN age is none
+    assert [row[5] for row in ledger.action_log if row[0] == first.id] == [80.0]
+
+
 # -- admission -----------------------------------------------------------------------
 
 def test_pending_limits_reject_with_a_clear_result_and_admit_again_after_results():

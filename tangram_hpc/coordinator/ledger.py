@@ -47,6 +47,19 @@ from .registry import WorkerRecord, WorkerRegistry, WorkerState
 log = logging.getLogger("tangram.coordinator")
 
 
+def _age(wire: dict) -> float:
+    """Seconds since the client first submitted an action it submits again (to a restarted coordinator),
+    so that its ACT counts from then; 0 for a first submission or an age that is no age."""
+    age = wire.get("a")
+    if age is None or type(age) not in (int, float) or not 0.0 <= age <= _MAX_AGE_S:
+        return 0.0
+    return float(age)
+
+
+#: A resubmission older than this is taken as new (a week: no action waits that long for a coordinator).
+_MAX_AGE_S = 7 * 86400.0
+
+
 def _env_of(spec: ActionSpec) -> str | None:
     """The stateful environment an action runs in: a sandbox action's ``env`` (for other kinds it is
     only a placement hint to the policy)."""
@@ -215,7 +228,7 @@ class ActionLedger:
                                               "to start it again empty", now, Status.ENV_LOST)
                     continue
             pending += 1
-            a = actions[aid] = _Action(spec, w, client, now)
+            a = actions[aid] = _Action(spec, w, client, now - _age(w))
             self.counters.submitted += 1
             if env is None:
                 policy.submit(spec, now)
