@@ -186,7 +186,10 @@ def test_failed_jobs_are_reported_and_an_sbatch_error_stops_the_launch(tmp_path,
     be, _ = make_backend(tmp_path)
     hs = be.launch(spec(tmp_path, WorkerShape(cores=1), "--exit", "3"), count=2)
     ev = collect(be, lambda e: all("failed" in states(e, h) for h in hs))
-    assert all(e.reason == "NonZeroExitCode" for e in ev if e.state == "failed")
+    failed = [e for e in ev if e.state == "failed"]
+    for e in failed:   # how it failed (squeue's reason, or sacct's exit code) and where its log says why
+        how, _, log_path = e.reason.partition("; its log: ")
+        assert how in ("NonZeroExitCode", "exit code 3") and Path(log_path).is_file(), e.reason
     # sbatch refuses (an option the controller rejects): the other launches are not tried
     be.config.extra_sbatch["constraint"] = "nosuchfeature"
     [h] = be.launch(spec(tmp_path, WorkerShape(cores=1)), count=3)

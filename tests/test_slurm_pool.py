@@ -191,7 +191,8 @@ def test_failed_worker_jobs_stop_launches_until_resumed(tmp_path, dev_cluster):
                         what="the breaker to stop launches")
         launch = st["launch"]
         assert st["launch_failures"] == 2 and "2 worker starts failed within 300 s" in launch["reason"]
-        assert "failed NonZeroExitCode" in launch["reason"]
+        assert ("failed NonZeroExitCode" in launch["reason"] or "failed exit code 3" in launch["reason"]) \
+            and "its log: " in launch["reason"], launch
         retry = datetime.fromisoformat(launch["retry_at"]).timestamp()   # a wall-clock time
         assert 500 < retry - time.time() <= 600 and 500 < launch["retry_in_s"] <= 600
         text = co.cli("status").stdout

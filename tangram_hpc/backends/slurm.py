@@ -330,7 +330,7 @@ class SlurmBackend(WorkerBackend):
         for j in jobs:
             r = recs.get(j.job_id)
             if r is not None and r.state not in _PENDING | _RUNNING:
-                self._apply(j, r.state, "", None, now, events)
+                self._apply(j, r.state, f"exit code {r.exit_code}" if r.exit_code else "", None, now, events)
                 continue
             if j.vanished_since is None:
                 j.vanished_since = now
@@ -367,6 +367,8 @@ class SlurmBackend(WorkerBackend):
         else:
             # the state says "failed"; the reason says how: NonZeroExitCode, or node_fail, out_of_memory ...
             why = reason if slurm_state == "FAILED" else f"{slurm_state.lower()}{': ' + reason if reason else ''}"
+            # what went wrong is in the job's own error log (a setup line, an import): say where
+            why += f"{'; ' if why else ''}its log: {self.folder / f'{j.job_id}_0_log.err'}"
             self._finish(j, JobState.FAILED, why, now, events)
 
     def _finish(self, j: _Job, state: JobState, reason: str, now: float, events: list[BackendEvent]) -> None:
