@@ -324,7 +324,8 @@ def summarise(rep: Report) -> dict[str, Any]:
         "trajectory_bound_core_hours": tb["core_seconds"] / 3600,
         "trajectory_bound_gpu_hours": tb["gpu_seconds"] / 3600,
         "core_hours_saved": (tb["core_seconds"] - alloc_core_s) / 3600,
-        "core_savings": 1 - alloc_core_s / tb["core_seconds"] if tb["core_seconds"] else None,
+        # no action ran to its end on a core (every attempt lost with its worker): nothing to compare
+        "core_savings": 1 - alloc_core_s / tb["core_seconds"] if tb["core_seconds"] and busy_core_s else None,
     }
 
 
@@ -423,8 +424,8 @@ def format_table(rep: Report) -> str:
                 f"p95 {num(s['p95_act_s'], '.3f')} s"),
         ("trajectory-bound", f"{s['trajectory_bound_core_hours']:.4f} core-h, "
                              f"{s['trajectory_bound_gpu_hours']:.4f} GPU-h over {s['trajectories']} trajectories"),
-        ("saved vs trajectory-bound", f"{s['core_hours_saved']:.4f} core-h "
-                                      f"({num(None if s['core_savings'] is None else 100 * s['core_savings'], '.1f')}%)"),
+        ("saved vs trajectory-bound", "n/a (no action ran to its end)" if s["core_savings"] is None else
+                                      f"{s['core_hours_saved']:.4f} core-h ({100 * s['core_savings']:.1f}%)"),
     ]
     w = max(len(k) for k, _ in kv)
     lines += [f"{k.ljust(w)}  {v}" for k, v in kv]

@@ -63,6 +63,19 @@ def test_local_run_totals(tmp_path):
     assert s["core_hours_saved"] * 3600 == pytest.approx(70 - 500)
 
 
+def test_no_saving_is_claimed_when_no_action_ran_to_its_end(tmp_path):
+    """Every attempt lost with a departing worker: the logged action never started, so there is no
+    trajectory-bound use to compare the allocation with (it made a saving of -300,000 %)."""
+    rd = tmp_path / "run"
+    rd.mkdir()
+    write_log(rd / "workers.log", [[100.0, "register", "w1", "h1", 2, 0], [400.0, "exit", "w1", "h1", 2, 0]])
+    write_log(rd / "actions.log", [["a1", "sandbox", "sandbox:x", None, 0, 100.0, 0.0, 380.0, "error", 3, "A"]])
+    rep = report.load_run(rd, now=500.0)
+    assert rep.summary["busy_core_hours"] == 0 and rep.summary["core_savings"] is None
+    line = next(ln for ln in report.format_table(rep).splitlines() if ln.startswith("saved vs trajectory-bound"))
+    assert line.endswith("n/a (no action ran to its end)"), line
+
+
 def test_trajectory_bound_counts_concurrent_cores():
     A = report.ActionRow
     acts = [A("x", "sandbox", "s", "w", 2, 1000.0, 1000.0, 1010.0, "ok", 1, "T"),
