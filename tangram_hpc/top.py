@@ -34,6 +34,8 @@ __all__ = ["TopView", "add_arguments", "main"]
 WINDOW_S = 60.0
 
 _TABLE = {"show_edge": False, "pad_edge": False, "header_style": "bold", "title_style": "bold cyan"}
+#: Columns of a frame written to a pipe or a file (the widest frame the view draws).
+_PIPE_WIDTH = 132
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -314,6 +316,8 @@ def main(args: argparse.Namespace) -> int:
         print("tangram-hpc top: --interval must be above 0", file=sys.stderr)
         return 2
     console = Console()
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console = Console(width=_PIPE_WIDTH)     # a pipe or a file: the full frame, not 80 columns of it
     view = TopView()
     try:
         client = _client(args)

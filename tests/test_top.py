@@ -178,6 +178,11 @@ def test_top_once_without_a_terminal_prints_one_frame_or_says_the_coordinator_is
                        capture_output=True, text=True, timeout=60, env=os.environ | {"COLUMNS": "120"})
     assert p.returncode == 0, p.stderr
     assert "workers 2 (2 ok)" in p.stdout and "\x1b[" not in p.stdout     # plain text in a pipe
+    assert max(map(len, p.stdout.splitlines())) <= 120                      # as wide as COLUMNS says
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    p = subprocess.run([sys.executable, "-m", "tangram_hpc.cli", "top", "-c", str(cluster.connection_file)],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert p.returncode == 0 and max(map(len, p.stdout.splitlines())) > 80, p.stdout   # else the full frame
     # A connection file whose coordinator is gone: a clear line, exit status 1, no hang.
     from dataclasses import replace
 
