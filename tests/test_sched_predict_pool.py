@@ -284,6 +284,9 @@ def test_pool_holds_the_step_peak_across_the_boundary_and_prescales():
     # a new step that finds less capacity (workers lost meanwhile) pre-scales to the last peak at once
     out = pc.decide(PoolView(410.0, [], [_ws("w0", idle_since=405.0)], step=1, offered_load={"cpu": 0.0}))
     assert sum(d.count for d in out if isinstance(d, Launch)) == math.ceil(150 / 16) - 1
+    # and says so (the coordinator's log would otherwise give the few actions waiting as the reason)
+    assert all(d.reason.startswith("the step peak of 1") and "held for the next step" in d.reason
+               for d in out if isinstance(d, Launch))
     # the run goes quiet (no action ran or waited for longer than the hold): capacity is let go
     quiet = [_ws(f"w{i}", idle_since=410.0) for i in range(10)]
     assert pc.held("cpu", 410.0 + 101) == 0

@@ -200,7 +200,8 @@ class PoolDriver:
             return
         args = self.service_worker_args if d.shape.gpus or d.shape.gpu_mem_mb else self.cpu_worker_args
         spec = WorkerLaunchSpec(connection_file=self.connection_file, shape=d.shape, extra_args=args)
-        why = (f"{len(view.pending)} actions waiting, {len(view.workers)} workers, {len(view.starting)} starting"
+        why = (f"{d.reason + ': ' if d.reason else ''}{len(view.pending)} actions waiting, {len(view.workers)} "
+               f"workers, {len(view.starting)} starting"
                + (f"; {d.count - n} more held back by the launch throttle" if n < d.count else ""))
         try:
             handles = self.backend.launch(spec, n)

@@ -180,6 +180,7 @@ class PoolView:
 class Launch:
     shape: WorkerShape
     count: int = 1
+    reason: str = ""            # why, when it is not the actions waiting now (the driver says those)
 
 
 @dataclass(slots=True, frozen=True)

@@ -139,6 +139,7 @@ class PoolController(PoolPolicy):
         self.predictor = predictor if predictor is not None else Predictor()
         self.cluster: ClusterCapacity | None = None
         self._last = ""
+        self._held_drives: dict[ResourceClass, bool] = {}    # whether the held step peak, not the load, sets wanted
         self._step: int | None = None
         self._peak: dict[ResourceClass, float] = {}        # largest wanted capacity in this step
         self._prev_peak: dict[ResourceClass, float] = {}   # ... in the previous step
@@ -227,7 +228,9 @@ class PoolController(PoolPolicy):
             want = max(d.busy / cfg.target_util, d.cap + d.starting_cores - d.free + backlog)
         # what the step used counts too: elastic actions grow into idle cores and run shorter for it
         self._peak[res] = max(self._peak.get(res, 0.0), want, float(d.busy))
-        return max(want, self.held(res, now))
+        held = self.held(res, now)
+        self._held_drives[res] = held > want
+        return max(want, held)
 
     def _new_step(self, view: PoolView) -> None:
         if view.step is None or view.step == self._step:
@@ -306,8 +309,10 @@ class PoolController(PoolPolicy):
                 reasons.append(f"{k} pool at its maximum ({have} workers)")
                 continue
             n = min(need, room)
+            why = (f"the step peak of {self.held(k, now):.0f} {k} cores, held for the next step"
+                   if self._held_drives.get(k) else "")
             for shape, m in self._split(shapes, n, cluster):
-                out.append(Launch(shape, m))
+                out.append(Launch(shape, m, why))
                 total += m
                 n -= m
             if n > 0:
