@@ -280,6 +280,7 @@ class Client(_ClientBase):
         try:
             return fut.result(timeout)
         except FutureTimeout:
+            fut.cancel()      # a late answer goes to the next request, not to this one nobody waits for
             raise TimeoutError(f"no status from the coordinator at {self._address} within {timeout:g}s") from None
 
     def close(self) -> None:

@@ -156,8 +156,11 @@ class ClientSession:
                 self._requeue_unfinished(cid)
             self.coordinator = cid
         elif mtype == P.STATUS:
-            if self.status_waiters:
-                _settle(self.status_waiters.popleft(), body)
+            waiters = self.status_waiters
+            while waiters and waiters[0].done():
+                waiters.popleft()       # its caller gave up (a timeout cancels it): the answer is the next one's
+            if waiters:
+                _settle(waiters.popleft(), body)
                 return 1
         elif mtype == P.ERROR:
             msg = f"{body.get('code')}: {body.get('message')}"

@@ -126,3 +126,15 @@ def test_a_future_cancelled_by_the_caller_does_not_break_result_handling():
     assert futs[0].cancel()
     s.on_frame(P.encode(P.RESULT, [_result(specs[0].id), _result(specs[1].id, 7)]))
     assert futs[0].cancelled() and futs[1].result(0).output == 7
+
+
+def test_a_status_answer_goes_to_a_caller_still_waiting_not_to_one_that_gave_up():
+    """A request lost with a coordinator that moved left its waiter first in line: every later
+    answer went to it, and each new caller timed out (serve's /health answered 503 for ever)."""
+    s = ClientSession("test")
+    gave_up, waiting = Future(), Future()
+    s.ask_status(gave_up)
+    gave_up.cancel()                         # its caller timed out
+    s.ask_status(waiting)
+    assert s.on_frame(P.encode(P.STATUS, {"n": 2})) == 1
+    assert waiting.result(0) == {"n": 2} and not s.status_waiters

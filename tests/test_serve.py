@@ -165,7 +165,34 @@ def test_missing_code_malformed_json_and_non_object(url):
     assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body"]
     r = requests.post(f"{url}/run_code", data=b"\xff\xfe", timeout=10)
     assert r.status_code == 422
+    for path in ("/run_code", "/reward/judge"):        # nested past the parser's recursion limit
+        r = requests.post(f"{url}{path}", data=b"[" * 5000 + b"]" * 5000, timeout=10)
+        assert r.status_code == 422 and "nested too deeply" in r.json()["detail"][0]["msg"], (path, r.text)
     assert requests.get(f"{url}/v1/ping", timeout=10).ok  # and the service is still up
+
+
+def test_a_body_over_the_limit_is_a_json_413_and_counted_so(cluster):
+    with running_serve(cluster.connection_file, "--max-body-mb", "1") as (_, base):
+        r = requests.post(f"{base}/run_code", data=b"x" * (2 << 20), timeout=30)
+        assert r.status_code == 413 and "--max-body-mb" in r.json()["detail"], r.text
+        counted = {(q["route"], q["status"]): q["count"] for q in stats(base)["requests"]}
+        assert counted == {("/run_code", 413): 1}, counted
+
+
+def test_a_caller_that_hangs_up_cancels_its_action(url, cluster):
+    async def hang_up():
+        async with aiohttp.ClientSession() as s:
+            try:
+                await s.post(f"{url}/run_code", json={"language": "bash", "code": "sleep 30", "run_timeout": 60},
+                             timeout=aiohttp.ClientTimeout(total=2))
+            except asyncio.TimeoutError:
+                pass        # the connection closes: the handler is cancelled, and so is its action
+    with cluster.client() as c:
+        asyncio.run(hang_up())
+        deadline = time.time() + 8       # well before the command would end by itself
+        while c.status()["running"] and time.time() < deadline:
+            time.sleep(0.1)
+        assert c.status()["running"] == 0 and time.time() < deadline
 
 
 def test_unknown_fields_are_ignored_as_sandboxfusion_does(url):

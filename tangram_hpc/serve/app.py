@@ -104,16 +104,23 @@ class _Service:
         try:
             try:
                 body = await request.json()
-            except (ValueError, UnicodeDecodeError) as e:
-                reply = Reply(422, {"detail": [{"type": "json_invalid", "loc": ["body"],
-                                                "msg": f"JSON decode error: {e}", "input": None}]})
+            except web.HTTPRequestEntityTooLarge as e:
+                reply = _too_large(e)
+                return _response(reply)
+            except (ValueError, UnicodeDecodeError, RecursionError) as e:
+                reply = _json_invalid(e)
                 return _response(reply)
             try:
                 spec = run_code_spec(body)
             except RunCodeError as e:
                 reply = invalid_reply(e)
                 return _response(reply)
-            res = await self.client.submit(spec)
+            try:
+                res = await self.client.submit(spec)
+            except asyncio.CancelledError:
+                # the caller hung up (handler cancellation): its action was cancelled with its future
+                reply = Reply(499, {"detail": "client closed the request"})
+                raise
             reply = run_code_reply(res, self.config.retry_after_s)
             outcome = reply.body.get("status") if reply.status == 200 else None
             return _response(reply)
@@ -134,9 +141,11 @@ class _Service:
             except FieldError as e:
                 reply = invalid_reply(e)
                 return _response(reply)
-            except (ValueError, UnicodeDecodeError) as e:
-                reply = Reply(422, {"detail": [{"type": "json_invalid", "loc": ["body"],
-                                                "msg": f"JSON decode error: {e}", "input": None}]})
+            except web.HTTPRequestEntityTooLarge as e:
+                reply = _too_large(e)
+                return _response(reply)
+            except (ValueError, UnicodeDecodeError, RecursionError) as e:
+                reply = _json_invalid(e)
                 return _response(reply)
             service = request.match_info["service"]
             batcher = self.batchers.get(service)
@@ -209,11 +218,22 @@ def make_app(client: AsyncClient, config: ServeConfig | None = None,
     return app
 
 
+def _json_invalid(e: Exception) -> Reply:
+    what = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+    return Reply(422, {"detail": [{"type": "json_invalid", "loc": ["body"], "msg": f"JSON decode error: {what}",
+                                   "input": None}]})
+
+
+def _too_large(e: web.HTTPRequestEntityTooLarge) -> Reply:
+    return Reply(413, {"detail": f"{e.text} (--max-body-mb)"})
+
+
 async def serve_forever(app: web.Application, config: ServeConfig, stop: asyncio.Event,
                         on_ready: Any = None) -> None:
     """Serve until ``stop`` is set, then let requests in flight finish (up to ``drain_s``)."""
     # No access log: a line per request would be a log line per action.
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    # handler_cancellation: a caller that hangs up cancels its handler, and so its action
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port, shutdown_timeout=config.drain_s)
     await site.start()
