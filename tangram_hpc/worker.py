@@ -410,6 +410,10 @@ class Worker:
                     if self._drain_socket():
                         self._last_heard = time.monotonic()
                         self._last_heard_wall = time.time()
+                if self.envs is not None:
+                    early = self.envs.take_replies(before_done=True)
+                    if early:
+                        self._send(P.ENV, early)
                 if self._done or self._unsent:
                     self._send_done()
                 if self.envs is not None:

@@ -54,6 +54,8 @@ class EnvHost:
         self._making: dict[str, int] = {}   # environment -> generation of the grant whose copy is being made
         self._ops: queue.SimpleQueue = queue.SimpleQueue()
         self._replies: deque = deque()
+        # replies the coordinator must have before the outcome of the action that caused them
+        self._before_done: deque = deque()
         self._thread = threading.Thread(target=self._serve_ops, name="env-ops", daemon=True)
         self._thread.start()
 
@@ -144,8 +146,10 @@ class EnvHost:
                     return None, (Status.ERROR, None, f"unknown environment grant {grant!r}")
             except UnknownTemplate as e:
                 # the request's mistake, and nothing was made: the coordinator forgets the environment,
-                # so that its next action creates it (not a copy lost before it existed)
-                self._reply([P.ENV_GONE, env, gen, str(e)])
+                # so that its next action creates it (not a copy lost before it existed). Before the
+                # action's outcome: the client's next action may follow the result at once.
+                self._before_done.append([P.ENV_GONE, env, gen, str(e)])
+                self._wake()
                 return None, (Status.ERROR, None, f"environment {env!r} was not created: {e}")
             except (EnvError, OSError) as e:
                 return None, (Status.ENV_LOST, None, f"environment {env!r} could not be {_DONE[source]} here: {e}")
@@ -212,10 +216,12 @@ class EnvHost:
             if gen is not None:
                 self._reply([P.ENV_GONE, env, gen, why])
 
-    def take_replies(self) -> list:
+    def take_replies(self, *, before_done: bool = False) -> list:
+        """ENV items to send; ``before_done``: those that must go before the DONE frames queued now."""
+        q = self._before_done if before_done else self._replies
         out = []
-        while self._replies:
-            out.append(self._replies.popleft())
+        while q:
+            out.append(q.popleft())
         return out
 
     def close(self) -> None:
