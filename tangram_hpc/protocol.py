@@ -59,7 +59,7 @@ from typing import Any
 
 import msgpack
 
-from .actions import EnvState
+from .actions import ID_MAX, EnvState
 from .errors import ProtocolError, ValidationError
 
 #: 2: POOL (pause/resume launches), STATUS may ask for the allocation history.
@@ -98,7 +98,6 @@ GRANT_HELD, GRANT_NEW, GRANT_RESTORE, GRANT_ADOPT = "held", "new", "restore", "a
 ENV_SAVE, ENV_DROP, ENV_KEEP = "save", "drop", "keep"
 ENV_SAVED, ENV_UNSAVED, ENV_GONE = "saved", "unsaved", "gone"
 _ENV_FROM_WORKER = frozenset({ENV_SAVED, ENV_UNSAVED, ENV_GONE})
-_MAX_ID = 128        # action, environment and worker ids
 
 #: Default largest frame accepted (bytes).  Also set as ZMQ_MAXMSGSIZE so the
 #: transport drops larger frames before they are buffered whole.
@@ -153,7 +152,7 @@ def check_register(body: dict) -> dict:
     """Validate a worker's REGISTER body and return it with defaults filled in."""
     out: dict[str, Any] = {}
     wid = body.get("id")
-    if not isinstance(wid, str) or not 0 < len(wid) <= 128:
+    if not isinstance(wid, str) or not 0 < len(wid) <= ID_MAX:
         raise ProtocolError("malformed", "REGISTER needs a worker id string")
     out["id"] = wid
     for key in ("cores", "mem_mb", "gpus", "gpu_mem_mb", "pid"):
@@ -181,7 +180,7 @@ def check_register(body: dict) -> dict:
 
 
 def _env_gen_pair(e: Any) -> bool:
-    return (isinstance(e, list) and len(e) == 2 and isinstance(e[0], str) and 0 < len(e[0]) <= _MAX_ID
+    return (isinstance(e, list) and len(e) == 2 and isinstance(e[0], str) and 0 < len(e[0]) <= ID_MAX
             and isinstance(e[1], int) and not isinstance(e[1], bool) and 0 <= e[1] < 1 << 62)
 
 
@@ -211,7 +210,7 @@ def check_env_item(item: Any) -> tuple[str, str, int, str | None]:
 
 def check_ids(mtype: int, body: list) -> list[str]:
     """A CANCEL or CLOSE_ENV body: action or environment ids."""
-    if len(body) > 100_000 or not all(isinstance(e, str) and 0 < len(e) <= _MAX_ID for e in body):
-        raise ProtocolError("malformed", f"{NAMES[mtype]} body must be a list of ids (strings of 1 to {_MAX_ID} "
+    if len(body) > 100_000 or not all(isinstance(e, str) and 0 < len(e) <= ID_MAX for e in body):
+        raise ProtocolError("malformed", f"{NAMES[mtype]} body must be a list of ids (strings of 1 to {ID_MAX} "
                                          f"characters, at most 100,000)")
     return body

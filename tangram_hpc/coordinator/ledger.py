@@ -36,7 +36,7 @@ from typing import Any
 
 from .. import protocol as P
 from ..config import CoordinatorSettings
-from ..actions import ActionSpec, EnvState, Status, ValidationError
+from ..actions import ID_MAX, ActionSpec, EnvState, Status, ValidationError
 from ..policy.base import SchedulingPolicy
 from ..resources import WorkerInfo
 from .environments import USABLE, EnvironmentDirectory, EnvStatus
@@ -188,7 +188,7 @@ class ActionLedger:
                 spec = ActionSpec.from_wire(w)
             except ValidationError as e:
                 aid = w.get("i") if isinstance(w, dict) else None
-                self._reject(client, aid if isinstance(aid, str) and len(aid) <= 128 else None, str(e), now)
+                self._reject(client, aid if isinstance(aid, str) and len(aid) <= ID_MAX else None, str(e), now)
                 continue
             aid = spec.id
             live = actions.get(aid)
@@ -228,7 +228,7 @@ class ActionLedger:
                                               "to start it again empty", now, Status.ENV_LOST)
                     continue
             pending += 1
-            a = actions[aid] = _Action(spec, w, client, now - _age(w))
+            a = actions[aid] = _Action(spec, w, client, now - _age(w) if "a" in w else now)
             self.counters.submitted += 1
             if env is None:
                 policy.submit(spec, now)

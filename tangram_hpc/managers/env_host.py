@@ -40,7 +40,7 @@ log = logging.getLogger("tangram.worker")
 #: How long a save waits for the actions still running in the environment.
 _SAVE_WAIT_S = 60.0
 #: What a grant does to the environment, for messages.
-_DONE = {P.GRANT_NEW: "created", P.GRANT_RESTORE: "restored", P.GRANT_ADOPT: "adopted"}
+_GRANT_VERB = {P.GRANT_NEW: "created", P.GRANT_RESTORE: "restored", P.GRANT_ADOPT: "adopted"}
 
 
 class EnvHost:
@@ -152,7 +152,7 @@ class EnvHost:
                 self._wake()
                 return None, (Status.ERROR, None, f"environment {env!r} was not created: {e}")
             except (EnvError, OSError) as e:
-                return None, (Status.ENV_LOST, None, f"environment {env!r} could not be {_DONE[source]} here: {e}")
+                return None, (Status.ENV_LOST, None, f"environment {env!r} could not be {_GRANT_VERB[source]} here: {e}")
             finally:
                 with self._lock:
                     self._making.pop(env, None)
