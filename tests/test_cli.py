@@ -31,6 +31,14 @@ def test_every_command_has_useful_help(name):
     assert "--" in r.stdout and len(r.stdout.splitlines()) > 3
 
 
+def test_python_dash_m_runs_the_command_line():
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-m", "tangram_hpc", "submit", "--help"], capture_output=True, text=True,
+                       timeout=60, env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("usage: tangram-hpc submit")
+
+
 def test_no_command_prints_help_and_fails():
     r = cli()
     assert r.returncode == 2 and "COMMAND" in r.stdout
