@@ -196,6 +196,8 @@ class ActionSpec:
             if not isinstance(d, (list, tuple)) or len(d) != 5:
                 raise ValidationError("demand must be [min_cores, max_cores, mem_mb, gpu_mem_mb, service]")
             demand = Demand(*d)
+            if kind == "sandbox":
+                check_sandbox_cores(demand.min_cores)
         hint = _opt_num(w, "h", "duration_hint")
         timeout = _opt_num(w, "t", "timeout")
         if timeout is not None and timeout <= 0:
@@ -213,6 +215,14 @@ class ActionSpec:
             id=aid,
         )
 
+
+def check_sandbox_cores(min_cores: int) -> None:
+    """Refuse a zero-core sandbox: a zero-core action is pinned to no core and pipelined by the
+    hundred, which for a sandbox would be untrusted code on every core of its worker, beside the
+    actions those cores are granted to."""
+    if min_cores == 0:
+        raise ValidationError("a sandbox action binds at least one core (min_cores >= 1); zero-core (light) "
+                              "actions are functions")
 
 # "a": a resubmission's age, seconds since the client first submitted it (the ledger reads it)
 _WIRE_KEYS = frozenset("ikpedhtrjslxa")
@@ -350,6 +360,7 @@ def sandbox(cmd: str | list[str], *, env: str | None = None, cores: int | tuple[
     ``limits``: :class:`~tangram_hpc.managers.limits.Limits` fields to override (docs/sandbox.md).
     """
     lo, hi = _cores(cores)
+    check_sandbox_cores(lo)
     payload: dict[str, Any] = {"cmd": cmd}
     if stdin is not None:
         payload["stdin"] = stdin

@@ -35,6 +35,7 @@ def test_constructors():
     ({"i": "a", "k": "sandbox", "d": [1]}, "demand must be"),
     ({"i": "a", "k": "sandbox", "d": [4, 2, 0, 0, None]}, "below min_cores"),
     ({"i": "a", "k": "sandbox", "d": [-1, 2, 0, 0, None]}, "non-negative"),
+    ({"i": "a", "k": "sandbox", "d": [0, 4, 0, 0, None]}, "sandbox action binds at least one core"),
     ({"i": "a", "k": "sandbox", "d": [1, 1, 2**44, 0, None]}, "at most 1099511627776 MiB"),
     ({"i": "a", "k": "sandbox", "t": -1}, "seconds from 0 to 1e9"),
     ({"i": "a", "k": "sandbox", "t": 0}, "positive"),
@@ -47,6 +48,14 @@ def test_constructors():
 def test_invalid_specs_are_rejected_with_a_reason(wire, message):
     with pytest.raises(ValidationError, match=message):
         ActionSpec.from_wire(wire)
+
+
+def test_a_sandbox_cannot_be_a_zero_core_action():
+    with pytest.raises(ValidationError, match="at least one core"):
+        sandbox("true", cores=0)
+    with pytest.raises(ValidationError, match="at least one core"):
+        sandbox("true", cores=(0, 2))
+    assert ActionSpec.from_wire(function("math:floor", 1.5, cores=0).to_wire()).demand.min_cores == 0
 
 
 def test_registered_kind_is_accepted():

@@ -215,6 +215,7 @@ def test_tangram_extension_places_the_action_in_a_named_environment(url):
                               json={"language": "bash", "code": "cat state.txt"}).json()
     assert throwaway["status"] == "Failed"  # a request without env gets a fresh environment
     for bad, where in [({"env": ""}, "env"), ({"cores": [2, 1]}, "cores"), ({"cores": "many"}, "cores"),
+                       ({"cores": 0}, "cores"),
                        ({"priority": 1.5}, "priority"), ({"colour": 1}, "colour")]:
         r = requests.post(f"{url}/run_code", timeout=10,
                           json={"language": "bash", "code": "true", "tangram": bad})

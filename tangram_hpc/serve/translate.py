@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from ..actions import ActionResult, ActionSpec, Demand, Status, ValidationError
+from ..actions import ActionResult, ActionSpec, Demand, Status, ValidationError, check_sandbox_cores
 from ..integrations.batching import reward_item
 from ..managers.sandboxfusion import RUN_CODE_FIELDS, RunCodeError, parse_run_code
 
@@ -77,6 +77,7 @@ def run_code_spec(body: Any) -> ActionSpec:
     lo, hi = place.get("cores", (1, 1))
     try:
         demand = Demand(lo, hi, req.memory_mb or 0)
+        check_sandbox_cores(lo)
     except ValidationError as e:
         raise RunCodeError(f"{EXTENSION_KEY}.cores", str(e), [lo, hi]) from None
     return ActionSpec(
