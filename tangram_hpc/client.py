@@ -47,8 +47,8 @@ import zmq
 
 from . import protocol as P
 from .actions import ActionResult, ActionSpec, sandbox
-from .client_session import ClientSession, CoordinatorError, reread_connection
-from .connection import ConnectionInfo, default_connection_file
+from .client_session import ClientSession, CoordinatorError
+from .connection import ConnectionInfo, default_connection_file, reread_connection
 
 __all__ = ["Client", "AsyncClient", "ActionFuture", "CoordinatorError", "EnvHandle", "AsyncEnvHandle"]
 

@@ -21,7 +21,6 @@ from typing import Any, Iterator
 
 from . import protocol as P
 from .actions import ID_MAX, ActionResult, ActionSpec
-from .connection import ConnectionInfo
 from .errors import CoordinatorError
 
 log = logging.getLogger("tangram.client")
@@ -200,16 +199,3 @@ class ClientSession:
         self.outq.clear()
         self.outq.extend(wires)
         self.outq.extend(queued)
-
-
-def reread_connection(path: str | None, current: ConnectionInfo | None, address: str) -> ConnectionInfo | None:
-    """After a silence: the connection file's new contents when the coordinator moved or re-keyed."""
-    if not path:
-        return None
-    try:
-        info = ConnectionInfo.read(path)
-    except (OSError, ValueError):
-        return None
-    if info.client_address == address and info.server_public_key == getattr(current, "server_public_key", ""):
-        return None
-    return info

@@ -75,5 +75,21 @@ def wait_for_file(path: str | os.PathLike, timeout: float = 60.0, poll: float = 
             time.sleep(poll)
 
 
+def reread_connection(path: str | os.PathLike | None, current: ConnectionInfo | None, address: str, *,
+                      worker: bool = False) -> ConnectionInfo | None:
+    """After a silence: the connection file's new contents when the coordinator moved (its client
+    address, or with ``worker`` its worker address, is no longer ``address``) or was re-keyed."""
+    if not path:
+        return None
+    try:
+        info = ConnectionInfo.read(path)
+    except (OSError, ValueError):
+        return None
+    now_at = info.worker_address if worker else info.client_address
+    if now_at == address and info.server_public_key == getattr(current, "server_public_key", ""):
+        return None
+    return info
+
+
 def default_connection_file() -> str | None:
     return os.environ.get(CONNECTION_FILE_ENV) or None

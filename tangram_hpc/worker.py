@@ -50,7 +50,7 @@ import zmq
 from . import protocol as P
 from .actions import BUILTIN_KINDS, ActionSpec, EnvState, Status, ValidationError
 from .config import ConfigError, Settings, WorkerSettings
-from .connection import ConnectionInfo
+from .connection import ConnectionInfo, reread_connection
 from .daemon import tune_gc
 from .handlers import FunctionHandler, Handler, resolve
 
@@ -78,6 +78,8 @@ class WorkerConfig:
     services: Any = None                # a ServiceManager, or None
     max_output_bytes: int = _DEFAULT.max_output_bytes
     worker_id: str | None = None
+    #: where ``connection`` was read: a worker started by hand follows its coordinator to a new address
+    connection_file: str | None = None
     unsafe_sandbox: bool = False        # run sandbox commands without bubblewrap (explicit opt-in)
     sandbox_options: dict = field(default_factory=dict)   # more SandboxManager keyword arguments
     snapshot_dir: str | None = None     # shared directory for environment snapshots (default: the coordinator's)
@@ -292,17 +294,8 @@ class Worker:
 
     # -- I/O loop -----------------------------------------------------------
     def run(self) -> int:
-        ctx = zmq.Context()
-        self.sock = s = ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.IDENTITY, self.id.encode())
-        s.setsockopt(zmq.LINGER, 0)
-        s.setsockopt(zmq.SNDHWM, 200_000)
-        s.setsockopt(zmq.RCVHWM, 200_000)
-        conn = self.cfg.connection
-        if conn.secure:
-            from .security import CurveKeys
-            CurveKeys.apply_client(s, conn)
-        s.connect(conn.worker_address)
+        self._ctx = ctx = zmq.Context()
+        self.sock = s = self._dealer(self.cfg.connection)
         for t in self._threads:
             t.start()
         self._poller = zmq.Poller()
@@ -326,6 +319,44 @@ class Worker:
             if self.sandboxes is not None:
                 self._close_sandboxes()
             ctx.destroy(linger=200)
+
+    def _dealer(self, conn: ConnectionInfo) -> zmq.Socket:
+        s = self._ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.IDENTITY, self.id.encode())
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.SNDHWM, 200_000)
+        s.setsockopt(zmq.RCVHWM, 200_000)
+        if conn.secure:
+            from .security import CurveKeys
+            CurveKeys.apply_client(s, conn)
+        s.connect(conn.worker_address)
+        return s
+
+    def _follow_moved_coordinator(self) -> bool:
+        """After a silence: connect to where the connection file now says the coordinator is.
+
+        A coordinator restarted elsewhere (another node, new ports, new keys: a requeued Slurm
+        job) writes a new connection file; a worker started by hand would otherwise knock at the
+        old address until ``orphan_exit_s``.  Workers a backend launched stay with the coordinator
+        that launched them: a new one does not know their jobs and launches its own.
+        """
+        c = self.cfg
+        if not c.connection_file or c.handle:
+            return False
+        info = reread_connection(c.connection_file, c.connection, c.connection.worker_address, worker=True)
+        if info is None:
+            return False
+        log.warning("the connection file %s names another coordinator (%s): connecting there",
+                    c.connection_file, info.worker_address)
+        self._poller.unregister(self.sock)
+        self.sock.close(0)
+        c.connection = info
+        self.sock = self._dealer(info)
+        self._poller.register(self.sock, zmq.POLLIN)
+        self._registered = False
+        self._last_register = 0.0
+        self._last_heard = time.monotonic()
+        return True
 
     def _serve(self) -> int | None:
         """Hold the I/O role, or stand by to take it over, until the loop ends; returns its exit code.
@@ -397,7 +428,9 @@ class Worker:
                     if silent > self.cfg.orphan_exit_s:
                         log.error("no coordinator for %.0fs: exiting", silent)
                         return 3
-                    if self._registered and silent > self.cfg.coordinator_timeout_s:
+                    if silent > self.cfg.coordinator_timeout_s and self._follow_moved_coordinator():
+                        s = self.sock
+                    elif self._registered and silent > self.cfg.coordinator_timeout_s:
                         log.warning("coordinator silent for %.1fs: registering again", silent)
                         self._registered = False
                 wait_s = self._next_hb - now
@@ -887,7 +920,8 @@ def config_from_settings(settings: Settings) -> WorkerConfig:
         gpu_mem = gpu_mem or int(services.capacity_mb())
     elif "reward" in kinds:
         kinds.remove("reward")  # nothing to score with
-    return WorkerConfig(connection=ConnectionInfo.read(ws.connection_file), cores=ws.cores, mem_mb=ws.mem_mb,
+    return WorkerConfig(connection=ConnectionInfo.read(ws.connection_file), connection_file=str(ws.connection_file),
+                        cores=ws.cores, mem_mb=ws.mem_mb,
                         gpus=gpus, gpu_mem_mb=gpu_mem, handle=ws.handle,
                         run_dir=str(ws.run_dir) if ws.run_dir else None, heartbeat_s=ws.heartbeat_s,
                         coordinator_timeout_s=ws.coordinator_timeout_s, orphan_exit_s=ws.orphan_exit_s,

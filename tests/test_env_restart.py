@@ -146,3 +146,49 @@ def test_coordinator_stopped_and_restarted_on_a_new_run_dir_keeps_environments(t
             assert not any((state / "snapshots").iterdir())   # consumed by the restores
     finally:
         _stop(coord)
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker_ids(c: Client) -> list[str] | None:
+    try:
+        return [w["id"] for w in c.status(timeout=2)["workers"]]
+    except TimeoutError:    # a request the killed coordinator took with it
+        return None
+
+
+def test_a_worker_started_by_hand_follows_its_coordinator_to_new_ports(tmp_path):
+    """A coordinator killed and started again elsewhere (here: other ports, a new run directory, the
+    same connection file and so the same state directory): the worker started by hand reads the new
+    address from the connection file and joins it, environments and all."""
+    conn = tmp_path / "shared" / "coordinator.json"
+    conn.parent.mkdir()
+    coord = _coordinator(tmp_path / "runs" / "1", conn, "--backend", "none")
+    worker = _popen([sys.executable, "-m", "tangram_hpc.worker", "--connection-file", str(conn), "--cores", "2"],
+                    tmp_path / "w.log")
+    try:
+        _wait_coordinator(conn)
+        with Client(connection_file=str(conn), reconnect_after_s=1.0) as c:
+            wait_until(lambda: len(c.status()["workers"]) == 1, 30, 0.1, "the worker")
+            wid = c.status()["workers"][0]["id"]
+            first = c.submit(_append("e0", 0.05)).result(60)
+            assert first.ok and first.worker == wid
+            old = ConnectionInfo.read(conn)
+            coord.send_signal(signal.SIGKILL)
+            coord.wait()
+            coord = _coordinator(tmp_path / "runs" / "2", conn, "--backend", "none",
+                                 "--client-port", str(_free_port()), "--worker-port", str(_free_port()))
+            _wait_coordinator(conn, old.coordinator_id)
+            assert ConnectionInfo.read(conn).worker_address != old.worker_address
+            wait_until(lambda: _worker_ids(c) == [wid], 60, 0.2, "the worker at the new address")
+            after = c.submit(_append("e0", 0.05)).result(60)
+            assert after.ok and after.worker == wid and after.env_state == "kept", after
+            _check_logs(c, {"e0": [first, after]})
+        assert worker.poll() is None
+    finally:
+        _stop(coord, worker)
