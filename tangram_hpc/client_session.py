@@ -53,6 +53,8 @@ class ClientSession:
         #: messages to send: action wire maps (batched into SUBMIT frames) and (type, body) pairs
         self.outq: deque = deque()
         self.status_waiters: deque = deque()
+        #: ids whose cancel was asked while they were unfinished: a resubmission is cancelled again
+        self.cancelled: set[str] = set()
         self.coordinator: str | None = None
         self.max_frame = P.MAX_FRAME_BYTES   # updated from the coordinator's WELCOME
         self.welcomed = False
@@ -76,6 +78,10 @@ class ClientSession:
         self.outq.append(wire)
 
     def cancel(self, ids: list[str]) -> None:
+        pending = self.pending
+        self.cancelled.update(i for i in ids if i in pending)
+        if len(self.cancelled) > 4096:        # those answered since
+            self.cancelled &= pending.keys()
         self.outq.append((P.CANCEL, ids))
 
     def close_env(self, envs: list[str]) -> None:
@@ -187,10 +193,16 @@ class ClientSession:
         """A new coordinator incarnation knows nothing of ours: submit every unfinished action again."""
         now = time.monotonic()
         wires = []
-        for _, w, submitted in list(self.pending.values()):
+        # A cancel the old incarnation may never have handled goes to the new one right after the
+        # resubmission: a waiting action never runs, one still running on its worker is killed.
+        cancelled = self.cancelled & self.pending.keys()
+        for aid, (fut, w, submitted) in self.pending.items():
+            if fut.done():              # cancelled by its caller
+                cancelled.add(aid)
             # how long ago it was first submitted: the new incarnation counts its ACT from then
             w["a"] = round(now - submitted, 3)
             wires.append(w)
+        self.cancelled = cancelled
         log.warning("coordinator restarted (%s -> %s): resubmitting %d unfinished actions",
                     self.coordinator, cid, len(wires))
         self.resubmissions += len(wires)
@@ -198,4 +210,6 @@ class ClientSession:
         queued = [item for item in self.outq if not isinstance(item, dict)]
         self.outq.clear()
         self.outq.extend(wires)
+        if cancelled:
+            self.outq.append((P.CANCEL, sorted(cancelled)))
         self.outq.extend(queued)

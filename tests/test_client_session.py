@@ -108,6 +108,25 @@ def test_a_new_coordinator_incarnation_gets_every_unfinished_action_once():
     assert len(ages) == 4 and all(0 <= a < 5 for a in ages)
 
 
+def test_a_cancel_the_old_incarnation_may_have_lost_reaches_the_new_one():
+    s, specs, futs = _session_with(4)
+    list(s.frames())
+    s.on_frame(P.encode(P.WELCOME, {"coordinator": "A"}))
+    futs[0].cancel()                               # the caller's cancel (ActionFuture.cancel sends a CANCEL too)
+    s.cancel([specs[0].id])
+    s.cancel([specs[1].id])                        # by id: the future waits for the final word
+    s.cancel([specs[2].id])
+    s.on_frame(P.encode(P.RESULT, [_result(specs[2].id)]))      # answered before the restart
+    list(s.frames())                               # the CANCELs went to A, which died with them
+    s.on_frame(P.encode(P.HEARTBEAT, {"coordinator": "B"}))
+    frames = [_decode(f) for f in s.frames()]
+    assert [t for t, _ in frames] == [P.SUBMIT, P.CANCEL]
+    # sent again (one may still run on its worker) and cancelled again right after
+    assert sorted(w["i"] for w in frames[0][1]) == sorted([specs[0].id, specs[1].id, specs[3].id])
+    assert frames[1][1] == sorted([specs[0].id, specs[1].id])
+    assert not futs[1].done()
+
+
 def test_status_replies_go_to_waiters_in_order_and_errors_are_kept():
     s = ClientSession("test")
     first, second = Future(), Future()

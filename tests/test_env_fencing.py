@@ -223,6 +223,25 @@ def test_actions_of_a_silent_workers_environment_wait_for_it_and_never_run_elsew
     assert starts["w1"][0][2] == [keep[0][2], P.GRANT_HELD, None]
 
 
+def test_an_action_whose_worker_went_silent_times_out_on_time_and_is_not_run_again():
+    ledger = make(timeout_grace_s=1.0, env_prepare_s=2.0, env_wait_s=100)
+    join(ledger, "w1")
+    join(ledger, "w2")
+    a = ActionSpec("sandbox", {"cmd": "echo a >> log; sleep 6"}, env="e", timeout=3.0)
+    submit(ledger, a)
+    [(_, _, grant)] = assigned(ledger)["w1"]
+    ledger.lose_worker("w1", 2.0, "no heartbeat for 5.0s")   # SIGSTOPped while the command runs
+    ledger.expire(5.9)
+    assert results(ledger) == {}
+    ledger.expire(6.0)                                       # timeout + grace + prepare after its start
+    r = results(ledger)[a.id]
+    assert r[1] == Status.TIMEOUT and "stopped answering" in r[3] and "no heartbeat" in r[3]
+    # the worker comes back with the environment: the finalised action does not run a second time
+    join(ledger, "w1", now=8.0, envs=[("e", grant[0])])
+    env_msgs(ledger)
+    assert assigned(ledger, 8.0) == {} and a.id not in ledger
+
+
 def test_outcomes_kept_by_a_returning_worker_answer_the_actions_still_waiting():
     ledger, a, gen = running_in_e_on_w1()
     ledger.lose_worker("w1", 5.0, "no heartbeat")

@@ -735,14 +735,20 @@ class ActionLedger:
         while dl and dl[0][0] <= now:
             _, aid, attempt = heapq.heappop(dl)
             a = self._actions.get(aid)
-            if a is None or a.attempt != attempt or a.worker is None:
+            if a is None or a.attempt != attempt or (a.worker is None and not a.held):
                 continue
-            self._kill(a, now)
             if a.prepare:
                 why = (f"no result {a.spec.timeout:g}s (+{grace:g}s grace, +{a.prepare:g}s to create or restore "
                        f"its environment) after it was assigned")
             else:
                 why = f"no result {a.spec.timeout:g}s (+{grace:g}s grace) after it started"
+            if a.worker is None:
+                # Its worker went silent while it ran and its environment waits for that worker: the
+                # attempt may still be running there, so it is not run again past its time.
+                a.held = False
+                why += f"; its worker stopped answering meanwhile ({'; '.join(a.failures[-1:])})"
+            else:
+                self._kill(a, now)
             self._finalize(a, Status.TIMEOUT, None, why, 0.0, now)
 
     def fail_unplaceable(self, now: float) -> None:
