@@ -159,7 +159,7 @@ def test_eviction_and_restore_give_the_same_scores_as_no_eviction():
     assert all(u["used_mb"] <= u["budget_mb"] for u in usage)
 
 
-def test_failing_score_fails_only_its_batch():
+def test_a_failing_batch_is_scored_again_action_by_action_so_only_the_bad_action_fails():
     model = GatedModel(HashingEmbeddingModel(memory_mb=1, seed=5), fail_on="boom")
     other = ServiceSpec("other", HASHING, memory_mb=1, kwargs={"memory_mb": 1})
     spec = ServiceSpec("flaky", lambda: model, memory_mb=1, max_batch=16, max_wait_ms=1)
@@ -178,19 +178,33 @@ def test_failing_score_fails_only_its_batch():
         stats = mgr.stats()
 
     assert results.by_id["held"][0] == Status.OK
-    for aid in ("good-1", "bad", "good-2"):
-        status, output, error, _ = results.by_id[aid]
-        assert status == Status.FAILED and output is None
-        assert "flaky" in error and "RuntimeError" in error and "cannot score 'boom'" in error
+    # good-1, bad and good-2 were one batch: it failed, so each was scored alone
+    status, output, error, _ = results.by_id["bad"]
+    assert status == Status.FAILED and output is None
+    assert "flaky" in error and "RuntimeError" in error and "cannot score 'boom'" in error
+    assert "scored alone after its batch of 3 failed" in error
+    ref = HashingEmbeddingModel(memory_mb=1, seed=5)
+    for aid, i in (("good-1", 2), ("good-2", 3)):
+        assert results.by_id[aid][:3] == (Status.OK, ref.score([pair(i)]), None)
     assert results.by_id["after"][0] == Status.OK
     assert results.by_id["after"][1] == HashingEmbeddingModel(memory_mb=1, seed=5).score([pair(4)])
     assert results.by_id["other"][0] == Status.OK
-    assert stats["flaky"]["failed_batches"] == 1 and stats["flaky"]["failed_actions"] == 3
+    assert stats["flaky"]["failed_batches"] == 2 and stats["flaky"]["failed_actions"] == 1
 
 
 class WrongLength:
     def score(self, inputs):
         return [0.0] * (len(inputs) + 1)
+
+
+class Misreports:
+    """score() answers with what is not one result per input."""
+
+    def __init__(self, what):
+        self.what = what
+
+    def score(self, inputs):
+        return self.what(inputs)
 
 
 class NoSize:
@@ -204,6 +218,9 @@ def test_bad_models_and_requests_are_reported_and_the_manager_keeps_serving():
 
     specs = [
         ServiceSpec("wrong", WrongLength, memory_mb=1),
+        ServiceSpec("text", lambda: Misreports(lambda xs: "ab"), memory_mb=1),
+        ServiceSpec("keys", lambda: Misreports(lambda xs: {"k0": 1.0, "k1": 1.0}), memory_mb=1),
+        ServiceSpec("nan", lambda: Misreports(lambda xs: [0.5, float("nan")]), memory_mb=1),
         ServiceSpec("nosize", NoSize),
         ServiceSpec("broken", broken_loader, memory_mb=1),
         ServiceSpec("huge", HASHING, memory_mb=10_000),
@@ -215,9 +232,9 @@ def test_bad_models_and_requests_are_reported_and_the_manager_keeps_serving():
         mgr.submit("not-a-list", "ok", "text", results)
         mgr.submit("empty", "ok", [], results)
         assert len(results.by_id) == 3  # rejected or answered at once, in the caller's thread
-        for name in ("wrong", "nosize", "broken", "huge", "ok"):
+        for name in ("wrong", "text", "keys", "nan", "nosize", "broken", "huge", "ok"):
             mgr.submit(name, name, [pair(1), pair(2)], results)
-        results.wait(8)
+        results.wait(11)
         stats = mgr.stats()
 
     by = results.by_id
@@ -225,6 +242,9 @@ def test_bad_models_and_requests_are_reported_and_the_manager_keeps_serving():
     assert by["not-a-list"][0] == Status.ERROR and "must be a list" in by["not-a-list"][2]
     assert by["empty"][:2] == (Status.OK, [])
     assert by["wrong"][0] == Status.FAILED and "3 results for 2 inputs" in by["wrong"][2]
+    assert by["text"][0] == Status.FAILED and "list of one result per input, not str" in by["text"][2]
+    assert by["keys"][0] == Status.FAILED and "not dict" in by["keys"][2]
+    assert by["nan"][0] == Status.FAILED and "returned nan for input 1" in by["nan"][2]
     assert by["nosize"][0] == Status.ERROR and "declare memory_mb" in by["nosize"][2]
     assert by["broken"][0] == Status.ERROR and "weights file missing" in by["broken"][2]
     assert by["huge"][0] == Status.ERROR and "largest device budget is 16 MB" in by["huge"][2]
@@ -295,3 +315,27 @@ def test_a_raising_result_callback_is_logged_and_answered_with_an_error(caplog):
         assert "result callback raised ValueError: cannot store this output" in error
     assert results.by_id["b"][0] == Status.OK
     assert caplog.text.count("the result callback of action") == 2
+
+
+def test_a_preload_that_fails_is_tried_once_and_the_other_services_are_served(caplog):
+    calls = []
+
+    def failing_loader():
+        calls.append(1)
+        raise ModuleNotFoundError("No module named 'nosuchpkg'")
+
+    specs = [ServiceSpec("broken", failing_loader),            # no memory_mb: loaded to learn its size
+             ServiceSpec("ok", HASHING, memory_mb=1, kwargs={"memory_mb": 1})]
+    results = Results()
+    with ServiceManager(specs, cpu()) as mgr:
+        mgr.preload()
+        mgr.submit("scored", "ok", [pair(1)], results)
+        results.wait(1)
+        time.sleep(0.3)
+        assert len(calls) == 1            # it used to be retried in a loop, starving "ok"
+        mgr.submit("retry", "broken", [pair(2)], results)
+        results.wait(2)
+    assert results.by_id["scored"][0] == Status.OK
+    assert results.by_id["retry"][0] == Status.ERROR and "nosuchpkg" in results.by_id["retry"][2]
+    assert len(calls) == 2                # a request tries the loader again
+    assert "service broken failed to load" in caplog.text and "nosuchpkg" in caplog.text

@@ -14,6 +14,7 @@ RAM, so a restore costs one host-to-device copy, not a reload from disk.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -412,8 +413,11 @@ class ServiceManager:
             self._cold_load(svc)
         except Exception as e:
             error = f"service {svc.spec.name} failed to load: {_describe(e)}"
+            _log.warning("%s (the next request for it tries again)", error)
         with self._cv:
             svc.busy = False
+            if error:
+                svc.preload = False     # tried once: a request retries it, not this thread in a loop
             failed = self._fail_queue(svc) if error else []
             self._cv.notify_all()
         for r in failed:
@@ -450,6 +454,7 @@ class ServiceManager:
                 self._move(slot, svc)
             except Exception as e:
                 error = f"service {svc.spec.name} could not be made resident on {slot.device.name}: {_describe(e)}"
+                _log.warning("%s (the next request for it tries again)", error)
             load_s = time.perf_counter() - t0
             with self._cv:
                 if error is not None:
@@ -519,34 +524,43 @@ class ServiceManager:
     def _score(self, slot: _Slot, svc: _Service, batch: list[_Request], load_s: float) -> None:
         inputs = [x for r in batch for x in r.inputs]
         started = time.monotonic()
-        error = None
-        outputs: list = []
-        try:
-            outputs = _as_list(svc.model.score(inputs))
-            if len(outputs) != len(inputs):
-                raise ValueError(f"score() returned {len(outputs)} results for {len(inputs)} inputs")
-        except Exception as e:
-            error = f"service {svc.spec.name}: score failed on a batch of {len(inputs)}: {_describe(e)}"
+        outputs, error = _call_score(svc, inputs)
+        alone = None
+        if error is not None and len(batch) > 1:
+            # One caller's malformed input must not fail the others: each action is scored alone.
+            alone = [_call_score(svc, r.inputs) for r in batch]
         finished = time.monotonic()
+        if alone is None:
+            failed_actions = len(batch) if error else 0
+        else:
+            failed_actions = sum(e is not None for _, e in alone)
         with self._cv:
             svc.busy = False
             svc.last_used = finished
             c = svc.counters
-            c.batches += 1
+            c.batches += 1 + len(alone or ())
             c.items += len(inputs)
             c.actions += len(batch)
-            if error:
-                c.failed_batches += 1
-                c.failed_actions += len(batch)
+            # score() calls that failed: the batch's, and the lone calls of the actions that failed again
+            c.failed_batches += (error is not None) + (failed_actions if alone is not None else 0)
+            c.failed_actions += failed_actions
             self._cv.notify_all()
         base = {"service": svc.spec.name, "device": slot.device.name, "batch_items": len(inputs),
                 "batch_actions": len(batch), "score_s": finished - started, "load_s": load_s}
         pos = 0
-        for r in batch:
+        for k, r in enumerate(batch):
             n = len(r.inputs)
             stats = dict(base, wait_s=started - r.submitted)
-            if error:
-                _deliver(r, Status.FAILED, None, error, stats)
+            if alone is not None:
+                out, err = alone[k]
+                if err is None:
+                    _deliver(r, Status.OK, out, None, stats)
+                else:
+                    _deliver(r, Status.FAILED, None, f"service {svc.spec.name}: score failed on this action's {n} "
+                             f"inputs, scored alone after its batch of {len(inputs)} failed: {err}", stats)
+            elif error:
+                _deliver(r, Status.FAILED, None,
+                         f"service {svc.spec.name}: score failed on a batch of {len(inputs)}: {error}", stats)
             else:
                 _deliver(r, Status.OK, outputs[pos:pos + n], None, stats)
             pos += n
@@ -558,17 +572,38 @@ class ServiceManager:
         return failed
 
 
+def _call_score(svc: _Service, inputs: list) -> tuple[list, str | None]:
+    """``score(inputs)`` as a list of one plain result per input, or why it is not one."""
+    try:
+        outputs = _as_list(svc.model.score(inputs))
+        if len(outputs) != len(inputs):
+            raise ValueError(f"score() returned {len(outputs)} results for {len(inputs)} inputs")
+        return outputs, None
+    except Exception as e:
+        return [], _describe(e)
+
+
 def _move_estimate(svc: _Service) -> float:
     c = svc.counters
     return c.load_s / c.loads if c.loads else 0.0
 
 
 def _as_list(out: Any) -> list:
-    """Scores as plain Python values (msgpack-ready): numpy/torch arrays become lists."""
+    """Scores as plain Python values (msgpack-ready): numpy/torch arrays become lists.
+
+    Raises ValueError for what is not one result per input: a string, bytes, a map or a set
+    (``list()`` would split a string into letters and a map into its keys), or a NaN or
+    infinite score, which would poison a training step without a word.
+    """
     if hasattr(out, "tolist") and not isinstance(out, list):
         out = out.tolist()
-    out = list(out)
-    return [x.item() if hasattr(x, "item") and not isinstance(x, (str, bytes, dict, list)) else x for x in out]
+    if isinstance(out, (str, bytes, dict, set, frozenset)) or not hasattr(out, "__iter__"):
+        raise ValueError(f"score() must return a list of one result per input, not {type(out).__name__}")
+    out = [x.item() if hasattr(x, "item") and not isinstance(x, (str, bytes, dict, list)) else x for x in out]
+    for i, x in enumerate(out):
+        if isinstance(x, float) and not math.isfinite(x):
+            raise ValueError(f"score() returned {x} for input {i}")
+    return out
 
 
 def _describe(e: BaseException) -> str:
