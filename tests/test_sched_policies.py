@@ -463,6 +463,16 @@ def test_a_service_call_no_worker_could_ever_host_is_unplaceable(policy):
     assert p.unplaceable(2) == []
 
 
+@pytest.mark.parametrize("policy", [ElasticScheduler, FifoPolicy])
+def test_a_service_larger_than_every_service_worker_is_unplaceable(policy):
+    p = policy(services={"huge": ServiceInfo(100_000), "small": ServiceInfo(100)})
+    p.set_shapes([WorkerShape(1, gpu_mem_mb=2000)], hosted=["huge", "small"])
+    p.submit(ActionSpec("reward", id="h", demand=Demand(service="huge")), 0)
+    p.submit(ActionSpec("reward", id="s", demand=Demand(service="small")), 0)
+    bad = dict(p.unplaceable(0))
+    assert list(bad) == ["h"] and "'huge' needs 100000 MB" in bad["h"] and "has 2000 MB" in bad["h"]
+
+
 def test_cancel_and_counts():
     p = FifoPolicy()
     p.submit(ActionSpec("sandbox", id="a"), 0)

@@ -51,6 +51,12 @@ def test_toml_services(tmp_path):
     ('[[service]]\nname = "x"\nloader = "m:f"\n[[service]]\nname = "x"\nloader = "m:g"\n', "declared twice"),
     ('[server]\nport = 1\n', "unknown top-level keys ['server']"),
     ('[[service]\n', "services.toml"),
+    ('[[service]]\nname = "a"\nloader = "m:f"\n[[service]]\nname = "b"\nloader = "m:f"\nmemory_mb = -1\n',
+     "services.toml: service #2: service b: memory_mb must be a finite non-negative number"),
+    ('[[service]]\nname = "x"\nloader = "m:f"\nmemory_mb = inf\n', "memory_mb must be a finite"),
+    ('[defaults]\nmax_batch = 0\n[[service]]\nname = "a"\nloader = "m:f"\n',
+     "services.toml: [defaults]: max_batch must be a positive integer"),
+    ('service = [1, 2]\n', "service #1: must be a table"),
 ])
 def test_toml_errors_say_what_is_wrong(tmp_path, text, message):
     path = tmp_path / "services.toml"
@@ -58,6 +64,19 @@ def test_toml_errors_say_what_is_wrong(tmp_path, text, message):
     with pytest.raises(ServiceSpecError, match=None) as err:
         load_service_specs(path)
     assert message in str(err.value)
+
+
+def test_a_bad_services_file_is_a_one_line_error_from_the_command_line(tmp_path):
+    import subprocess
+    import sys
+    bad = tmp_path / "services.toml"
+    bad.write_text('[[service]]\nname = "x"\nloader = "m:f"\nmemory_mb = -1\n')
+    for option in (["--services", str(bad)], ["--services", str(tmp_path / "missing.toml")],
+                   ["--service", "x=m:f,memory_mb=inf"]):
+        r = subprocess.run([sys.executable, "-m", "tangram_hpc", "coordinator", "--backend", "none",
+                            "--run-dir", str(tmp_path / "run"), *option], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert r.stderr.startswith("tangram-hpc coordinator: error: ") and len(r.stderr.splitlines()) == 1, r.stderr
 
 
 def test_cli_service_option():

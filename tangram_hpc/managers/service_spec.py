@@ -11,11 +11,13 @@ A service is declared by a :class:`ServiceSpec`, in Python, in a TOML file
 """
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from ..errors import ConfigError
 from ..handlers import resolve
 
 if sys.version_info >= (3, 11):
@@ -31,7 +33,7 @@ DEFAULT_MAX_WAIT_MS = 5.0
 _SPEC_KEYS = ("name", "loader", "memory_mb", "max_batch", "max_wait_ms", "kwargs")
 
 
-class ServiceSpecError(ValueError):
+class ServiceSpecError(ConfigError):
     """A service declaration that cannot be used."""
 
 
@@ -64,11 +66,11 @@ class ServiceSpec:
         elif not callable(self.loader):
             raise ServiceSpecError(f"service {self.name}: loader must be 'module:callable' or a callable")
         if self.memory_mb is not None and (_bad_number(self.memory_mb) or self.memory_mb < 0):
-            raise ServiceSpecError(f"service {self.name}: memory_mb must be a non-negative number")
+            raise ServiceSpecError(f"service {self.name}: memory_mb must be a finite non-negative number")
         if not isinstance(self.max_batch, int) or isinstance(self.max_batch, bool) or self.max_batch < 1:
             raise ServiceSpecError(f"service {self.name}: max_batch must be a positive integer")
         if _bad_number(self.max_wait_ms) or self.max_wait_ms < 0:
-            raise ServiceSpecError(f"service {self.name}: max_wait_ms must be a non-negative number")
+            raise ServiceSpecError(f"service {self.name}: max_wait_ms must be a finite non-negative number")
         if not isinstance(self.kwargs, dict):
             raise ServiceSpecError(f"service {self.name}: kwargs must be a table")
 
@@ -81,7 +83,7 @@ class ServiceSpec:
 
 
 def _bad_number(v: Any) -> bool:
-    return not isinstance(v, (int, float)) or isinstance(v, bool) or v != v
+    return not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v)
 
 
 def resolve_loader(loader: str | Callable[..., Any]) -> Callable[..., Any]:
@@ -101,11 +103,13 @@ def load_service_specs(path: str | Path) -> list[ServiceSpec]:
     every service; each ``[[service]]`` table declares one service, with its
     loader keyword arguments in ``[service.kwargs]``.
     """
-    with open(path, "rb") as f:
-        try:
+    try:
+        with open(path, "rb") as f:
             doc = tomllib.load(f)
-        except tomllib.TOMLDecodeError as e:
-            raise ServiceSpecError(f"{path}: {e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ServiceSpecError(f"{path}: {e}") from None
+    except OSError as e:
+        raise ServiceSpecError(f"services file {path}: {e.strerror or e}") from None
     return specs_from_mapping(doc, source=str(path))
 
 
@@ -114,20 +118,32 @@ def specs_from_mapping(doc: dict, source: str = "<services>") -> list[ServiceSpe
     if unknown:
         raise ServiceSpecError(f"{source}: unknown top-level keys {sorted(unknown)} (expected [[service]] and [defaults])")
     defaults = doc.get("defaults", {})
+    if not isinstance(defaults, dict):
+        raise ServiceSpecError(f"{source}: [defaults] must be a table")
     bad = defaults.keys() - {"memory_mb", "max_batch", "max_wait_ms"}
     if bad:
         raise ServiceSpecError(f"{source}: unknown keys in [defaults]: {sorted(bad)}")
+    try:
+        ServiceSpec(name="defaults", loader="m:f", **defaults)
+    except ServiceSpecError as e:
+        raise ServiceSpecError(f"{source}: [defaults]: {str(e).split(': ', 1)[-1]}") from None
     services = doc.get("service", [])
     if not isinstance(services, list):
         raise ServiceSpecError(f"{source}: 'service' must be an array of tables ([[service]])")
     specs: list[ServiceSpec] = []
     for i, table in enumerate(services):
+        where = f"{source}: service #{i + 1}"
+        if not isinstance(table, dict):
+            raise ServiceSpecError(f"{where}: must be a table ([[service]])")
         bad = table.keys() - set(_SPEC_KEYS)
         if bad:
-            raise ServiceSpecError(f"{source}: service #{i + 1}: unknown keys {sorted(bad)}")
+            raise ServiceSpecError(f"{where}: unknown keys {sorted(bad)}")
         if "name" not in table or "loader" not in table:
-            raise ServiceSpecError(f"{source}: service #{i + 1}: 'name' and 'loader' are required")
-        specs.append(ServiceSpec(**{**defaults, **table}))
+            raise ServiceSpecError(f"{where}: 'name' and 'loader' are required")
+        try:
+            specs.append(ServiceSpec(**{**defaults, **table}))
+        except (ServiceSpecError, TypeError) as e:
+            raise ServiceSpecError(f"{where}: {e}") from None
     _check_unique(specs, source)
     return specs
 

@@ -426,6 +426,7 @@ class PlacementPolicy(SchedulingPolicy):
         loads from the moment a worker registers.
         """
         self._services.update(services)
+        self._fit_memo.clear()          # a service's size decides where its calls fit
         for name, s in services.items():
             if s.load_s is not None:
                 self.predictor.seed_load_time(name, s.load_s)
@@ -458,12 +459,16 @@ class PlacementPolicy(SchedulingPolicy):
         d = spec.demand
         svc = d.service
         hosted = self._hosted
+        gpu_mem = d.gpu_mem_mb
+        info = self._services.get(svc) if svc else None
+        if info is not None and info.gpu_mem_mb > gpu_mem:
+            gpu_mem = info.gpu_mem_mb       # the service's declared size: where it cannot load, it cannot run
         for lim in self._limits:
-            if lim.holds(d.min_cores, d.mem_mb, d.gpu_mem_mb) and (
+            if lim.holds(d.min_cores, d.mem_mb, gpu_mem) and (
                     not svc or lim.serves and (hosted is None or svc in hosted)):
                 return None
         for w in self._workers.values():    # a registered worker larger than the shapes counts too
-            if (w.cores >= d.min_cores and w.mem >= d.mem_mb and w.gpu_mem >= d.gpu_mem_mb
+            if (w.cores >= d.min_cores and w.mem >= d.mem_mb and w.gpu_mem >= gpu_mem
                     and spec.kind in w.kinds and (not svc or self._can_host(w, svc))):
                 return None
         if svc and not any(lim.serves for lim in self._limits):
@@ -472,6 +477,10 @@ class PlacementPolicy(SchedulingPolicy):
             return f"service {svc!r} is hosted by no worker (the run's services: {', '.join(sorted(hosted)) or 'none'})"
         big = max(self._limits, key=lambda s: (s.cores, s.mem_mb, s.gpu_mem_mb or 0))
         gpu = "unlimited" if big.gpu_mem_mb is None else big.gpu_mem_mb
+        if gpu_mem > d.gpu_mem_mb:
+            most = max((lim.gpu_mem_mb or 0 for lim in self._limits if lim.serves), default=0)
+            return (f"service {svc!r} needs {gpu_mem} MB of (GPU) memory; the largest service worker has "
+                    f"{most} MB")
         return (f"demand min_cores={d.min_cores} mem_mb={d.mem_mb} gpu_mem_mb={d.gpu_mem_mb} exceeds "
                 f"every worker shape (largest: cores={big.cores} mem_mb={big.mem_mb or 'unlimited'} "
                 f"gpu_mem_mb={gpu})")
