@@ -65,11 +65,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"workload TOML file or preset name ({', '.join(preset_names())})")
     parser.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     parser.add_argument("--plot", metavar="DIR", help="write PNG plots (ACT CDF, utilisation) to DIR")
-    parser.add_argument("--scale", type=float, default=1.0,
+    parser.add_argument("--scale", type=_positive(float), default=1.0,
                         help="multiply trajectories per step by this (default 1)")
-    parser.add_argument("--cluster-scale", type=float, default=1.0,
+    parser.add_argument("--cluster-scale", type=_positive(float), default=1.0,
                         help="multiply the cluster's worker counts by this (default 1)")
-    parser.add_argument("--steps", type=int, default=None, help="override the number of RL steps")
+    parser.add_argument("--steps", type=_positive(int), default=None, help="override the number of RL steps")
     parser.add_argument("--seed", type=parse_seeds, default=None, metavar="SEEDS",
                         help="override the workload's seed; several (100-104, or 1,5,9) run the bench once per "
                              "seed and print the spread of each figure and on how many seeds tangram was no "
@@ -83,6 +83,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="skip the savings (the searches for the smallest clusters at equal step time)")
     parser.add_argument("--quiet", action="store_true",
                         help="no progress on stderr (there is none when stderr is not a terminal)")
+
+
+def _positive(typ: type) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            v = typ(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not 0 < v < float("inf"):
+            raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
+        return v
+    parse.__name__ = typ.__name__      # argparse names the type in its messages
+    return parse
 
 
 def tangram_run(plan: Plan, *, cpu_workers: int | None = None, gpu_workers: int | None = None,

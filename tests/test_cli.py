@@ -39,6 +39,12 @@ def test_python_dash_m_runs_the_command_line():
     assert r.stdout.startswith("usage: tangram-hpc submit")
 
 
+@pytest.mark.parametrize("option", [["--steps", "0"], ["--scale", "-1"], ["--cluster-scale", "nan"]])
+def test_bench_refuses_scales_and_steps_below_one_in_a_line(option):
+    r = cli("bench", "--workload", "tir", *option)
+    assert r.returncode == 2 and "must be positive" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_no_command_prints_help_and_fails():
     r = cli()
     assert r.returncode == 2 and "COMMAND" in r.stdout

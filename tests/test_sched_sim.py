@@ -119,6 +119,12 @@ def test_trajectory_bound_holds_the_sandbox_between_actions():
     (lambda d: d["actions"][0].__setitem__("weight", 0.0), "never run"),
     (lambda d: d["actions"][0].__setitem__("duration_s", {"median": 1, "sigma": 9}), "implausibly"),
     (lambda d: d.__setitem__("actions", []), "at least one"),
+    (lambda d: d["actions"][0].__setitem__("duration_s", 1e300), "at most 1e+06 s"),
+    (lambda d: d["rollout"].__setitem__("think_s", {"median": float("inf")}), "must be a finite number"),
+    (lambda d: d["rollout"].__setitem__("turns", {"median": 3, "sigma": 50, "max": 9}), "implausibly"),
+    (lambda d: (d["cluster"].__setitem__("cpu_mem_mb", 8000), d["actions"][0].__setitem__("mem_mb", 16000)),
+     "mem_mb 16000 exceeds a CPU worker's 8000 MB"),
+    (lambda d: d["rollout"].__setitem__("turns", {"min": 0, "max": 2}), "a trajectory would have no action"),
 ])
 def test_workload_validation_errors_name_the_field(mutate, needle):
     d = copy.deepcopy(_doc())
@@ -126,6 +132,16 @@ def test_workload_validation_errors_name_the_field(mutate, needle):
     with pytest.raises(WorkloadError, match=None) as ei:
         parse_workload(d)
     assert needle in str(ei.value)
+
+
+def test_a_simulation_with_an_action_nothing_can_place_stops_with_the_reason():
+    # past the loader (which refuses this file): the run must stop, not tick its pool for ever
+    w = parse_workload(_doc(cluster={"cpu_workers": 1, "cpu_cores": 1, "cpu_mem_mb": 8000}))
+    big = replace(w.actions[0], mem_mb=16000, mem_mean_mb=16000)
+    plan = replace(w, actions=(big,)).sample()
+    with pytest.raises(SimulationStalled, match="cannot be placed") as ei:
+        bench.tangram_run(plan)
+    assert "exceeds every worker shape" in ei.value.reason
 
 
 def test_workload_file_errors(tmp_path):

@@ -218,18 +218,21 @@ class SimulationStalled(RuntimeError):
     """Actions wait and nothing runs or will come: the setup cannot run the workload (an action
     that fits no worker, or sandboxes that every trajectory of a turn needs at once)."""
 
-    def __init__(self, name: str, at: float, waiting: int, running: int):
+    def __init__(self, name: str, at: float, waiting: int, running: int, why: str | None = None):
         super().__init__(f"{name}: simulation stalled at t={at:.0f} with {waiting} waiting and {running} "
-                         f"running actions (an action that fits no worker?)")
+                         f"running actions ({why or 'an action that fits no worker?'})")
         self.name = name
         self.at = at
         self.waiting = waiting
         self.running = running
+        self.why = why
         #: the same without the run's name and the guess, for a report that gives its own cause
         self.reason = f"stuck at t={at:.0f} s with {waiting} actions waiting and {running or 'none'} running"
+        if why:
+            self.reason += f": {why}"
 
     def __reduce__(self):       # rebuilt from its fields in another process (a bench job), not from its message
-        return SimulationStalled, (self.name, self.at, self.waiting, self.running)
+        return SimulationStalled, (self.name, self.at, self.waiting, self.running, self.why)
 
 
 class SimWorker:
@@ -579,6 +582,11 @@ class Simulation:
 
     def _on_pool_tick(self, _e: tuple) -> None:
         now = self.now
+        stuck = self.policy.unplaceable(now)
+        if stuck:       # the ticks would go on for ever: nothing can ever run it
+            aid, why = stuck[0]
+            raise SimulationStalled(self.name, now, self.policy.pending_count, self.policy.running_count,
+                                    f"action {aid} cannot be placed: {why}")
         offered = self._offered(now) if self._offered is not None else None
         view = PoolView(now, self.policy.pending_actions(), list(self.statuses), list(self.starting),
                         list(self.failures), step=self.step, offered_load=offered)

@@ -348,6 +348,8 @@ def _get(tbl: dict, key: str, where: str, typ, default=..., *, positive=False, n
     if not isinstance(v, typ) or isinstance(v, bool) and typ is not bool:
         tn = typ.__name__ if isinstance(typ, type) else "/".join(t.__name__ for t in typ)
         raise WorkloadError(f"{where}.{key}: expected {tn}, got {type(v).__name__} {v!r}")
+    if typ is float and not math.isfinite(v):
+        raise WorkloadError(f"{where}.{key}: must be a finite number, got {v!r}")
     if positive and not v > 0:
         raise WorkloadError(f"{where}.{key}: must be positive, got {v!r}")
     if nonneg and v < 0:
@@ -355,13 +357,17 @@ def _get(tbl: dict, key: str, where: str, typ, default=..., *, positive=False, n
     return v
 
 
+#: the largest median duration a workload may give (a simulation must end)
+_MEDIAN_MAX_S = 1e6
+
+
 def _dist(tbl: dict, key: str, where: str) -> Dist:
     v = tbl.get(key)
     if v is None:
         raise WorkloadError(f"{where}: missing required field '{key}'")
     if isinstance(v, (int, float)) and not isinstance(v, bool):
-        if v <= 0:
-            raise WorkloadError(f"{where}.{key}: must be positive, got {v!r}")
+        if not 0 < v <= _MEDIAN_MAX_S:
+            raise WorkloadError(f"{where}.{key}: must be positive and at most {_MEDIAN_MAX_S:g} s, got {v!r}")
         return Dist(float(v))
     if not isinstance(v, dict):
         raise WorkloadError(f"{where}.{key}: expected a number or {{ median = ..., sigma = ... }}")
@@ -370,6 +376,9 @@ def _dist(tbl: dict, key: str, where: str) -> Dist:
     sig = _get(v, "sigma", f"{where}.{key}", float, 0.0, nonneg=True)
     if sig > 3:
         raise WorkloadError(f"{where}.{key}.sigma: {sig} is implausibly large (at most 3)")
+    if med > _MEDIAN_MAX_S:
+        raise WorkloadError(f"{where}.{key}.median: {med:g} s is implausibly large (at most {_MEDIAN_MAX_S:g} s, "
+                            f"about {_MEDIAN_MAX_S / 86400:.0f} days)")
     return Dist(med, sig)
 
 
@@ -386,6 +395,8 @@ def _turns(v: Any) -> Turns:
         _check_keys(v, {"median", "sigma", "min", "max"}, where)
         med = _get(v, "median", where, float, positive=True)
         sig = _get(v, "sigma", where, float, 0.0, nonneg=True)
+        if sig > 3:
+            raise WorkloadError(f"{where}.sigma: {sig} is implausibly large (at most 3)")
         lo = _get(v, "min", where, int, 1, nonneg=True)
         if "max" not in v:
             raise WorkloadError(f"{where}: a lognormal turn count needs a cap 'max'")
@@ -553,6 +564,8 @@ def parse_workload(data: dict, source: str = "<memory>") -> Workload:
         if mn > limit:
             raise WorkloadError(f"{where}: min_cores {mn} exceeds a worker's {limit} cores")
         peak, mean = _memory(a, where)
+        if not svc and cluster.cpu_mem_mb and peak > cluster.cpu_mem_mb:
+            raise WorkloadError(f"{where}: mem_mb {peak} exceeds a CPU worker's {cluster.cpu_mem_mb} MB")
         hint_sigma = _get(a, "hint_sigma", where, float, 0.0, nonneg=True)
         if hint_sigma > 3:
             raise WorkloadError(f"{where}.hint_sigma: {hint_sigma} is implausibly large (at most 3)")
@@ -572,6 +585,9 @@ def parse_workload(data: dict, source: str = "<memory>") -> Workload:
         if ac.weight == 0 and ac.final == 0 and not referenced:
             raise WorkloadError(f"actions[{i}] ({ac.name}): neither a per-turn weight, a final count nor a "
                                 f"follow-up of another action: it would never run")
+    if rollout.turns.min == 0 and not any(a.final for a in actions):
+        raise WorkloadError("rollout.turns may be 0 and no action is a final one: a trajectory would have no "
+                            "action (give turns a min of 1, or a final action)")
     if rollout.turns.max > 0 and not any(a.weight > 0 for a in actions):
         raise WorkloadError("rollout.turns > 0 but no action has a per-turn weight")
     return Workload(name, desc, rollout, cluster, tuple(actions), services, seed, source)
