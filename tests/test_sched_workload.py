@@ -8,6 +8,7 @@ import pytest
 
 from tangram_hpc.policy.elastic import ElasticScheduler
 from tangram_hpc.policy.fifo import FifoPolicy
+from tangram_hpc.sim.baselines import TrajectoryBoundPolicy
 from tangram_hpc.sim.engine import service_infos, simulate
 from tangram_hpc.sim.workload import WorkloadError, load_workload, parse_workload
 from test_sched_sim import _doc as _doc_v1
@@ -105,6 +106,19 @@ def test_parallel_finals_go_out_together():
     d["rollout"]["parallel_finals"] = False
     r = simulate(parse_workload(d).sample(), ElasticScheduler())
     assert r.step_durations == [9.0]             # 1 + 2 + 3 + 3, one after another
+
+
+def test_parallel_sandbox_finals_share_a_trajectory_sandbox_cores():
+    d = _doc(rollout={"steps": 1, "trajectories_per_step": 1, "turns": 0, "think_s": 1.0,
+                      "parallel_finals": True},
+             cluster={"cpu_workers": 1, "cpu_cores": 4},
+             actions=[{"name": "test", "kind": "sandbox", "final": 4, "duration_s": 40.0,
+                       "parallel_fraction": 1.0, "max_cores": 4}])
+    plan = parse_workload(d).sample()
+    r = simulate(plan, TrajectoryBoundPolicy(4, {}))
+    # four at once in a 4-core sandbox: one core each (they used to get four each, 16 on 4 cores)
+    assert r.cores.tolist() == [1, 1, 1, 1] and r.act.tolist() == [40.0] * 4
+    assert r.cpu_busy_core_s <= r.cpu_core_s
 
 
 def test_sync_turns_hold_every_trajectory_at_the_turn_boundary():

@@ -27,7 +27,7 @@ replica batching up to its ``max_batch`` requests.
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import Counter, deque
 from dataclasses import replace
 from typing import Mapping
 
@@ -76,6 +76,8 @@ class TrajectoryBoundPolicy(SchedulingPolicy):
         self._gpu: dict[str, list] = {}        # wid -> [free slots, info, deque of pending specs, services, running per service]
         self._gpu_order: list[str] = []
         self._sandbox: dict[str, str] = {}     # trajectory -> worker holding its sandbox
+        self._sandbox_free: dict[str, int] = {}    # trajectory -> its sandbox's cores no action of it uses
+        self._in_sandbox: dict[str, tuple[str, int]] = {}   # running action -> (trajectory, its cores)
         self._waiting: deque[str] = deque()    # trajectories waiting for a sandbox
         self._held: dict[str, list[ActionSpec]] = {}   # their actions
         self._ready: list[ActionSpec] = []
@@ -105,8 +107,10 @@ class TrajectoryBoundPolicy(SchedulingPolicy):
         lost = [a for a, (w, _, _) in self._running.items() if w == worker_id]
         for a in lost:
             del self._running[a]
+            self._in_sandbox.pop(a, None)
         for t in [t for t, w in self._sandbox.items() if w == worker_id]:
             del self._sandbox[t]
+            self._sandbox_free.pop(t, None)
         return lost
 
     def set_draining(self, worker_id: str, draining: bool) -> None:
@@ -144,6 +148,7 @@ class TrajectoryBoundPolicy(SchedulingPolicy):
 
     def trajectory_done(self, trajectory: str, now: float) -> None:
         wid = self._sandbox.pop(trajectory, None)
+        self._sandbox_free.pop(trajectory, None)
         if wid is not None and wid in self._cpu:
             self._cpu[wid][0] += self.sandbox_cores
         for key in [k for k in ((trajectory, s) for s in self.services) if k in self._bind]:
@@ -163,6 +168,9 @@ class TrajectoryBoundPolicy(SchedulingPolicy):
         if ent is None:
             return
         wid, cores, svc = ent
+        inside = self._in_sandbox.pop(action_id, None)
+        if inside is not None and inside[0] in self._sandbox_free:
+            self._sandbox_free[inside[0]] += inside[1]
         g = self._gpu.get(wid) if svc is not None else None
         if g is not None:
             g[0] += cores
@@ -182,14 +190,29 @@ class TrajectoryBoundPolicy(SchedulingPolicy):
             self._waiting.popleft()
             self._cpu[wid][0] -= self.sandbox_cores
             self._sandbox[t] = wid
+            self._sandbox_free[t] = self.sandbox_cores
             self._ready.extend(self._held.pop(t))
-        for a in self._ready:
-            wid = self._sandbox[self._traj(a)]
-            c = max(a.demand.min_cores, min(a.demand.max_cores, self.sandbox_cores))
-            self._running[a.id] = (wid, c, None)
-            out.append(Assignment(a.id, wid, c))
-        self._pending -= len(self._ready)
-        self._ready = []
+        if self._ready:
+            # A trajectory's actions share its sandbox's cores: several at once (parallel finals)
+            # split what is free, and one that finds too little waits for a sibling to end.
+            left = Counter(self._traj(a) for a in self._ready)
+            waiting = []
+            for a in self._ready:
+                t = self._traj(a)
+                free = self._sandbox_free[t]
+                r = left[t]
+                left[t] = r - 1
+                d = a.demand
+                if free < d.min_cores:
+                    waiting.append(a)
+                    continue
+                c = max(d.min_cores, min(d.max_cores, free // r))
+                self._sandbox_free[t] = free - c
+                self._in_sandbox[a.id] = (t, c)
+                self._running[a.id] = (self._sandbox[t], c, None)
+                out.append(Assignment(a.id, self._sandbox[t], c))
+            self._pending -= len(self._ready) - len(waiting)
+            self._ready = waiting
         for wid in sorted(self._dirty):
             g = self._gpu.get(wid)
             if g is None:
