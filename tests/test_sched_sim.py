@@ -241,6 +241,19 @@ def test_capacity_bound_is_shortest_remaining_work_on_one_machine():
         assert cap == pytest.approx(sum(5.0 * k for k in range(1, 21)) / 20)
 
 
+def test_capacity_bound_holds_when_sub_millisecond_actions_run_on_no_core():
+    from tangram_hpc.sim.bounds import capacity_bound
+    d = _doc(format_version=2, seed=1,
+             rollout={"steps": 1, "trajectories_per_step": 500, "turns": 40, "think_s": {"median": 1.0, "sigma": 0.3}},
+             cluster={"cpu_workers": 1, "cpu_cores": 1},
+             actions=[{"name": "tiny", "kind": "function", "weight": 0.998, "duration_s": 0.0009},
+                      {"name": "long", "kind": "function", "weight": 0.002, "duration_s": 0.5}])
+    plan = parse_workload(d).sample()
+    r = simulate(plan, ElasticScheduler())
+    assert (r.cores == 0).sum() > plan.n_actions // 2        # the tiny ones were pipelined
+    assert capacity_bound(r, plan, 1, 0) <= r.act.mean() + 1e-12
+
+
 def _reward_doc(gpu_workers=1):
     return _doc(cluster={"cpu_workers": 1, "cpu_cores": 4, "gpu_workers": gpu_workers, "gpus": 1,
                          "gpu_mem_mb": 1000, "gpu_slots": 4, "startup_s": 30.0, "idle_ttl_s": 60.0},

@@ -14,6 +14,8 @@ has its own; a bound for a run's own submit times is a true bound for it):
   its core-seconds at its smallest core count (Amdahl: more cores never take
   fewer core-seconds).  CPU and GPU actions are bounded apart, each by its
   own capacity.  The max of two lower bounds on the same sum is one too.
+  An action the run pipelined (zero cores: a class learned to take under a
+  millisecond) used no capacity, so only its per-action bound counts.
 """
 from __future__ import annotations
 
@@ -66,10 +68,12 @@ def capacity_bound(result: SimResult, plan: Plan, cpu_cores: int, gpu_slots: int
     work = t_min * lo
     gpu = np.array([r.service is not None for r in rows])[plan.cls]
     total = 0.0
+    light = result.cores == 0
     for mask, cap in ((~gpu, cpu_cores), (gpu, gpu_slots)):
         if not mask.any():
             continue
         per_action = float(result.lower_bound[mask].sum())
-        queueing = srpt_flow_sum(result.submit[mask], work[mask], float(cap))
-        total += max(per_action, queueing)
+        bound = mask & ~light
+        queueing = srpt_flow_sum(result.submit[bound], work[bound], float(cap))
+        total += max(per_action, queueing + float(result.lower_bound[mask & light].sum()))
     return total / max(1, plan.n_actions)
