@@ -7,6 +7,10 @@ from typing import Mapping
 
 from .actions import BUILTIN_KINDS
 
+#: Share of a GPU's memory a worker gives its services; the rest is left for activations and the
+#: CUDA context.  A service replica lives on one GPU, so no service may be larger than this share.
+GPU_MEMORY_SHARE = 0.9
+
 
 class ResourceClass(str, Enum):
     """The class of resource a worker offers: plain cores, or GPUs hosting reward-model services.

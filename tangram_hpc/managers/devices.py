@@ -14,14 +14,13 @@ import sys
 from dataclasses import dataclass
 from typing import Mapping
 
+from ..resources import GPU_MEMORY_SHARE
+
 __all__ = ["Device", "discover_devices", "visible_gpu_ids", "DEFAULT_CPU_BUDGET_MB", "CPU_BUDGET_ENV"]
 
 #: Budget of the CPU stand-in device when none is configured.
 DEFAULT_CPU_BUDGET_MB = 4096
 CPU_BUDGET_ENV = "TANGRAM_SERVICE_CPU_BUDGET_MB"
-#: Share of a GPU's memory given to services; the rest is left for activations
-#: and the CUDA context.
-GPU_MEMORY_SHARE = 0.9
 HOST = "cpu"
 
 

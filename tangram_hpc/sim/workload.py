@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from ..resources import GPU_MEMORY_SHARE
+
 __all__ = ["Workload", "ActionClass", "Service", "Cluster", "Rollout", "Dist", "Turns", "Followup", "Plan",
            "WorkloadError", "load_workload", "parse_workload", "preset_names", "PRESET_DIR"]
 
@@ -521,9 +523,11 @@ def parse_workload(data: dict, source: str = "<memory>") -> Workload:
             raise WorkloadError(f"{where}: a service that is not batchable cannot have max_batch {svc.max_batch}")
         if svc.name in services:
             raise WorkloadError(f"{where}: duplicate service name {svc.name!r}")
-        if cluster.gpu_workers and svc.gpu_mem_mb > cluster.gpus * cluster.gpu_mem_mb:
-            raise WorkloadError(f"{where}: {svc.name} needs {svc.gpu_mem_mb} MB, more than a GPU worker has "
-                                f"({cluster.gpus} x {cluster.gpu_mem_mb} MB)")
+        budget = int(cluster.gpu_mem_mb * GPU_MEMORY_SHARE)
+        if cluster.gpu_workers and svc.gpu_mem_mb > budget:
+            # a replica lives on one GPU, within the share of it the live service manager uses
+            raise WorkloadError(f"{where}: {svc.name} needs {svc.gpu_mem_mb} MB, more than one GPU's budget "
+                                f"({GPU_MEMORY_SHARE:.0%} of {cluster.gpu_mem_mb} MB = {budget} MB)")
         services[svc.name] = svc
 
     acts = data.get("actions")
