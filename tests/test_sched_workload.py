@@ -121,6 +121,21 @@ def test_parallel_sandbox_finals_share_a_trajectory_sandbox_cores():
     assert r.cpu_busy_core_s <= r.cpu_core_s
 
 
+def test_the_trajectory_baselines_reward_server_keeps_a_queue_per_model():
+    d = _doc(rollout={"steps": 1, "trajectories_per_step": 4, "turns": 0, "think_s": 1.0, "parallel_finals": True},
+             cluster=_gpu_cluster(slots=64, mem=80000),
+             services=[{"name": "slow", "gpu_mem_mb": 10000, "load_s": 10.0, "max_batch": 1},
+                       {"name": "fast", "gpu_mem_mb": 10000, "load_s": 10.0, "max_batch": 64}],
+             actions=[{"name": "a", "kind": "reward", "service": "slow", "final": 1, "duration_s": 30.0},
+                      {"name": "b", "kind": "reward", "service": "fast", "final": 1, "duration_s": 0.1}])
+    plan = parse_workload(d).sample()
+    r = simulate(plan, TrajectoryBoundPolicy(1, {"slow": 10000, "fast": 10000}, {"slow": 1, "fast": 64}))
+    fast = plan.cls == 1
+    # the fast model's calls do not wait behind the slow one's full replica
+    assert r.act[fast].tolist() == pytest.approx([0.1] * 4)
+    assert sorted(r.act[~fast].tolist()) == pytest.approx([30.0, 60.0, 90.0, 120.0])
+
+
 def test_sync_turns_hold_every_trajectory_at_the_turn_boundary():
     d = _doc(rollout={"steps": 1, "trajectories_per_step": 2, "turns": 2, "think_s": 1.0, "sync_turns": True},
              cluster={"cpu_workers": 1, "cpu_cores": 2},

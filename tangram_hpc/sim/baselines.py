@@ -218,16 +218,27 @@ class TrajectoryBoundPolicy(SchedulingPolicy):
             if g is None:
                 continue
             q = g[2]
-            while q and g[0] >= q[0].demand.min_cores:
-                svc = q[0].demand.service
-                if g[4].get(svc, 0) >= self.max_batch.get(svc, 0) > 0:
-                    break          # FIFO: the head waits for a slot of its replica
+            if not q or g[0] <= 0:
+                continue
+            # a queue per model, as a reward server has: each service's requests start in order,
+            # and one whose replica is full does not hold up the others
+            blocked: set[str] = set()
+            kept: deque[ActionSpec] = deque()
+            while q and g[0] > 0:
                 a = q.popleft()
+                svc = a.demand.service
+                if svc in blocked or g[0] < a.demand.min_cores or \
+                        g[4].get(svc, 0) >= self.max_batch.get(svc, 0) > 0:
+                    blocked.add(svc)
+                    kept.append(a)
+                    continue
                 g[0] -= a.demand.min_cores
                 g[4][svc] = g[4].get(svc, 0) + 1
                 self._running[a.id] = (wid, a.demand.min_cores, svc)
                 self._pending -= 1
                 out.append(Assignment(a.id, wid, a.demand.min_cores))
+            kept.extend(q)
+            g[2] = kept
         self._dirty.clear()
         return out
 
