@@ -718,7 +718,11 @@ class Worker:
                 continue
             key = (item[0], item[1], gen)
             if key not in self._running:
-                continue  # already ended; its DONE is on the way
+                # an attempt of an earlier registration (the coordinator finalised it while this
+                # worker was away), or one already ended, whose DONE is on the way
+                key = next((k for k in self._running if k[0] == item[0] and k[1] == item[1]), None)
+                if key is None:
+                    continue
             self._killed.setdefault(key, now)
             self._cancel(item[0])
 

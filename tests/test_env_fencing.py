@@ -236,10 +236,32 @@ def test_an_action_whose_worker_went_silent_times_out_on_time_and_is_not_run_aga
     ledger.expire(6.0)                                       # timeout + grace + prepare after its start
     r = results(ledger)[a.id]
     assert r[1] == Status.TIMEOUT and "stopped answering" in r[3] and "no heartbeat" in r[3]
-    # the worker comes back with the environment: the finalised action does not run a second time
+    # the worker comes back with the environment: the finalised action does not run a second time,
+    # and its attempt, which may still run there, is stopped
     join(ledger, "w1", now=8.0, envs=[("e", grant[0])])
     env_msgs(ledger)
     assert assigned(ledger, 8.0) == {} and a.id not in ledger
+    assert ledger.outbox.kill == {"w1": [[a.id, 1]]}
+
+
+def test_an_action_cancelled_while_its_worker_is_away_is_stopped_when_it_comes_back():
+    ledger, a, gen = running_in_e_on_w1()
+    ledger.lose_worker("w1", 2.0, "no heartbeat")
+    ledger.cancel([a.id], 3.0)
+    r = results(ledger)[a.id]
+    assert r[1] == Status.CANCELLED and "attempt 1, which may still run where its environment is" in r[3]
+    join(ledger, "w1", now=8.0, envs=[("e", gen)])
+    assert ledger.outbox.kill == {"w1": [[a.id, 1]]} and assigned(ledger, 8.0) == {}
+
+
+def test_an_action_cancelled_after_its_worker_came_back_stops_the_attempt_that_may_still_run_there():
+    ledger, a, gen = running_in_e_on_w1()
+    ledger.lose_worker("w1", 2.0, "no heartbeat")
+    join(ledger, "w1", now=8.0, envs=[("e", gen)])       # back with e; a waits for its retry
+    env_msgs(ledger)
+    ledger.cancel([a.id], 8.5)
+    assert results(ledger)[a.id][1] == Status.CANCELLED
+    assert ledger.outbox.kill == {"w1": [[a.id, 1]]} and assigned(ledger, 8.5) == {}
 
 
 def test_outcomes_kept_by_a_returning_worker_answer_the_actions_still_waiting():

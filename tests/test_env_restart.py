@@ -169,10 +169,11 @@ def test_a_worker_started_by_hand_follows_its_coordinator_to_new_ports(tmp_path)
     conn = tmp_path / "shared" / "coordinator.json"
     conn.parent.mkdir()
     coord = _coordinator(tmp_path / "runs" / "1", conn, "--backend", "none")
-    worker = _popen([sys.executable, "-m", "tangram_hpc.worker", "--connection-file", str(conn), "--cores", "2"],
-                    tmp_path / "w.log")
+    worker = None
     try:
-        _wait_coordinator(conn)
+        _wait_coordinator(conn)     # a worker started before the file exists exits at once
+        worker = _popen([sys.executable, "-m", "tangram_hpc.worker", "--connection-file", str(conn),
+                         "--cores", "2"], tmp_path / "w.log")
         with Client(connection_file=str(conn), reconnect_after_s=1.0) as c:
             wait_until(lambda: len(c.status()["workers"]) == 1, 30, 0.1, "the worker")
             wid = c.status()["workers"][0]["id"]
@@ -191,4 +192,38 @@ def test_a_worker_started_by_hand_follows_its_coordinator_to_new_ports(tmp_path)
             _check_logs(c, {"e0": [first, after]})
         assert worker.poll() is None
     finally:
-        _stop(coord, worker)
+        _stop(*(p for p in (coord, worker) if p is not None))
+
+
+@pytest.mark.parametrize("how", ["future", "id"])
+def test_an_action_cancelled_while_the_coordinator_is_down_does_not_take_effect(tmp_path, how):
+    """Running in its environment when the coordinator is SIGKILLed, cancelled while it is down: the
+    cancel reaches the restarted coordinator, which stops the attempt still running on the worker."""
+    run, conn = tmp_path / "run", tmp_path / "run" / "connection.json"
+    coord = _coordinator(run, conn, "--backend", "none")
+    worker = None
+    try:
+        _wait_coordinator(conn)
+        worker = _popen([sys.executable, "-m", "tangram_hpc.worker", "--connection-file", str(conn),
+                         "--cores", "1"], tmp_path / "w.log")
+        with Client(connection_file=str(conn), reconnect_after_s=1.0) as c:
+            wait_until(lambda: len(c.status()["workers"]) == 1, 30, 0.1, "the worker")
+            assert c.submit(sandbox("echo first >> log.txt", env="e")).result(60).ok
+            fut = c.submit(sandbox("sleep 4 && echo CANCELLED-RAN >> log.txt", env="e"))
+            wait_until(lambda: c.status()["running"] == 1, 30, 0.05, "the action running")
+            old = ConnectionInfo.read(conn).coordinator_id
+            coord.send_signal(signal.SIGKILL)
+            coord.wait()
+            if how == "future":
+                assert fut.cancel()
+            else:
+                c.cancel(fut.action_id)
+            coord = _coordinator(run, conn, "--backend", "none")
+            _wait_coordinator(conn, old)
+            if how == "id":
+                assert fut.result(60).status == "cancelled"
+            time.sleep(6)                                   # past the command's end, had it run on
+            log = c.submit(sandbox("cat log.txt", env="e")).result(60)
+            assert log.ok and log.output["stdout"] == "first\n", log.output
+    finally:
+        _stop(*(p for p in (coord, worker) if p is not None))

@@ -148,6 +148,9 @@ class ActionLedger:
         self._orphans = RecentMap(min(config.result_cache, 100_000))  # action id -> outcome of an earlier registration
         #: attempts started under a previous coordinator (from its state file), by action id
         self._prior_attempts = dict(prior_attempts or {})
+        #: environment -> [[action id, attempt], ...]: attempts finalised while their worker was away
+        #: (cancelled, timed out) that may still run there; killed when it comes back with the environment
+        self._kill_on_return: dict[str, list[list]] = {}
         #: [action id, attempts started] for actions with an environment; [id, 0] once final (the state file)
         self.attempt_log: list[list] = []
 
@@ -307,8 +310,15 @@ class ActionLedger:
             if a is None:
                 continue
             if a.held or self.policy.cancel(aid):
+                if a.attempt and a.worker is None and _env_of(a.spec) is not None:
+                    # an attempt under an earlier coordinator, or on a worker that went silent, may
+                    # still run in the environment: it is stopped there
+                    self._kill_when_back(a)
+                    why = f"cancelled; attempt {a.attempt}, which may still run where its environment is, is stopped"
+                else:
+                    why = "cancelled before it started"
                 a.held = False
-                self._finalize(a, Status.CANCELLED, None, "cancelled before it started", 0.0, now)
+                self._finalize(a, Status.CANCELLED, None, why, 0.0, now)
             elif a.worker is not None:
                 self._kill(a, now)
                 self._finalize(a, Status.CANCELLED, None,
@@ -331,6 +341,13 @@ class ActionLedger:
             info.id, info.extra.get("env_root"), info.handle, reported, now)
         if keep or drop:
             self.outbox.env.setdefault(info.id, []).extend(keep + drop)
+        if self._kill_on_return:
+            for env in regained:
+                stale = self._kill_on_return.pop(env, None)
+                if stale:
+                    self.outbox.kill.setdefault(info.id, []).extend(stale)
+            for env in lost:
+                self._kill_on_return.pop(env, None)
         if regained:
             self.policy.update_worker(info.id, envs=self.envs.held_by(info.id), now=now)
         for env in regained + lost:
@@ -500,6 +517,8 @@ class ActionLedger:
         rec = self.envs.get(env)
         if rec is None or rec.status is not EnvStatus.MOVING:
             self._moving_since.pop(env, None)
+        if self._kill_on_return and (rec is None or rec.status is not EnvStatus.AWAITED):
+            self._kill_on_return.pop(env, None)    # no longer waiting for the copy those attempts run in
         live = self._env_live.get(env)
         if not live:
             return
@@ -746,10 +765,23 @@ class ActionLedger:
                 # Its worker went silent while it ran and its environment waits for that worker: the
                 # attempt may still be running there, so it is not run again past its time.
                 a.held = False
+                self._kill_when_back(a)
                 why += f"; its worker stopped answering meanwhile ({'; '.join(a.failures[-1:])})"
             else:
                 self._kill(a, now)
             self._finalize(a, Status.TIMEOUT, None, why, 0.0, now)
+
+    def _kill_when_back(self, a: _Action) -> None:
+        """Stop attempt ``a.attempt`` where its environment is: now if its holder is here, else
+        when the holder comes back with it."""
+        env = _env_of(a.spec)
+        if env is None:
+            return
+        rec = self.envs.get(env)
+        if rec is not None and rec.status is EnvStatus.LIVE and rec.holder in self.workers.by_id:
+            self.outbox.kill.setdefault(rec.holder, []).append([a.spec.id, a.attempt])
+        else:
+            self._kill_on_return.setdefault(env, []).append([a.spec.id, a.attempt])
 
     def fail_unplaceable(self, now: float) -> None:
         """Fail pending actions no worker shape could ever run, with the policy's reason."""
