@@ -558,3 +558,20 @@ def test_the_coordinators_deadline_allows_for_creating_or_restoring_the_environm
     ledger.expire(36.0 + 5.0 + 1.0 + 30.0)
     res = results(ledger)[c.id]
     assert res[1] == Status.TIMEOUT and "(+1s grace, +30s to create or restore its environment)" in res[3]
+
+
+def test_snapshots_a_killed_worker_left_half_written_are_deleted_once_stale(tmp_path):
+    import os
+
+    from tangram_hpc.coordinator.state_dir import PARTIAL_STALE_S, StateDir
+    state = StateDir(tmp_path / "state")
+    stale = state.snapshots / "e-g3-1-0123abcd.tar.gz.c7de2b2c.partial"
+    fresh = state.snapshots / "f-g1-1-89abcdef.tar.gz.0badf00d.partial"
+    done = state.snapshots / "g-g1-1-89abcdef.tar.gz"
+    for p in (stale, fresh, done):
+        p.write_bytes(b"x")
+    now = stale.stat().st_mtime + PARTIAL_STALE_S + 1
+    os.utime(fresh, (now - 10, now - 10))           # still being written
+    os.utime(done, (0, 0))                           # a whole snapshot is never pruned here
+    assert state.prune_partial_snapshots(now) == 1
+    assert not stale.exists() and fresh.exists() and done.exists()

@@ -34,6 +34,10 @@ _ATTEMPTS_ROTATE = 200_000
 #: environments.log is rewritten whole once it holds this many records more than the live state
 _ENVS_ROTATE = 200_000
 _SCAN_EVERY_S = 2.0
+#: a snapshot being written (``*.partial``) that nobody wrote to for this long was left by a worker
+#: killed mid-save: it is deleted (a save in progress writes to it all along)
+PARTIAL_STALE_S = 3600.0
+_PRUNE_EVERY_S = 600.0
 
 
 class StateDir:
@@ -47,6 +51,7 @@ class StateDir:
         self._env_records = 0
         self._attempt_records = 0
         self._next_scan = 0.0
+        self._next_prune = 0.0
 
     # -- start -------------------------------------------------------------------------
     def load(self, directory: EnvironmentDirectory, now: float) -> dict[str, int]:
@@ -84,6 +89,29 @@ class StateDir:
         if now >= self._next_scan:
             self._next_scan = now + _SCAN_EVERY_S
             self.scan_snapshots(directory)
+        if now >= self._next_prune:
+            self._next_prune = now + _PRUNE_EVERY_S
+            self.prune_partial_snapshots(now)
+
+    def prune_partial_snapshots(self, now: float) -> int:
+        """Delete snapshots a killed worker left half written (see :data:`PARTIAL_STALE_S`)."""
+        removed = 0
+        for folder in (self.snapshots, self.snapshots / "bases"):
+            try:
+                entries = list(os.scandir(folder))
+            except OSError:
+                continue
+            for e in entries:
+                try:
+                    if (e.name.endswith(".partial") and e.is_file(follow_symlinks=False)
+                            and now - e.stat(follow_symlinks=False).st_mtime > PARTIAL_STALE_S):
+                        os.unlink(e.path)
+                        removed += 1
+                except OSError:
+                    pass
+        if removed:
+            log.info("deleted %d snapshots left half written in %s", removed, self.snapshots)
+        return removed
 
     def write_changes(self, directory: EnvironmentDirectory, attempt_log: list, live_attempts) -> None:
         """Append the directory's changes and the attempt log (one write each, to the page cache: a
