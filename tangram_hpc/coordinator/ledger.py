@@ -68,7 +68,7 @@ def _env_of(spec: ActionSpec) -> str | None:
 
 class _Action:
     __slots__ = ("spec", "wire", "client", "submitted", "attempt", "worker", "cores", "failures", "waiters",
-                 "held", "in_env", "misplaced", "assigned", "prepare")
+                 "held", "in_env", "misplaced", "assigned", "prepare", "away")
 
     def __init__(self, spec: ActionSpec, wire: dict, client: bytes, now: float):
         self.spec = spec
@@ -85,6 +85,7 @@ class _Action:
         self.misplaced = 0      # times the policy started it away from its environment
         self.assigned = 0.0     # when its current attempt was assigned (actions with an environment)
         self.prepare = 0.0      # seconds its current attempt may take to create or restore its environment
+        self.away = 0           # its attempt that may still run on a worker gone silent (0: none)
 
 
 class RecentMap:
@@ -464,6 +465,8 @@ class ActionLedger:
                 continue  # a zombie, finalised already
             a.worker = None
             a.in_env = False
+            if not dead and _env_of(a.spec) in affected:
+                a.away = a.attempt      # its environment waits for that worker, where it may still run
             a.failures.append(f"attempt {a.attempt} on {worker_id}: {reason}")
             if a.attempt >= max_attempts:
                 self._finalize(a, Status.ERROR, None,
@@ -754,7 +757,7 @@ class ActionLedger:
         while dl and dl[0][0] <= now:
             _, aid, attempt = heapq.heappop(dl)
             a = self._actions.get(aid)
-            if a is None or a.attempt != attempt or (a.worker is None and not a.held):
+            if a is None or a.attempt != attempt or (a.worker is None and not (a.held and a.away == attempt)):
                 continue
             if a.prepare:
                 why = (f"no result {a.spec.timeout:g}s (+{grace:g}s grace, +{a.prepare:g}s to create or restore "
