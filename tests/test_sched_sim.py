@@ -125,6 +125,9 @@ def test_trajectory_bound_holds_the_sandbox_between_actions():
     (lambda d: (d["cluster"].__setitem__("cpu_mem_mb", 8000), d["actions"][0].__setitem__("mem_mb", 16000)),
      "mem_mb 16000 exceeds a CPU worker's 8000 MB"),
     (lambda d: d["rollout"].__setitem__("turns", {"min": 0, "max": 2}), "a trajectory would have no action"),
+    (lambda d: (d["cluster"].update(gpu_workers=1, gpus=1, gpu_mem_mb=1000, gpu_slots=4),
+                d.__setitem__("services", [{"name": "rm", "gpu_mem_mb": 100, "load_s": 1.0}]),
+                d["actions"][0].__setitem__("service", "rm")), "only reward actions call a service"),
 ])
 def test_workload_validation_errors_name_the_field(mutate, needle):
     d = copy.deepcopy(_doc())
@@ -142,6 +145,16 @@ def test_a_simulation_with_an_action_nothing_can_place_stops_with_the_reason():
     with pytest.raises(SimulationStalled, match="cannot be placed") as ei:
         bench.tangram_run(plan)
     assert "exceeds every worker shape" in ei.value.reason
+
+
+def test_the_documented_workload_example_loads_and_runs(tmp_path):
+    from pathlib import Path
+    text = (Path(__file__).resolve().parents[1] / "docs" / "workloads.md").read_text()
+    example = text.split("```toml\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "w.toml").write_text(example)
+    w = load_workload(tmp_path / "w.toml").scaled(trajectories=0.02, steps=1)
+    r = bench.tangram_run(w.sample())
+    assert r.act.size and len(r.step_durations) == 1
 
 
 def test_workload_file_errors(tmp_path):

@@ -445,15 +445,15 @@ def _followups(v: Any, where: str) -> tuple[Followup, ...]:
 
 def _check_followups(actions: list[ActionClass]) -> None:
     names = {a.name for a in actions}
-    for a in actions:
+    for i, a in enumerate(actions):
+        where = f"actions[{i}] ({a.name}).followups"
         for f in a.followups:
             if f.action not in names:
-                raise WorkloadError(f"actions ({a.name}).followups: unknown action {f.action!r}")
+                raise WorkloadError(f"{where}: unknown action {f.action!r}")
             if f.action == a.name:
-                raise WorkloadError(f"actions ({a.name}).followups: an action cannot follow itself")
+                raise WorkloadError(f"{where}: an action cannot follow itself")
             if any(g.followups for g in actions if g.name == f.action):
-                raise WorkloadError(f"actions ({a.name}).followups: {f.action!r} has follow-ups of its own "
-                                    f"(one level only)")
+                raise WorkloadError(f"{where}: {f.action!r} has follow-ups of its own (one level only)")
 
 
 def _check_keys(tbl: dict, allowed: set[str], where: str) -> None:
@@ -555,6 +555,8 @@ def parse_workload(data: dict, source: str = "<memory>") -> Workload:
             raise WorkloadError(f"{where}: a reward action needs a service")
         if svc is not None and svc not in services:
             raise WorkloadError(f"{where}.service: unknown service {svc!r}; define it under [[services]]")
+        if kind != "reward" and svc is not None:
+            raise WorkloadError(f"{where}.service: only reward actions call a service (this one is {kind})")
         if svc is not None and not cluster.gpu_workers:
             raise WorkloadError(f"{where}: uses GPU service {svc!r} but the cluster has no gpu_workers")
         pf = _get(a, "parallel_fraction", where, float, 0.0, nonneg=True)
