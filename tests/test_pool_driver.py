@@ -54,7 +54,10 @@ def test_failed_starts_are_counted_and_the_launch_throttle_backs_off(tmp_path, b
     # The worker exits at once (no connection file): a failed start, with the exit status.
     poll_until(driver, 100.5, lambda: driver.ledger.counters.launch_failures == 1, "the failed start")
     assert not driver.starting and "failed exit status 2" in driver.failures[-1][1]
-    assert "no connection file" in next((tmp_path / "workers").glob("*.log")).read_text()
+    log = next((tmp_path / "workers").glob("*.log"))
+    assert "no connection file" in log.read_text()
+    # the reason says why in the worker's own words, and where its log is
+    assert "no connection file" in driver.failures[-1][1] and f"its log: {log}" in driver.failures[-1][1]
     driver.decide(101.0)                       # within the 2 s back-off: nothing launched
     launch = driver.status(101.0)["launch"]
     assert not driver.starting and launch["state"] == "backing-off" and launch["retry_in_s"] == 1.5

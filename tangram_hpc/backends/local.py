@@ -63,6 +63,10 @@ class LocalBackend(WorkerBackend):
                 events.append(BackendEvent(handle, JobState.ENDED))
             else:
                 why = f"killed by signal {-rc}" if rc < 0 else f"exit status {rc}"
+                if rc > 0:      # it ended itself: its log says why (a signal is a reclaim or the kernel)
+                    log = self.log_dir / f"{handle}.log"
+                    last = _last_line(log)
+                    why += f"{': ' + last if last else ''}; its log: {log}"
                 events.append(BackendEvent(handle, JobState.FAILED, why))
         return events
 
@@ -88,3 +92,15 @@ class LocalBackend(WorkerBackend):
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
         self._procs.clear()
+
+
+def _last_line(path: Path, limit: int = 300) -> str:
+    """The last non-empty line of a worker's log (where a worker that could not start says why)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - 4096))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return ""
+    last = next((ln.strip() for ln in reversed(lines) if ln.strip()), "")
+    return last[:limit]
