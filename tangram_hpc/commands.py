@@ -108,9 +108,10 @@ def submit_main(args: argparse.Namespace) -> int:
         try:
             res = c.submit(spec).result(timeout=args.wait)
         except TimeoutError:
-            c.cancel(spec.id)   # nobody waits for it any more (sent before the status request below)
+            why = _why_waiting(c)   # asked before the cancel: the action still counts among those waiting
+            c.cancel(spec.id)       # nobody waits for it any more
             print(f"tangram-hpc submit: no result within {args.wait:g} s (--wait); action {spec.id} cancelled. "
-                  f"{_why_waiting(c)}", file=sys.stderr)
+                  f"{why}", file=sys.stderr)
             return 124
     if args.json:
         print(json.dumps({f: getattr(res, f) for f in res.__dataclass_fields__} | {"act": res.act},
@@ -122,7 +123,8 @@ def submit_main(args: argparse.Namespace) -> int:
             sys.stderr.write(out.get("stderr") or "")
         elif out is not None:
             print(out)
-        print(f"[{res.status}] worker {res.worker}, {res.cores} cores, attempt {res.attempts}, "
+        where = f"worker {res.worker}, {res.cores} cores, " if res.worker else ""
+        print(f"[{res.status}] {where}attempt {res.attempts}, "
               f"ACT {res.act * 1000:.1f} ms" + (f": {res.error}" if res.error else ""), file=sys.stderr)
     if res.ok:
         return 0

@@ -1,4 +1,4 @@
-"""``tangram-hpc serve``: a SandboxFusion-compatible HTTP service in front of a coordinator."""
+"""``tangram-hpc serve``: SandboxFusion's /run_code and OpenRLHF's remote reward over HTTP, in front of a coordinator."""
 from __future__ import annotations
 
 import argparse
