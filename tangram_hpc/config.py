@@ -213,6 +213,10 @@ class WorkerSettings:
     leave_grace_s: float = key(5.0, "seconds a leaving or stopped worker lets running actions finish before it "
                                "interrupts them (they are retried) and hands its environments back",
                                flag="--leave-grace", minimum=0)
+    stuck_leave_s: float = key(120.0, "seconds an attempt the coordinator killed may go on running (a Python "
+                               "function or a reward model's score() cannot be interrupted) before the worker "
+                               "leaves, so that a fresh one takes its place (0: never)", flag="--stuck-leave",
+                               minimum=0)
 
 
 @dataclass

@@ -80,6 +80,7 @@ class WorkerConfig:
     worker_id: str | None = None
     #: where ``connection`` was read: a worker started by hand follows its coordinator to a new address
     connection_file: str | None = None
+    stuck_leave_s: float = _DEFAULT.stuck_leave_s  # a killed attempt still running this long: leave (0: never)
     unsafe_sandbox: bool = False        # run sandbox commands without bubblewrap (explicit opt-in)
     sandbox_options: dict = field(default_factory=dict)   # more SandboxManager keyword arguments
     snapshot_dir: str | None = None     # shared directory for environment snapshots (default: the coordinator's)
@@ -332,6 +333,22 @@ class Worker:
         s.connect(conn.worker_address)
         return s
 
+    def _leave_if_stuck(self, now: float) -> None:
+        """Leave when an attempt the coordinator killed still runs ``stuck_leave_s`` later.
+
+        A Python function or a reward model's ``score()`` cannot be interrupted: one that never
+        returns holds its thread (for a service, the device's only scoring thread, so every call
+        behind it waits) for the life of the process.  Leaving hands the environments back and lets
+        the coordinator retry the other actions elsewhere; a backend starts a fresh worker.
+        """
+        key, since = min(self._killed.items(), key=lambda kv: kv[1])
+        if now - since <= self.cfg.stuck_leave_s:
+            return
+        why = (f"action {key[0]} (attempt {key[1]}) still runs {now - since:.0f}s after it was killed: a call that "
+               f"does not return holds its thread")
+        log.error("%s; leaving so that a fresh worker takes over", why)
+        self.leave(why, by_signal=False)
+
     def _follow_moved_coordinator(self) -> bool:
         """After a silence: connect to where the connection file now says the coordinator is.
 
@@ -428,6 +445,8 @@ class Worker:
                     if silent > self.cfg.orphan_exit_s:
                         log.error("no coordinator for %.0fs: exiting", silent)
                         return 3
+                    if self._killed and self._leaving is None and self.cfg.stuck_leave_s:
+                        self._leave_if_stuck(now)
                     if silent > self.cfg.coordinator_timeout_s and self._follow_moved_coordinator():
                         s = self.sock
                     elif self._registered and silent > self.cfg.coordinator_timeout_s:
@@ -932,7 +951,7 @@ def config_from_settings(settings: Settings) -> WorkerConfig:
                         kinds=tuple(kinds), handlers=handlers, services=services,
                         max_output_bytes=ws.max_output_bytes, unsafe_sandbox=ss.unsafe,
                         snapshot_dir=str(ss.snapshot_dir) if ss.snapshot_dir else None,
-                        leave_grace_s=ws.leave_grace_s,
+                        leave_grace_s=ws.leave_grace_s, stuck_leave_s=ws.stuck_leave_s,
                         sandbox_options={"allow_network": ss.allow_network, "warm_pool": ss.warm_pool,
                                          "env_ttl": ss.env_ttl_s, "seccomp": ss.seccomp,
                                          "default_limits": sandbox_limits(ss), **sandbox_templates(ss)})

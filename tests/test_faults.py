@@ -124,3 +124,22 @@ def test_coordinator_restart_with_an_async_client_connected(tmp_path):
         coord.kill()
         if worker is not None:
             worker.kill()
+
+
+@pytest.mark.slow
+def test_a_reward_model_whose_score_never_returns_makes_its_worker_leave_for_a_fresh_one(tmp_path, monkeypatch):
+    from tangram_hpc import reward
+    models = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "models")
+    monkeypatch.setenv("PYTHONPATH", models + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cfg = tmp_path / "tangram.toml"
+    cfg.write_text("[worker]\nstuck_leave_s = 2\n")
+    with LocalCluster(workers=0, reward_workers=1, services=["judge=stuck_models:hangs,memory_mb=1,max_wait_ms=1"],
+                      run_dir=tmp_path / "run", extra_args=["--config", str(cfg)]) as cl, cl.client() as c:
+        first = c.status()["workers"][0]["id"]
+        stuck = c.submit(reward("judge", ["hang"], timeout=1.0)).result(60)
+        assert stuck.status == "timeout"
+        # the device's only scoring thread is held for good: the worker leaves and a fresh one serves
+        later = c.submit(reward("judge", ["fine"], timeout=60)).result(90)
+        assert later.ok and later.output == [4.0] and later.worker != first, later
+        st = c.status()
+        assert first not in [w["id"] for w in st["workers"]]
