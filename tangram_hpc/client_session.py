@@ -80,7 +80,7 @@ class ClientSession:
     def cancel(self, ids: list[str]) -> None:
         pending = self.pending
         self.cancelled.update(i for i in ids if i in pending)
-        if len(self.cancelled) > 4096:        # those answered since
+        if len(self.cancelled) > 2 * len(pending) + 4096:        # those answered since
             self.cancelled &= pending.keys()
         self.outq.append((P.CANCEL, ids))
 
@@ -196,7 +196,7 @@ class ClientSession:
         # A cancel the old incarnation may never have handled goes to the new one right after the
         # resubmission: a waiting action never runs, one still running on its worker is killed.
         cancelled = self.cancelled & self.pending.keys()
-        for aid, (fut, w, submitted) in self.pending.items():
+        for aid, (fut, w, submitted) in list(self.pending.items()):    # callers may add meanwhile
             if fut.done():              # cancelled by its caller
                 cancelled.add(aid)
             # how long ago it was first submitted: the new incarnation counts its ACT from then

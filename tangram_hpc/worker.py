@@ -254,6 +254,10 @@ class Worker:
         if refused is not None:
             self._complete(spec.id, attempt, refused, started, time.time(), slots, gen)
             return
+        if (spec.id, attempt, gen) in self._killed:   # killed while its environment was made ready
+            self._complete(spec.id, attempt, (Status.CANCELLED, None, "killed before it started"), started,
+                           time.time(), slots, gen, env_state)
+            return
         seen = self.envs.replay(spec.env, spec.id)
         if seen is not None:   # [id, attempt, status, output, error, started, finished]
             self._complete(spec.id, attempt, (seen[2], seen[3], seen[4]), seen[5], seen[6], slots, gen,
@@ -545,7 +549,8 @@ class Worker:
         # Outcomes sent under the last registration shortly before the coordinator was last heard,
         # or after: it may never have handled them.  Sent again as OUTCOMES once it welcomes us.
         cutoff = self._last_heard_wall - _RESEND_WINDOW_S
-        self._older_frames = [f for _, t, f in self._sent if t >= cutoff]
+        # REGISTER goes again every heartbeat until a WELCOME: the frames of the first try stay
+        self._older_frames.extend(f for _, t, f in self._sent if t >= cutoff)
         self._sent.clear()
         self._sent_bytes = 0
         c = self.cfg
@@ -739,21 +744,25 @@ class Worker:
             if key not in self._running:
                 # an attempt of an earlier registration (the coordinator finalised it while this
                 # worker was away), or one already ended, whose DONE is on the way
-                key = next((k for k in self._running if k[0] == item[0] and k[1] == item[1]), None)
-                if key is None:
+                key = self._by_aid.get(item[0])
+                if key is None or key[1] != item[1] or key not in self._running:
                     continue
             self._killed.setdefault(key, now)
-            self._cancel(item[0])
+            if self._cancel(item[0]):
+                # a reward request withdrawn from its service's queue: no outcome follows, so this is it
+                t = time.time()
+                self._complete(key[0], key[1], (Status.CANCELLED, None, "killed while it waited for its service"),
+                               t, t, self._running[key], key[2])
 
-    def _cancel(self, aid: str) -> None:
-        """Kill a running sandbox command through its cancel pipe; withdraw a queued reward request."""
+    def _cancel(self, aid: str) -> bool:
+        """Kill a running sandbox command through its cancel pipe; withdraw a queued reward request
+        (True: withdrawn, and no outcome of it will come)."""
         for fd in list(self._cancel_fds.get(aid, ())):
             try:
                 os.write(fd, b"\0")
             except OSError:
                 pass  # it just finished
-        if self.services is not None:
-            self.services.cancel(aid)
+        return self.services is not None and self.services.cancel(aid)
 
     def _send_done(self) -> None:
         self._wake_sent = False

@@ -254,6 +254,14 @@ def test_an_action_cancelled_while_its_worker_is_away_is_stopped_when_it_comes_b
     assert ledger.outbox.kill == {"w1": [[a.id, 1]]} and assigned(ledger, 8.0) == {}
 
 
+def test_an_action_given_up_on_while_its_worker_is_silent_is_stopped_when_it_comes_back():
+    ledger, a, gen = running_in_e_on_w1(max_attempts=1)
+    ledger.lose_worker("w1", 2.0, "no heartbeat")
+    assert results(ledger)[a.id][1] == Status.ERROR
+    join(ledger, "w1", now=8.0, envs=[("e", gen)])
+    assert ledger.outbox.kill == {"w1": [[a.id, 1]]}
+
+
 def test_an_action_cancelled_after_its_worker_came_back_stops_the_attempt_that_may_still_run_there():
     ledger, a, gen = running_in_e_on_w1()
     ledger.lose_worker("w1", 2.0, "no heartbeat")

@@ -471,6 +471,11 @@ def test_a_service_larger_than_every_service_worker_is_unplaceable(policy):
     p.submit(ActionSpec("reward", id="s", demand=Demand(service="small")), 0)
     bad = dict(p.unplaceable(0))
     assert list(bad) == ["h"] and "'huge' needs 100000 MB" in bad["h"] and "has 2000 MB" in bad["h"]
+    # a call that claims more than its service's size is refused alone: it does not make the service bigger
+    p.submit(ActionSpec("reward", id="claims", demand=Demand(gpu_mem_mb=100_000, service="small")), 1)
+    p.add_worker(WorkerInfo("g", 1, gpu_mem_mb=2000, kinds=GPU, services=frozenset({"small"})), 1)
+    p.submit(ActionSpec("reward", id="s2", demand=Demand(service="small")), 2)
+    assert sorted(dict(p.unplaceable(2))) == ["claims", "h"]
 
 
 def test_cancel_and_counts():

@@ -225,3 +225,80 @@ def test_long_fast_function_keeps_the_worker_alive_end_to_end(cluster, client):
     assert res.ok and res.attempts == 1, res
     status = client.status()
     assert {w["id"] for w in status["workers"]} == before   # nobody was declared lost
+
+
+def test_a_killed_reward_request_still_queued_ends_at_once_and_is_no_stuck_call(tmp_path):
+    from tangram_hpc.actions import reward
+    from tangram_hpc.managers.devices import Device
+    from tangram_hpc.managers.service_spec import ServiceSpec
+    from tangram_hpc.managers.services import ServiceManager
+
+    gate = threading.Event()
+
+    class Slow:
+        def score(self, inputs):
+            gate.wait(10)
+            return [1.0 for _ in inputs]
+
+    coord = FakeCoordinator()
+    mgr = ServiceManager([ServiceSpec("j", Slow, memory_mb=1, max_batch=1, max_wait_ms=1)], [Device("cpu", 64)])
+    cfg = WorkerConfig(connection=ConnectionInfo(client_address="", worker_address=coord.address), cores=0,
+                       kinds=("reward",), services=mgr, heartbeat_s=HB, run_dir=str(tmp_path), worker_id="w-rw",
+                       stuck_leave_s=0.5)
+    worker = Worker(cfg)
+    t = threading.Thread(target=worker.run, daemon=True)
+    t.start()
+    try:
+        coord.until(lambda: coord.ident is not None)
+        held, queued = reward("j", ["x"]), reward("j", ["y"])
+        coord.send(P.ASSIGN, [[held.to_wire(), 1, 0], [queued.to_wire(), 1, 0]])
+        coord.pump(0.3)
+        coord.send(P.KILL, [[queued.id, 1]])       # its timeout, or its caller's cancel
+        coord.until(lambda: coord.result(queued) is not None)
+        assert coord.result(queued)[2] == "cancelled" and coord.result(held) is None
+        gate.set()
+        coord.until(lambda: coord.result(held) is not None)
+        coord.pump(1.5)                             # well past stuck_leave_s
+        assert worker._leaving is None and not worker._killed
+    finally:
+        gate.set()
+        worker._stop = True
+        t.join(10)
+        coord.close()
+
+
+def test_outcomes_sent_just_before_a_long_outage_are_sent_again_once_welcomed(tmp_path):
+    coord = FakeCoordinator()
+    cfg = WorkerConfig(connection=ConnectionInfo(client_address="", worker_address=coord.address), cores=1,
+                       kinds=("function",), heartbeat_s=HB, coordinator_timeout_s=0.3, run_dir=str(tmp_path),
+                       worker_id="w-out")
+    worker = Worker(cfg)
+    t = threading.Thread(target=worker.run, daemon=True)
+    t.start()
+    try:
+        coord.until(lambda: coord.ident is not None)
+        f = function("tangram_hpc.handlers:noop", 1)
+        coord.assign((f, 1, 1))
+        coord.until(lambda: coord.result(f) is not None)
+        registers, outcomes = 0, []
+
+        def listen(seconds: float) -> None:
+            nonlocal registers
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                if coord.sock.poll(50):
+                    _, frame = coord.sock.recv_multipart()
+                    mtype, body = P.decode(frame, P.WORKER_TYPES)
+                    registers += mtype == P.REGISTER
+                    if mtype == P.OUTCOMES:
+                        outcomes.extend(body)
+
+        listen(1.5)                     # a coordinator that reads but answers nothing (a restart)
+        assert registers > 1            # the worker registered again several times meanwhile
+        coord.send(P.WELCOME, {"coordinator": "new", "heartbeat_s": HB})
+        listen(1.0)
+        assert any(o[0] == f.id for o in outcomes), outcomes
+    finally:
+        worker._stop = True
+        t.join(10)
+        coord.close()

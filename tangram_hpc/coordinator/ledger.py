@@ -251,7 +251,7 @@ class ActionLedger:
         if self._prior_attempts:
             n = self._prior_attempts.pop(a.spec.id, 0)
             if n:
-                a.attempt = n
+                a.attempt = a.away = n      # started under the previous coordinator: it may still run
                 a.failures.append(f"attempt {n} started under the previous coordinator and did not report")
         rec = self.envs.get(env)
         if env in self._env_closing or (rec is not None and rec.status not in USABLE):
@@ -311,7 +311,7 @@ class ActionLedger:
             if a is None:
                 continue
             if a.held or self.policy.cancel(aid):
-                if a.attempt and a.worker is None and _env_of(a.spec) is not None:
+                if a.away and a.away == a.attempt and a.worker is None:
                     # an attempt under an earlier coordinator, or on a worker that went silent, may
                     # still run in the environment: it is stopped there
                     self._kill_when_back(a)
@@ -469,6 +469,8 @@ class ActionLedger:
                 a.away = a.attempt      # its environment waits for that worker, where it may still run
             a.failures.append(f"attempt {a.attempt} on {worker_id}: {reason}")
             if a.attempt >= max_attempts:
+                if a.away == a.attempt:
+                    self._kill_when_back(a)     # given up on, but it may still run on the silent worker
                 self._finalize(a, Status.ERROR, None,
                                f"gave up after {a.attempt} attempts: " + "; ".join(a.failures[-3:]), 0.0, now)
             else:

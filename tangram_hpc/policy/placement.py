@@ -375,6 +375,7 @@ class PlacementPolicy(SchedulingPolicy):
         self._env_first: dict[str, ActionRecord] = {}         # env -> its pending first action
         self._env_wait: dict[str, list[ActionRecord]] = {}    # later actions of an env with no host yet
         self._services: dict[str, ServiceInfo] = {}
+        self._declared_mb: dict[str, int] = {}       # service -> its size as the run declares it
         self._svc_replicas: dict[str, dict[str, WorkerRecord]] = {}
         self._svc_step: dict[str, int] = {}          # service -> last RL step that called it
         self._step = 0                                # highest RL step seen
@@ -426,6 +427,7 @@ class PlacementPolicy(SchedulingPolicy):
         loads from the moment a worker registers.
         """
         self._services.update(services)
+        self._declared_mb.update((name, info.gpu_mem_mb) for name, info in services.items())
         self._fit_memo.clear()          # a service's size decides where its calls fit
         for name, s in services.items():
             if s.load_s is not None:
@@ -460,9 +462,9 @@ class PlacementPolicy(SchedulingPolicy):
         svc = d.service
         hosted = self._hosted
         gpu_mem = d.gpu_mem_mb
-        info = self._services.get(svc) if svc else None
-        if info is not None and info.gpu_mem_mb > gpu_mem:
-            gpu_mem = info.gpu_mem_mb       # the service's declared size: where it cannot load, it cannot run
+        if svc:
+            # its declared size (not one a call claimed): where it cannot load, it cannot run
+            gpu_mem = max(gpu_mem, self._declared_mb.get(svc, 0))
         for lim in self._limits:
             if lim.holds(d.min_cores, d.mem_mb, gpu_mem) and (
                     not svc or lim.serves and (hosted is None or svc in hosted)):

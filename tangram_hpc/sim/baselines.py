@@ -10,10 +10,13 @@ replica batching up to its ``max_batch`` requests.
 * :class:`TrajectoryBoundPolicy` -- a trajectory gets a sandbox of
   ``sandbox_cores`` cores when its first action arrives and holds it,
   thinking or not, until it ends; its actions run in it at once with
-  ``min(max_cores, sandbox_cores)`` cores.  A trajectory that finds no free
-  sandbox waits (its action's ACT includes that wait).  Its reward calls go
-  to the GPU worker it was bound to (round robin over the replicas of the
-  service), FIFO there.  The bench runs it at the largest ``max_cores`` and at
+  ``min(max_cores, sandbox_cores)`` cores, several at once (parallel finals)
+  splitting the sandbox's free cores, one that finds fewer than its
+  ``min_cores`` free waiting for a sibling to end (the bench's sizes start at
+  the largest ``min_cores``).  A trajectory that finds no free sandbox waits
+  (its action's ACT includes that wait).  Its reward calls go to the GPU
+  worker it was bound to (round robin over the replicas of the service), in
+  order per model there.  The bench runs it at the largest ``max_cores`` and at
   the best fixed size, found by trying them.
 * :class:`PooledPolicy` -- one shared pool of CPU workers and the reward
   server; waiting actions first come first served (``fifo``) or shortest
