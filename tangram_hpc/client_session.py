@@ -195,21 +195,32 @@ class ClientSession:
         wires = []
         # A cancel the old incarnation may never have handled goes to the new one right after the
         # resubmission: a waiting action never runs, one still running on its worker is killed.
-        cancelled = self.cancelled & self.pending.keys()
-        for aid, (fut, w, submitted) in list(self.pending.items()):    # callers may add meanwhile
-            if fut.done():              # cancelled by its caller
+        # Callers' threads may submit meanwhile (add() takes no lock): work on a copy of the map,
+        # and take the queue apart with popleft, which they cannot disturb.
+        pending = list(self.pending.items())
+        resent = set()
+        cancelled = set()
+        for aid, (fut, w, submitted) in pending:
+            if fut.done() or aid in self.cancelled:     # cancelled by its caller, or by id
                 cancelled.add(aid)
             # how long ago it was first submitted: the new incarnation counts its ACT from then
             w["a"] = round(now - submitted, 3)
             wires.append(w)
+            resent.add(aid)
         self.cancelled = cancelled
         log.warning("coordinator restarted (%s -> %s): resubmitting %d unfinished actions",
                     self.coordinator, cid, len(wires))
         self.resubmissions += len(wires)
-        # Ahead of anything queued: those were meant for the old incarnation too.
-        queued = [item for item in self.outq if not isinstance(item, dict)]
-        self.outq.clear()
-        self.outq.extend(wires)
-        if cancelled:
-            self.outq.append((P.CANCEL, sorted(cancelled)))
-        self.outq.extend(queued)
+        # Ahead of anything queued: those were meant for the old incarnation too.  A queued action
+        # is among the resubmitted unless it was added after the copy above.
+        q = self.outq
+        kept = []
+        while True:
+            try:
+                item = q.popleft()
+            except IndexError:
+                break
+            if not isinstance(item, dict) or item.get("i") not in resent:
+                kept.append(item)
+        front = wires + ([(P.CANCEL, sorted(cancelled))] if cancelled else []) + kept
+        q.extendleft(reversed(front))   # before whatever was appended while this ran

@@ -254,7 +254,8 @@ class Worker:
         if refused is not None:
             self._complete(spec.id, attempt, refused, started, time.time(), slots, gen)
             return
-        if (spec.id, attempt, gen) in self._killed:   # killed while its environment was made ready
+        key = (spec.id, attempt, gen)
+        if key in self._killed or key in self._leave_killed:   # killed while its environment was made ready
             self._complete(spec.id, attempt, (Status.CANCELLED, None, "killed before it started"), started,
                            time.time(), slots, gen, env_state)
             return
@@ -743,16 +744,21 @@ class Worker:
             key = (item[0], item[1], gen)
             if key not in self._running:
                 # an attempt of an earlier registration (the coordinator finalised it while this
-                # worker was away), or one already ended, whose DONE is on the way
-                key = self._by_aid.get(item[0])
-                if key is None or key[1] != item[1] or key not in self._running:
+                # worker was away), or its follower, or one already ended, whose DONE is on the way
+                lead = self._by_aid.get(item[0])
+                key = lead if lead is not None and lead[1] == item[1] else next(
+                    (k for k in self._followers.get(lead, ()) if k[1] == item[1]), None)
+                if key is None or key not in self._running:
                     continue
             self._killed.setdefault(key, now)
             if self._cancel(item[0]):
-                # a reward request withdrawn from its service's queue: no outcome follows, so this is it
-                t = time.time()
-                self._complete(key[0], key[1], (Status.CANCELLED, None, "killed while it waited for its service"),
-                               t, t, self._running[key], key[2])
+                # A reward request withdrawn from its service's queue gets no outcome: the attempt
+                # that submitted it (the leader, if this one follows it) ends here; its followers with it.
+                lead = self._by_aid.get(item[0], key)
+                if lead in self._running:
+                    t = time.time()
+                    self._complete(lead[0], lead[1], (Status.CANCELLED, None, "killed while it waited for its "
+                                   "service"), t, t, self._running[lead], lead[2])
 
     def _cancel(self, aid: str) -> bool:
         """Kill a running sandbox command through its cancel pipe; withdraw a queued reward request

@@ -127,6 +127,29 @@ def test_a_cancel_the_old_incarnation_may_have_lost_reaches_the_new_one():
     assert not futs[1].done()
 
 
+def test_a_submit_from_another_thread_during_the_resubmission_is_neither_lost_nor_sent_twice():
+    from collections import deque
+    s, specs, _ = _session_with(2)
+    list(s.frames())
+    s.on_frame(P.encode(P.WELCOME, {"coordinator": "A"}))
+    s.add(specs[0].__class__(kind="function", payload={"fn": "math:sqrt", "args": [4]}, id="queued"), Future())
+    late = function("math:sqrt", 9)
+
+    class Racing(deque):        # another thread's submit lands while the queue is taken apart
+        fired = False
+
+        def popleft(self):
+            if not Racing.fired:
+                Racing.fired = True
+                s.add(late, Future())
+            return super().popleft()
+
+    s.outq = Racing(s.outq)
+    s.on_frame(P.encode(P.HEARTBEAT, {"coordinator": "B"}))
+    sent = [w["i"] for t, b in (_decode(f) for f in s.frames()) if t == P.SUBMIT for w in b]
+    assert sorted(sent) == sorted([specs[0].id, specs[1].id, "queued", late.id])
+
+
 def test_status_replies_go_to_waiters_in_order_and_errors_are_kept():
     s = ClientSession("test")
     first, second = Future(), Future()

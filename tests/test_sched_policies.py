@@ -476,6 +476,14 @@ def test_a_service_larger_than_every_service_worker_is_unplaceable(policy):
     p.add_worker(WorkerInfo("g", 1, gpu_mem_mb=2000, kinds=GPU, services=frozenset({"small"})), 1)
     p.submit(ActionSpec("reward", id="s2", demand=Demand(service="small")), 2)
     assert sorted(dict(p.unplaceable(2))) == ["claims", "h"]
+    # ... nor does it when the service is not loaded yet: later calls are placed, not left waiting
+    p2 = policy(services={"small": ServiceInfo(100)})
+    p2.set_shapes([WorkerShape(1, gpu_mem_mb=2000)], hosted=["small"])
+    p2.add_worker(WorkerInfo("g", 1, gpu_mem_mb=2000, kinds=GPU, services=frozenset()), 0)
+    p2.submit(ActionSpec("reward", id="claims", demand=Demand(gpu_mem_mb=100_000, service="small")), 1)
+    p2.submit(ActionSpec("reward", id="s2", demand=Demand(service="small")), 2)
+    assert [x for x, _ in p2.unplaceable(2)] == ["claims"]
+    assert [a.action_id for a in p2.schedule(3)] == ["s2"]
 
 
 def test_cancel_and_counts():

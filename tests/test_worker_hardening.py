@@ -256,10 +256,22 @@ def test_a_killed_reward_request_still_queued_ends_at_once_and_is_no_stuck_call(
         coord.send(P.KILL, [[queued.id, 1]])       # its timeout, or its caller's cancel
         coord.until(lambda: coord.result(queued) is not None)
         assert coord.result(queued)[2] == "cancelled" and coord.result(held) is None
-        gate.set()
-        coord.until(lambda: coord.result(held) is not None)
+        # the same once it follows an attempt of an earlier registration (the worker came back)
+        again = reward("j", ["z"])
+        coord.send(P.ASSIGN, [[again.to_wire(), 1, 0]])
+        coord.pump(0.3)
+        g1 = worker._generation
+        coord.send(P.STOP, {"reregister": True})
+        coord.until(lambda: worker._generation > g1 and worker._registered)
+        coord.send(P.ASSIGN, [[again.to_wire(), 2, 0]])     # follows attempt 1, still queued
+        coord.pump(0.3)
+        coord.send(P.KILL, [[again.id, 2]])
+        coord.until(lambda: sum(d[0] == again.id for d in coord.done) == 1)
+        gate.set()                                  # held ends (reported as an earlier registration's)
+        coord.until(lambda: not worker._running)
         coord.pump(1.5)                             # well past stuck_leave_s
         assert worker._leaving is None and not worker._killed
+        assert not worker._running, worker._running   # the attempt it followed ended too
     finally:
         gate.set()
         worker._stop = True

@@ -79,7 +79,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from statistics import NormalDist
 from typing import Iterable, Mapping, Sequence
@@ -463,8 +463,12 @@ class PlacementPolicy(SchedulingPolicy):
         hosted = self._hosted
         gpu_mem = d.gpu_mem_mb
         if svc:
-            # its declared size (not one a call claimed): where it cannot load, it cannot run
-            gpu_mem = max(gpu_mem, self._declared_mb.get(svc, 0))
+            # where it cannot load, it cannot run: its declared size, else the size its calls gave it
+            size = self._declared_mb.get(svc)
+            if size is None:
+                known = self._services.get(svc)
+                size = known.gpu_mem_mb if known is not None else 0
+            gpu_mem = max(gpu_mem, size)
         for lim in self._limits:
             if lim.holds(d.min_cores, d.mem_mb, gpu_mem) and (
                     not svc or lim.serves and (hosted is None or svc in hosted)):
@@ -728,10 +732,14 @@ class PlacementPolicy(SchedulingPolicy):
             if step > self._step:
                 self._step = step
         if d.service:
-            if d.service not in self._services:
+            known = self._services.get(d.service)
+            if known is None:
                 self._services[d.service] = ServiceInfo(d.gpu_mem_mb)
-            elif d.gpu_mem_mb > self._services[d.service].gpu_mem_mb:
-                self._services[d.service] = ServiceInfo(d.gpu_mem_mb, self._services[d.service].max_batch)
+            elif d.gpu_mem_mb > known.gpu_mem_mb and d.service not in self._declared_mb:
+                # an undeclared service is as large as its calls say; a declared one keeps its size
+                # (a call claiming more is refused alone, by the fit check)
+                self._services[d.service] = replace(known, gpu_mem_mb=d.gpu_mem_mb)
+                self._fit_memo.clear()
             self._svc_step[d.service] = self._step if step is None else step
             self._arrived(d.service, now)
         self.tally.submitted(rec)
