@@ -273,8 +273,10 @@ class Worker:
         except BaseException as e:
             outcome = (Status.ERROR, None, f"handler crashed: {type(e).__name__}: {e}")
         finished = time.time()
-        if not self._is_interrupted((spec.id, attempt, gen), outcome[0]):
-            # Journaled before the DONE leaves: a later attempt of this action finds it.
+        if not self._is_interrupted((spec.id, attempt, gen), outcome[0]) and not _ended_by_job_signal(outcome):
+            # Journaled before the DONE leaves: a later attempt of this action finds it.  Not a
+            # command a job's signal killed half way: under load the worker may learn only later
+            # that it is leaving, and a retry must run it again, not replay its death.
             self.envs.record(spec.env, [spec.id, attempt, outcome[0], outcome[1], outcome[2], started, finished])
         self._complete(spec.id, attempt, outcome, started, finished, slots, gen, env_state)
 

@@ -215,6 +215,7 @@ def judge(outcome: Outcome, traj: Trajectories, logs: dict[str, list[str] | None
             outcome.env_states[r.env_state] += 1
             outcome.attempts[r.attempts] += 1
             if not r.ok:
+                outcome.notes.append(f"[not ok] {aid}: {r.status} attempts={r.attempts} {r.error}")
                 continue
             outcome.ok += 1
             if lines is None:
