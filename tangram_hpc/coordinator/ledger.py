@@ -342,13 +342,11 @@ class ActionLedger:
             info.id, info.extra.get("env_root"), info.handle, reported, now)
         if keep or drop:
             self.outbox.env.setdefault(info.id, []).extend(keep + drop)
-        if self._kill_on_return:
+        if self._kill_on_return:    # (those of environments it came back without go in _env_changed)
             for env in regained:
                 stale = self._kill_on_return.pop(env, None)
                 if stale:
                     self.outbox.kill.setdefault(info.id, []).extend(stale)
-            for env in lost:
-                self._kill_on_return.pop(env, None)
         if regained:
             self.policy.update_worker(info.id, envs=self.envs.held_by(info.id), now=now)
         for env in regained + lost:

@@ -80,7 +80,7 @@ class TrajectoryBoundPolicy(SchedulingPolicy):
         self._gpu_order: list[str] = []
         self._sandbox: dict[str, str] = {}     # trajectory -> worker holding its sandbox
         self._sandbox_free: dict[str, int] = {}    # trajectory -> its sandbox's cores no action of it uses
-        self._in_sandbox: dict[str, tuple[str, int]] = {}   # running action -> (trajectory, its cores)
+        self._in_sandbox: dict[str, str] = {}  # running sandbox action -> its trajectory
         self._waiting: deque[str] = deque()    # trajectories waiting for a sandbox
         self._held: dict[str, list[ActionSpec]] = {}   # their actions
         self._ready: list[ActionSpec] = []
@@ -171,9 +171,9 @@ class TrajectoryBoundPolicy(SchedulingPolicy):
         if ent is None:
             return
         wid, cores, svc = ent
-        inside = self._in_sandbox.pop(action_id, None)
-        if inside is not None and inside[0] in self._sandbox_free:
-            self._sandbox_free[inside[0]] += inside[1]
+        t = self._in_sandbox.pop(action_id, None)
+        if t in self._sandbox_free:
+            self._sandbox_free[t] += cores
         g = self._gpu.get(wid) if svc is not None else None
         if g is not None:
             g[0] += cores
@@ -211,7 +211,7 @@ class TrajectoryBoundPolicy(SchedulingPolicy):
                     continue
                 c = max(d.min_cores, min(d.max_cores, free // r))
                 self._sandbox_free[t] = free - c
-                self._in_sandbox[a.id] = (t, c)
+                self._in_sandbox[a.id] = t
                 self._running[a.id] = (self._sandbox[t], c, None)
                 out.append(Assignment(a.id, self._sandbox[t], c))
             self._pending -= len(self._ready) - len(waiting)
