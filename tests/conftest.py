@@ -12,7 +12,7 @@ from tangram_hpc.launch import LocalCluster  # noqa: E402
 def cluster(tmp_path_factory):
     """A coordinator with two local 2-core workers, shared by a test module."""
     with LocalCluster(workers=2, cores=2, run_dir=tmp_path_factory.mktemp("run"),
-                      extra_args=["--worker-timeout", "3"]) as cl:
+                      extra_args=["--worker-timeout", "6"]) as cl:
         yield cl
 
 

@@ -272,10 +272,10 @@ def run_fault(fault: str, workdir: Path, *, envs: int = 50, steps: int = 3, slee
                TANGRAM_EXTRA_ARGS=f"--slurm-startup 5 {with_config}")
     env.pop("TANGRAM_CONNECTION_FILE", None)
     if fault == "drain":
-        # Each worker drains 80 s into its 4-minute job (160 s before its end: Slurm's warning signal
-        # comes 90 s before the end, or up to 60 s earlier), under continuous load; its replacement
-        # takes its environments.
-        env.update(TANGRAM_WORKER_TIME="4", TANGRAM_EXTRA_ARGS=f"--slurm-startup 5 --slurm-replace-before 160 {with_config}")
+        # Each worker drains 65 s into its 4-minute job (175 s before its end: Slurm's warning signal
+        # comes 90 s before the end, or up to 60 s earlier, which leaves the drain 25 s on a loaded
+        # machine), under continuous load; its replacement takes its environments.
+        env.update(TANGRAM_WORKER_TIME="4", TANGRAM_EXTRA_ARGS=f"--slurm-startup 5 --slurm-replace-before 175 {with_config}")
     if fault == "crash-restart":
         env.update(TANGRAM_RUN_DIR=str(shared / "runs" / "fixed"))
     coord = Coordinator(shared, env, f"tgenv-{fault}")

@@ -144,7 +144,7 @@ def test_a_save_waits_for_the_action_still_ending_in_the_environment(hosts):
     run_in(h, act("true", env="e"), [1, P.GRANT_NEW, None])
     slow = threading.Thread(target=h.mgr.run, args=(act("sleep 1; echo late > f", env="e"), CPU))
     slow.start()
-    time.sleep(0.3)
+    wait_until(lambda: h.mgr.envs.get("e").busy, 10, 0.01, "the action to take the environment")
     h.apply([[P.ENV_SAVE, "e", 1]])
     [[op, _, _, path]] = wait_until(h.take_replies, 30, 0.02, "the save")
     slow.join()

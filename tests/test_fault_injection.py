@@ -101,7 +101,7 @@ def test_sigstop_worker_then_resume_delivers_each_result_once(tmp_path):
     """A stopped worker is declared lost; the actions in its environments wait for it (their state is
     there), and when it comes back each of them has run exactly once, there, its result delivered once."""
     with LocalCluster(workers=2, cores=2, run_dir=tmp_path / "run",
-                      extra_args=["--worker-timeout", "2.5", "--heartbeat", "0.5"]) as cl, cl.client() as c:
+                      extra_args=["--worker-timeout", "5", "--heartbeat", "0.5"]) as cl, cl.client() as c:
         deliveries = _track(c)
         # Each run appends its index to a file in its environment (on the host: under the worker's
         # directory) when it finishes: the proof of where, and how often, each one ran.
@@ -198,7 +198,7 @@ def test_a_worker_that_registers_while_the_coordinator_stops_is_told_to_stop(tmp
 def test_late_result_of_a_lost_worker_is_stale(tmp_path):
     """Both ways a late outcome reaches the coordinator are dropped and counted, never delivered."""
     conn = tmp_path / "connection.json"
-    coord = _coordinator(tmp_path, "--worker-timeout", "1.5")
+    coord = _coordinator(tmp_path, "--worker-timeout", "3")
     ctx = zmq.Context()
     try:
         info = wait_for_file(conn, 30)
@@ -217,13 +217,18 @@ def test_late_result_of_a_lost_worker_is_stale(tmp_path):
                 assert time.monotonic() < deadline, "the silent worker was never declared lost"
                 spare.send(P.HEARTBEAT, {"running": 0})
                 time.sleep(0.2)
+            # "spare" goes on heartbeating between the steps below: a loaded machine must not get
+            # it declared lost too (its DONE would then be stale as well)
             [[wire, attempt, _]] = spare.expect(P.ASSIGN)
             assert wire["i"] == spec.id and attempt == 2
+            spare.send(P.HEARTBEAT, {"running": 1})
             late = [[spec.id, 1, "ok", "late", None, time.time(), time.time(), None]]
             slow.send(P.DONE, late)           # from a worker the coordinator no longer knows
             assert slow.expect(P.STOP)["reregister"] is True
+            spare.send(P.HEARTBEAT, {"running": 1})
             slow.register()
             slow.send(P.DONE, late)           # from the same worker, registered again: an old attempt
+            spare.send(P.HEARTBEAT, {"running": 1})
             spare.send(P.DONE, [[spec.id, 2, "ok", "right", None, time.time(), time.time(), None]])
             r = fut.result(10)
             assert r.output == "right" and r.attempts == 2 and r.worker == "raw-spare"
@@ -298,7 +303,8 @@ def test_backend_failing_to_start_workers_keeps_actions_pending(tmp_path):
 
             # Once the environment is repaired the backend's next launch succeeds.
             flag.unlink()
-            _wait(lambda: any(w["handle"] for w in c.status()["workers"]), 20, "the pool worker to join")
+            c.pool("resume")    # past the launch breaker, should the failures have tripped it
+            _wait(lambda: any(w["handle"] for w in c.status()["workers"]), 60, "the pool worker to join")
             more = [sandbox(f"echo {i}", cores=1) for i in range(6)]
             assert all(r.ok for r in _exactly_once(c, deliveries, more, c.submit_many(more)))
     finally:

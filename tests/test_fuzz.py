@@ -438,6 +438,6 @@ def test_unplaceable_action_fails_and_blocks_nothing(tmp_path, policy):
     with LocalCluster(workers=1, cores=1, run_dir=tmp_path, extra_args=["--policy", policy]) as cl, \
             cl.client() as c:
         stuck = c.submit(function(NOOP, "needs 8 cores", cores=8))
-        assert c.submit(function(NOOP, "fits")).result(3).output == "fits"
+        assert c.submit(function(NOOP, "fits")).result(30).output == "fits"
         r = stuck.result(10)
         assert r.status == "error" and "cannot be placed" in r.error and "8" in r.error

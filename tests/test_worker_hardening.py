@@ -110,11 +110,13 @@ def test_fast_function_that_runs_long_does_not_stop_heartbeats(coord_and_worker)
     # While it sleeps: the same fast target and a light no-op still complete at once.
     again, noop = function("time:sleep", 0), function("tangram_hpc.handlers:noop", 7, cores=0)
     coord.assign((again, 1, 0), (noop, 1, 0))
-    coord.until(lambda: coord.result(again) is not None and coord.result(noop) is not None, timeout=1.5)
+    coord.until(lambda: coord.result(again) is not None and coord.result(noop) is not None, timeout=10)
+    assert coord.result(slow) is None                    # they did not wait for it
     assert coord.result(noop)[2:4] == ["ok", 7]
     coord.until(lambda: coord.result(slow) is not None, timeout=10)
     assert coord.result(slow)[2] == "ok"
-    assert max_heartbeat_gap(coord, t0) < 0.5 + 4 * HB   # heartbeats never paused
+    # heartbeats never paused for the call (a bound loose enough for a loaded machine's stalls)
+    assert max_heartbeat_gap(coord, t0) < 1.5
     assert worker._fast["time:sleep"] >= 200e-6          # no longer counted as fast
 
 
@@ -124,22 +126,23 @@ def test_two_different_fast_functions_overrunning_at_once_still_leave_a_thread_f
     learn_fast(coord, worker, "time:sleep", 0, cores=0)
     learn_fast(coord, worker, "select:select", [], [], [], 0, cores=0)
     t0 = time.monotonic()
-    first, second = function("time:sleep", 2, cores=0), function("select:select", [], [], [], 2, cores=0)
+    first, second = function("time:sleep", 4, cores=0), function("select:select", [], [], [], 4, cores=0)
     coord.assign((first, 1, 0))
     coord.pump(0.3)                       # the standby has taken the I/O role by now ...
     coord.assign((second, 1, 0))          # ... and runs this one itself: still counted as fast
     coord.pump(0.3)
     noop = function("tangram_hpc.handlers:noop", 1, cores=0)
     coord.assign((noop, 1, 0))
-    coord.until(lambda: coord.result(noop) is not None, timeout=1.0)
+    coord.until(lambda: coord.result(noop) is not None, timeout=10)
+    assert coord.result(first) is None and coord.result(second) is None    # it did not wait for them
     coord.until(lambda: coord.result(first) is not None and coord.result(second) is not None, timeout=10)
-    assert max_heartbeat_gap(coord, t0) < 0.5 + 4 * HB
+    assert max_heartbeat_gap(coord, t0) < 2.0
     coord.pump(0.2)
     assert 1 <= worker._standbys <= 2     # someone stands by again, and no more threads than needed
 
 def test_killed_function_keeps_its_core_and_is_reported_until_it_returns(coord_and_worker):
     coord, worker = coord_and_worker
-    slow = function("time:sleep", 2)
+    slow = function("time:sleep", 5)       # long enough that the KILL lands while it runs
     coord.assign((slow, 3, 1))
     coord.until(lambda: any(hb.get("busy_cores") == 1 for _, hb in coord.heartbeats))
     coord.send(P.KILL, [[slow.id, 3], [slow.id, 2], ["unknown", 1]])
@@ -212,15 +215,14 @@ def test_results_the_send_queue_cannot_take_are_kept_and_sent_later(coord_and_wo
 
 @pytest.mark.slow
 def test_long_fast_function_keeps_the_worker_alive_end_to_end(cluster, client):
-    """time:sleep(0) x50, then time:sleep(6) on workers declared lost after 3 s of silence."""
+    """time:sleep(0) x50, then time:sleep(12) on workers declared lost after 6 s of silence."""
     before = {w["id"] for w in client.status()["workers"]}
     for _ in range(50):
         assert client.submit(function("time:sleep", 0)).result(30).ok
-    fut = client.submit(function("time:sleep", 6))
+    fut = client.submit(function("time:sleep", 12))
     time.sleep(1)
-    t = time.monotonic()
     quick = client.submit(function("tangram_hpc.handlers:noop", 5, cores=0)).result(10)
-    assert quick.output == 5 and time.monotonic() - t < 2
+    assert quick.output == 5 and not fut.done()      # it did not wait for the long call
     res = fut.result(60)
     assert res.ok and res.attempts == 1, res
     status = client.status()
