@@ -2,14 +2,14 @@
 
 Starts a :class:`~tangram_hpc.launch.LocalCluster` with the workload's CPU
 workers, replays the sampled plan through a client
-(:func:`tangram_hpc.sim.replay.replay`), simulates the same plan with the same
+(:func:`tangram_hpc.sim.replay.replay`: function actions, or real sandboxes in
+their trajectories' environments), simulates the same plan with the same
 policy and static cluster, and reports both mean ACTs and the relative error.
 """
 from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import replace
 from typing import Any, Callable
 
 from .progress import progress_reporter
@@ -30,21 +30,43 @@ def fidelity(workload: Workload, *, time_scale: float = 1.0, policy: str = "elas
     plan = scaled_plan(workload.sample(), time_scale)
     check_replayable(plan)
     c = workload.cluster
-    with LocalCluster(workers=c.cpu_workers, cores=c.cpu_cores, policy=policy) as cluster, \
+    # Both sides start from the workload's guess of what moving an environment costs; live, the
+    # coordinator then learns it from the moves it makes, as in production.
+    move_s = c.env_move_s if any(a.uses_env for a in workload.actions) else None
+    with LocalCluster(workers=c.cpu_workers, cores=c.cpu_cores, policy=policy,
+                      extra_args=["--env-move-s", str(move_s)] if move_s else []) as cluster, \
             cluster.client() as client:
-        live = replay(plan, client, progress=progress)
-    sim_policy = ElasticScheduler() if policy == "elastic" else FifoPolicy()
-    # live, every action is a function action with no sandbox environment
-    sim_w = replace(workload, actions=tuple(replace(a, kind="function", uses_env=False)
-                                            for a in workload.actions))
-    sim = simulate(replace(plan, workload=sim_w), sim_policy, name=f"sim-{policy}")
+        cost = sandbox_cost(client) if any(a.kind == "sandbox" for a in workload.actions) else 0.0
+        live = replay(plan, client, progress=progress, sandbox_cost_s=cost)
+        moves = client.status()["env_moves"]
+    cls = ElasticScheduler if policy == "elastic" else FifoPolicy
+    sim = simulate(plan, cls(env_move_s=move_s), name=f"sim-{policy}")
     out = {"workload": workload.name, "policy": policy, "actions": plan.n_actions, "time_scale": time_scale,
            "live_mean_act": float(live.act.mean()), "sim_mean_act": float(sim.act.mean()),
            "live_step_s": live.step_durations, "sim_step_s": sim.step_durations,
            "live_failed": live.failed, "live_mean_cores": float(live.cores.mean()),
-           "sim_mean_cores": float(sim.cores.mean())}
+           "sim_mean_cores": float(sim.cores.mean()), "sandbox_cost_s": cost,
+           "live_env_moves": moves, "sim_env_moves": sim.env_moves}
     out["act_error"] = out["live_mean_act"] / out["sim_mean_act"] - 1.0
     return out
+
+
+def sandbox_cost(client: Any, runs: int = 9) -> float:
+    """Median completion time of a sandbox command that does nothing, in an environment.
+
+    The simulator knows only the commands' planned durations, so the replay takes this fixed cost
+    (round trip, sandbox start, environment) off each sandbox command's sleep.
+    """
+    from .actions import sandbox
+    acts = []
+    for _ in range(runs + 1):
+        r = client.submit(sandbox("true", env="fidelity-calibration")).result(60)
+        if not r.ok:
+            raise RuntimeError(f"a sandbox command failed on the live cluster: {r.error}")
+        acts.append(r.act)
+    client.close_env("fidelity-calibration")
+    acts = sorted(acts[1:])      # the first one also creates the environment
+    return acts[len(acts) // 2]
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -69,11 +91,17 @@ def main(a: argparse.Namespace | list[str] | None = None) -> int:
     except WorkloadError as e:
         print(f"tangram-hpc fidelity: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:      # the live cluster could not run the workload
+        print(f"tangram-hpc fidelity: {e}", file=sys.stderr)
+        return 1
     print(f"{res['workload']} ({res['actions']} actions, policy {res['policy']}): "
           f"live mean ACT {res['live_mean_act']:.3f}s, simulated {res['sim_mean_act']:.3f}s "
           f"({res['act_error']:+.1%}); steps live {[round(x, 1) for x in res['live_step_s']]} "
           f"sim {[round(x, 1) for x in res['sim_step_s']]}; mean cores live {res['live_mean_cores']:.2f} "
-          f"sim {res['sim_mean_cores']:.2f}; failed {res['live_failed']}")
+          f"sim {res['sim_mean_cores']:.2f}; environments moved live {res['live_env_moves']} "
+          f"sim {res['sim_env_moves']}; failed {res['live_failed']}"
+          + (f"; sandbox cost {res['sandbox_cost_s'] * 1000:.0f} ms (taken off each command)"
+             if res["sandbox_cost_s"] else ""))
     return 0
 
 

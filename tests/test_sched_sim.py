@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import pickle
 from dataclasses import replace
 
@@ -203,14 +204,42 @@ def test_bench_command_writes_json_and_plots(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_fidelity_live_and_simulated_act_agree_within_15_percent():
+@pytest.mark.parametrize("preset,time_scale", [("mini", 0.25), ("mini-env", 1.0)])
+def test_fidelity_live_and_simulated_act_agree_within_15_percent(preset, time_scale):
+    """mini: function actions on one worker; mini-env: real sandboxes in per-trajectory
+    environments on two workers, where environments pin actions to a worker and may move."""
     from tangram_hpc.fidelity import fidelity
-    w = load_workload("mini")
-    res = fidelity(w, time_scale=0.25)
+    w = load_workload(preset)
+    res = fidelity(w, time_scale=time_scale)
     assert res["live_failed"] == 0
     assert res["actions"] == w.sample().n_actions
     assert len(res["live_step_s"]) == 2 and res["live_mean_act"] > 0
     assert abs(res["act_error"]) <= 0.15, res
+    if preset == "mini-env":
+        assert 0 < res["sandbox_cost_s"] < 0.5, res     # measured, and taken off each command
+
+
+def test_replayed_sandbox_command_sleeps_the_amdahl_time_less_the_sandbox_cost():
+    import subprocess
+
+    from tangram_hpc.sim.replay import sleep_command
+    cmd = sleep_command(2.0, 0.75, less_s=0.1).replace("sleep ", "echo ", 1)
+    for ncpus, want in (("1", 1.9), ("3", 0.9), ("", 1.9)):
+        out = subprocess.run(["sh", "-c", cmd], capture_output=True, text=True, check=True,
+                             env={"PATH": os.environ["PATH"], "TANGRAM_NCPUS": ncpus} if ncpus else {"PATH": os.environ["PATH"]})
+        assert float(out.stdout) == pytest.approx(want), (ncpus, out.stdout)
+    assert float(subprocess.run(["sh", "-c", sleep_command(0.05, 0.0, less_s=0.1).replace("sleep ", "echo ", 1)],
+                                capture_output=True, text=True, check=True).stdout) == 0.0
+
+
+def test_replay_refuses_what_it_cannot_play_live():
+    from tangram_hpc.sim.replay import check_replayable
+    w = load_workload("mini")
+    odd = replace(w, actions=(replace(w.actions[0], uses_env=True),) + w.actions[1:])
+    with pytest.raises(WorkloadError, match="only sandbox actions run in an environment"):
+        check_replayable(odd.sample())
+    with pytest.raises(WorkloadError, match="CPU-only"):
+        check_replayable(load_workload("judge").sample())
 
 
 def test_policies_and_simulator_import_no_live_code():

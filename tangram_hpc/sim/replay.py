@@ -3,9 +3,11 @@
 :func:`replay` drives a client (``submit(spec) -> Future``, e.g. a
 :class:`tangram_hpc.client.Client`) through the same
 :class:`~tangram_hpc.sim.workload.Plan` the simulator plays: steps one after
-another, trajectories in parallel, think time then one action per turn, each
-action a ``function`` action running :func:`sleep_action` for the planned run
-time (Amdahl-scaled on the cores the worker pinned it to).  The client is
+another, trajectories in parallel, think time then one action per turn.  A
+``function`` action runs :func:`sleep_action` for the planned run time
+(Amdahl-scaled on the cores the worker pinned it to); a ``sandbox`` action
+runs a shell ``sleep`` as long (scaled on ``$TANGRAM_NCPUS``) in a real
+sandbox, in its trajectory's environment when its class uses one.  The client is
 passed in, so the simulator package stays free of the live launch code;
 :mod:`tangram_hpc.fidelity` (``tangram-hpc fidelity``) starts a local cluster
 and compares both.
@@ -27,7 +29,7 @@ import numpy as np
 from ..actions import ActionSpec, Demand
 from .workload import Plan, WorkloadError
 
-__all__ = ["sleep_action", "replay", "ReplayResult", "scaled_plan", "check_replayable"]
+__all__ = ["sleep_action", "sleep_command", "replay", "ReplayResult", "scaled_plan", "check_replayable"]
 
 SLEEP_TARGET = "tangram_hpc.sim.replay:sleep_action"
 
@@ -43,6 +45,18 @@ def sleep_action(seconds: float, parallel_fraction: float = 0.0, cores: int | No
     t = seconds * ((1.0 - parallel_fraction) + parallel_fraction / max(1, c))
     time.sleep(t)
     return t
+
+
+def sleep_command(seconds: float, parallel_fraction: float = 0.0, less_s: float = 0.0) -> str:
+    """A shell command sleeping as long as ``seconds`` of one-core work takes on the cores it was granted,
+    less ``less_s`` (the sandbox's own fixed cost, so that the action as a whole takes the planned time).
+
+    The sandbox says how many cores in ``TANGRAM_NCPUS``; awk does the arithmetic, so no
+    interpreter starts.
+    """
+    p = parallel_fraction
+    return (f"sleep $(LC_ALL=C awk -v c=\"${{TANGRAM_NCPUS:-1}}\" 'BEGIN {{ "
+            f"t = {seconds!r} * ((1 - {p!r}) + {p!r} / c) - {less_s!r}; printf \"%.6f\", (t > 0 ? t : 0) }}')")
 
 
 def scaled_plan(plan: Plan, time_scale: float) -> Plan:
@@ -63,7 +77,7 @@ class ReplayResult:
         return self.finish - self.submit
 
 
-def _spec_for(plan: Plan, i: int, traj: str, step: int) -> ActionSpec:
+def _spec_for(plan: Plan, i: int, traj: str, step: int, sandbox_cost_s: float) -> ActionSpec:
     w = plan.workload
     a = w.actions[int(plan.cls[i])]
     if a.service is not None:
@@ -71,7 +85,11 @@ def _spec_for(plan: Plan, i: int, traj: str, step: int) -> ActionSpec:
                             f"the live replay runs CPU actions only")
     lo, hi = w.action_cores(a)
     hint = float(plan.hint[i])
-    return ActionSpec("function", {"fn": SLEEP_TARGET, "args": [float(plan.d1[i]), a.parallel_fraction]},
+    if a.kind == "sandbox":
+        kind, payload = "sandbox", {"cmd": sleep_command(float(plan.d1[i]), a.parallel_fraction, sandbox_cost_s)}
+    else:
+        kind, payload = "function", {"fn": SLEEP_TARGET, "args": [float(plan.d1[i]), a.parallel_fraction]}
+    return ActionSpec(kind, payload, env=traj if a.uses_env else None,
                       demand=Demand(lo, hi, a.mem_mb), duration_hint=hint or None, timeout=a.timeout_s,
                       trajectory=traj, step=step, label=a.name, id=f"r{os.getpid()}-{i}")
 
@@ -81,14 +99,21 @@ def check_replayable(plan: Plan) -> None:
     w = plan.workload
     if w.cluster.gpu_workers or any(a.service for a in w.actions):
         raise WorkloadError("the live replay runs CPU-only workloads (reward services need real models)")
+    odd = [a.name for a in w.actions if a.uses_env and a.kind != "sandbox"]
+    if odd:
+        raise WorkloadError(f"action class {odd[0]!r}: only sandbox actions run in an environment live")
     if w.rollout.sync_turns or bool(plan.joined.any()):
         raise WorkloadError("the live replay plays one action at a time per trajectory: no per-turn "
                             "barriers (sync_turns) or parallel final calls")
 
 
 def replay(plan: Plan, client: Any, *, progress: Callable[[str], None] | None = None,
-           timeout_s: float = 3600.0) -> ReplayResult:
-    """Play ``plan`` against a live coordinator through ``client`` (``submit(spec) -> Future``)."""
+           timeout_s: float = 3600.0, sandbox_cost_s: float = 0.0) -> ReplayResult:
+    """Play ``plan`` against a live coordinator through ``client`` (``submit(spec) -> Future``).
+
+    ``sandbox_cost_s``: what a sandbox action costs beyond its command (starting the sandbox,
+    entering its environment); each sandbox command sleeps that much less.
+    """
     check_replayable(plan)
     n = plan.n_actions
     submit = np.zeros(n)
@@ -111,7 +136,7 @@ def replay(plan: Plan, client: Any, *, progress: Callable[[str], None] | None = 
             now = time.time()
             while timers and timers[0][0] <= now:
                 _, i, j = heapq.heappop(timers)
-                fut = client.submit(_spec_for(plan, i, f"s{s}t{j}", s))
+                fut = client.submit(_spec_for(plan, i, f"s{s}t{j}", s, sandbox_cost_s))
                 fut.add_done_callback(lambda f, i=i, j=j: done_q.put((i, j, f)))
             wait = max(0.0, timers[0][0] - time.time()) if timers else 1.0
             try:
