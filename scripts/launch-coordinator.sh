@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Submit a tangram-hpc coordinator with sbatch and wait until it is reachable.
 #
-#   scripts/launch-coordinator.sh [--shared DIR] [--config FILE] [--partition P] [--max-workers N]
-#                                 [--time MIN] [--wait SEC] [-- extra sbatch options]
+#   scripts/launch-coordinator.sh [--shared DIR] [--config FILE] [--partition P] [--gpu-partition P]
+#                                 [--max-workers N] [--time MIN] [--wait SEC] [-- extra sbatch options]
 #
 # Prints the coordinator's job id and connection file path once the connection file
 # exists (exit 1 if the job ends or --wait passes first).  --config names a tangram-hpc
 # TOML configuration file (every setting; `tangram-hpc config show --config FILE` prints
 # what it amounts to); the other options set the variables slurm_templates/coordinator.sbatch
-# documents.  Clients then use:
+# documents: --partition/--gpu-partition and --time (minutes) are the *worker* jobs'; the
+# coordinator job's own sbatch options (its --time, --partition, --account) go after --.
+# Clients then use:
 #   Client.from_connection_file("<printed path>")   (or $TANGRAM_CONNECTION_FILE)
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -24,7 +26,7 @@ while (($#)); do
         --time) export TANGRAM_WORKER_TIME=$2; shift 2 ;;
         --wait) WAIT=$2; shift 2 ;;
         --) shift; break ;;
-        -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
         *) echo "unknown option $1" >&2; exit 2 ;;
     esac
 done

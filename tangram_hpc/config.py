@@ -262,6 +262,9 @@ class SlurmSettings:
                                       minimum=1, metavar="MB")
     sbatch: list[str] = key([], "extra sbatch option for worker jobs, e.g. constraint=ib (repeatable)",
                             metavar="KEY=VALUE")
+    setup_file: str | None = key(None, "shell file each worker job sources first, before the setup lines "
+                                 "(module loads, a venv; coordinator.sbatch sources it too)", env="TANGRAM_SETUP",
+                                 metavar="FILE")
     setup: list[str] = key([], "shell line run in each worker job first, e.g. 'source venv/bin/activate' "
                            "(repeatable)", metavar="LINE")
     view: str = key("auto", "how to query Slurm (auto: pyslurm when it matches the running Slurm)",

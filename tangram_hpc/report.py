@@ -148,7 +148,7 @@ def _jobs_from_workers(workers: list[dict], now: float) -> list[JobUsage]:
     for w in sorted(workers, key=lambda w: w["time"]):
         if w["event"] == "register":
             open_[w["worker"]] = w
-        elif w["event"] in ("lost", "reclaimed", "exit") and w["worker"] in open_:
+        elif w["event"] in ("lost", "reclaimed", "stopped", "exit") and w["worker"] in open_:
             s = open_.pop(w["worker"])
             out.append(JobUsage(s["worker"], s["handle"] or "", w["event"], "", s["time"], w["time"],
                                 w["time"] - s["time"], int(s["cores"] or 0), int(s["gpus"] or 0), 0.0))
@@ -196,7 +196,7 @@ def load_run(run_dir: str | os.PathLike | None, *, since: float | None = None, u
                 jobs.append(JobUsage(str(jid), sub["handle"], "UNKNOWN", sub.get("partition") or "",
                                      None, None, 0.0, 0, 0, 0.0))
     else:
-        source = "workers.log"
+        source = "workers.log" if workers else "none (no worker joined, no job submitted)"
         jobs = _jobs_from_workers(workers, now)
     worker_gpus = {w["worker"]: int(w["gpus"] or 0) for w in workers if w["event"] == "register"}
     actions = once_per_action(runs)
@@ -324,8 +324,11 @@ def summarise(rep: Report) -> dict[str, Any]:
         "trajectory_bound_core_hours": tb["core_seconds"] / 3600,
         "trajectory_bound_gpu_hours": tb["gpu_seconds"] / 3600,
         "core_hours_saved": (tb["core_seconds"] - alloc_core_s) / 3600,
-        # no action ran to its end on a core (every attempt lost with its worker): nothing to compare
+        # no action ran to its end on a core (every attempt lost with its worker, or only reward
+        # calls, which bind no core): nothing to compare
         "core_savings": 1 - alloc_core_s / tb["core_seconds"] if tb["core_seconds"] and busy_core_s else None,
+        "gpu_hours_saved": (tb["gpu_seconds"] - alloc_gpu_s) / 3600,
+        "gpu_savings": 1 - alloc_gpu_s / tb["gpu_seconds"] if tb["gpu_seconds"] and busy_gpu_s else None,
     }
 
 
@@ -424,12 +427,27 @@ def format_table(rep: Report) -> str:
                 f"p95 {num(s['p95_act_s'], '.3f')} s"),
         ("trajectory-bound", f"{s['trajectory_bound_core_hours']:.4f} core-h, "
                              f"{s['trajectory_bound_gpu_hours']:.4f} GPU-h over {s['trajectories']} trajectories"),
-        ("saved vs trajectory-bound", "n/a (no action ran to its end)" if s["core_savings"] is None else
-                                      f"{s['core_hours_saved']:.4f} core-h ({100 * s['core_savings']:.1f}%)"),
+        ("saved vs trajectory-bound", _savings_text(s)),
     ]
     w = max(len(k) for k, _ in kv)
     lines += [f"{k.ljust(w)}  {v}" for k, v in kv]
     return "\n".join(lines)
+
+
+def _savings_text(s: dict[str, Any]) -> str:
+    """Cores and GPUs apart (a core-hour and a GPU-hour are not the same resource)."""
+    if s["core_savings"] is None and s["gpu_savings"] is None:
+        return "n/a (no action ran to its end)"
+    parts = []
+    if s["core_savings"] is not None:
+        parts.append(f"{s['core_hours_saved']:.4f} core-h ({100 * s['core_savings']:.1f}%)")
+    elif s["allocated_core_hours"]:
+        parts.append("cores n/a (no action ran to its end on a core)")
+    if s["gpu_savings"] is not None:
+        parts.append(f"{s['gpu_hours_saved']:.4f} GPU-h ({100 * s['gpu_savings']:.1f}%)")
+    elif s["allocated_gpu_hours"]:
+        parts.append("GPUs n/a (no reward call ran to its end)")
+    return ", ".join(parts)
 
 
 def format_json(rep: Report) -> str:
@@ -544,12 +562,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="no progress on stderr (there is none when stderr is not a terminal)")
 
 
+_RUN_LOGS = ("actions.log", "workers.log", "slurm_jobs.log")
+
+
 def main(args: argparse.Namespace) -> int:
     if args.run_dir is None and args.since is None:
         print("report: give --run-dir or --since", file=sys.stderr)
         return 2
     if args.run_dir is not None and not args.run_dir.is_dir():
         print(f"report: no run directory {args.run_dir}", file=sys.stderr)
+        return 2
+    if args.run_dir is not None and not any((args.run_dir / n).exists() for n in _RUN_LOGS):
+        # an accounting report of a directory that is not a run's would say the run used nothing
+        inside = sorted(str(p.parent) for p in args.run_dir.glob(f"*/{_RUN_LOGS[0]}"))
+        hint = f"; run directories in it: {', '.join(inside[:5])}{' ...' if len(inside) > 5 else ''}" \
+            if inside else ""
+        print(f"report: {args.run_dir} is not a coordinator run directory (none of {', '.join(_RUN_LOGS)})"
+              f"{hint}", file=sys.stderr)
         return 2
     from .slurm import SlurmCommandError
     try:
@@ -558,6 +587,10 @@ def main(args: argparse.Namespace) -> int:
     except SlurmCommandError as e:
         print(f"report: Slurm accounting unavailable: {e}", file=sys.stderr)
         return 1
+    for name in _RUN_LOGS:
+        path = args.run_dir / name if args.run_dir is not None else None
+        if path is not None and path.is_file() and path.stat().st_size and not any(True for _ in read_records(path)):
+            print(f"report: warning: {path} holds no readable record (not a tangram-hpc log?)", file=sys.stderr)
     if args.json:
         print(format_json(rep))
     elif args.csv:

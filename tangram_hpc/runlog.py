@@ -6,7 +6,7 @@
 
 ``workers.log`` records, one per worker event::
 
-    [time, event, worker_id, handle, cores, gpus]     event: register | lost | drain | reclaimed | exit
+    [time, event, worker_id, handle, cores, gpus]     event: register | lost | drain | reclaimed | stopped
 
 Records are buffered in memory and written at each tick of the coordinator
 (twice a second), so logging costs the dispatch path one list append per action.

@@ -35,3 +35,20 @@ def test_a_coordinator_bound_to_an_interface_name(tmp_path):
         assert info.client_address.startswith("tcp://127.0.0.1:") and info.worker_address.startswith("tcp://127.0.0.1:")
         with cl.client() as c:
             assert c.submit(function("math:sqrt", 49)).result(30).output == 7.0
+
+
+def test_the_metrics_target_follows_the_same_rule(monkeypatch):
+    """Bound to every interface on a host whose name is a loopback one, the Prometheus target
+    named 'localhost' while workers were told the routed address."""
+    from tangram_hpc.coordinator.exporter import MetricsServer
+    monkeypatch.setattr(socket, "getfqdn", lambda *a: "localhost")
+    servers = [MetricsServer("0.0.0.0", 0, list), MetricsServer("0.0.0.0", 0, list, advertise_host="lo"),
+               MetricsServer("127.0.0.1", 0, list)]
+    try:
+        everywhere, by_interface, loopback = (m.host for m in servers)
+        assert everywhere == advertised_host("0.0.0.0", None)[0]
+        assert everywhere != "localhost" or "set --advertise-host" in advertised_host("0.0.0.0", None)[1]
+        assert by_interface == "127.0.0.1" and loopback == "127.0.0.1"    # an interface name resolved
+    finally:
+        for m in servers:
+            m.close()

@@ -84,7 +84,9 @@ def test_the_breaker_stops_local_launches_too_until_resumed(tmp_path, backend):
     driver.control("pause", 4.0)
     poll_until(driver, 4.5, lambda: not driver.starting, "the failed start")
     driver.decide(1000.0)
-    assert not driver.starting and driver.status(1000.0)["launch"]["state"] == "paused"
+    st = driver.status(1000.0)
+    assert not driver.starting and st["launch"]["state"] == "paused"
+    assert st["pool"].endswith("; launches paused"), st["pool"]     # not a bare 'ok' while held back
     with pytest.raises(ValueError, match="pause or resume"):
         driver.control("reboot", 1000.0)
 

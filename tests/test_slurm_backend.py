@@ -206,7 +206,7 @@ def test_unfit_shape_is_refused(tmp_path, dev_cluster):
         be.launch(spec(tmp_path, WorkerShape(cores=1, partition="nosuch")))
 
 
-def test_cli_arguments_build_the_config(tmp_path):
+def test_cli_arguments_build_the_config(tmp_path, monkeypatch):
     import argparse
     p = argparse.ArgumentParser()
     add_arguments(p, "coordinator")
@@ -227,6 +227,17 @@ def test_cli_arguments_build_the_config(tmp_path):
                           ("signal=B:TERM@5", "time-limit warning")]:
         with pytest.raises(ConfigError, match=f"sbatch may not set .*: the backend sets it from .*{setting}"):
             backend_config(slurm(f"--slurm-sbatch={item}"))
+    # TANGRAM_SETUP ([slurm] setup_file) is sourced before the setup lines, which it does not replace
+    site = tmp_path / "site setup.sh"
+    site.write_text("export FROM_SITE=1\n")
+    monkeypatch.setenv("TANGRAM_SETUP", str(site))
+    cfg = backend_config(slurm("--slurm-setup", "export FROM_CONFIG=1"))
+    setup = SlurmBackend(cfg, view=CountingView())._parameters(WorkerShape(cores=1), "tgw-x-1")["setup"]
+    assert setup[1:] == [f"source '{site}'", "export FROM_CONFIG=1"], setup
+    site.unlink()
+    with pytest.raises(ConfigError, match="setup_file .TANGRAM_SETUP.: no file"):
+        backend_config(slurm())
+    monkeypatch.delenv("TANGRAM_SETUP")
     pool = pool_from_settings(slurm("--slurm-worker-cores", "2", "--slurm-max-workers", "3", "--slurm-gpu-workers",
                                     "1", "--slurm-partition", "cpu", "--slurm-gpu-partition", "gpu",
                                     "--slurm-idle", "7"))
@@ -244,3 +255,17 @@ def test_capacity_from_the_live_partitions(dev_cluster, tmp_path):
     assert gpu.max_node_cores == 16 and gpu.max_node_gpus == 4
     assert cap.holds(WorkerShape(cores=4, gpus=1, partition="gpu"))
     assert not cap.holds(WorkerShape(cores=64, partition="cpu"))
+
+
+def test_a_forced_pyslurm_view_that_cannot_work_is_a_config_error(tmp_path, monkeypatch):
+    """Refused at start in one line (exit 2), like every other setting Slurm cannot honour."""
+    import tangram_hpc.backends.slurm as backend_mod
+    from tangram_hpc.slurm import SlurmCommandError
+
+    def broken(prefer, **_):
+        raise SlurmCommandError("pyslurm cannot be used: pyslurm not importable: ModuleNotFoundError")
+    monkeypatch.setattr(backend_mod, "cluster_view", broken)
+    with pytest.raises(ConfigError, match=r"\[slurm\] view = pyslurm: pyslurm cannot be used"):
+        SlurmBackend(SlurmBackendConfig(run_dir=str(tmp_path), cluster_view="pyslurm"))
+    with pytest.raises(SlurmCommandError):          # auto or cli: not a setting's fault
+        SlurmBackend(SlurmBackendConfig(run_dir=str(tmp_path), cluster_view="auto"))

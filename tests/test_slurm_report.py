@@ -61,6 +61,24 @@ def test_local_run_totals(tmp_path):
     assert s["trajectory_bound_core_hours"] * 3600 == pytest.approx(2 * 30 + 1 * 10)
     assert s["trajectory_bound_gpu_hours"] * 3600 == pytest.approx(10)
     assert s["core_hours_saved"] * 3600 == pytest.approx(70 - 500)
+    assert s["gpu_hours_saved"] * 3600 == pytest.approx(10 - 50) and s["gpu_savings"] == pytest.approx(1 - 50 / 10)
+    line = next(ln for ln in report.format_table(rep).splitlines() if ln.startswith("saved vs trajectory-bound"))
+    assert line.endswith("-0.1194 core-h (-614.3%), -0.0111 GPU-h (-400.0%)"), line
+
+
+def test_a_run_of_reward_calls_only_compares_its_gpus(tmp_path):
+    """Reward calls bind no core: the cores have nothing to compare, the GPUs do (it said
+    'no action ran to its end' of a run whose every call was ok)."""
+    rd = tmp_path / "run"
+    rd.mkdir()
+    write_log(rd / "workers.log", [[100.0, "register", "g1", "h1", 1, 1], [200.0, "exit", "g1", "h1", 1, 1]])
+    write_log(rd / "actions.log", [[f"r{i}", "reward", "reward:rm", "g1", 0, 100.0 + 10 * i, 100.0 + 10 * i,
+                                    105.0 + 10 * i, "ok", 1, f"T{i}"] for i in range(5)])
+    s = report.load_run(rd, now=300.0).summary
+    assert s["core_savings"] is None and s["gpu_savings"] == pytest.approx(1 - 100 / 25)
+    line = next(ln for ln in report.format_table(report.load_run(rd, now=300.0)).splitlines()
+                if ln.startswith("saved vs trajectory-bound"))
+    assert line.endswith("cores n/a (no action ran to its end on a core), -0.0208 GPU-h (-300.0%)"), line
 
 
 def test_no_saving_is_claimed_when_no_action_ran_to_its_end(tmp_path):
@@ -182,6 +200,21 @@ def test_cli_json_csv_and_plots(tmp_path, capsys):
     assert report.main(_args("--run-dir", str(tmp_path / "nope"))) == 2
 
 
+def test_a_directory_that_is_not_a_run_is_refused_not_reported_as_empty(tmp_path, capsys):
+    """The parent of a run directory (an easy slip) reported zero use and exit 0."""
+    local_run(tmp_path)
+    assert report.main(_args("--run-dir", str(tmp_path))) == 2
+    err = capsys.readouterr().err
+    assert "is not a coordinator run directory" in err and f"run directories in it: {tmp_path / 'run'}" in err
+    junk = tmp_path / "junk"
+    junk.mkdir()
+    (junk / "actions.log").write_text("hello\n")
+    assert report.main(_args("--run-dir", str(junk))) == 0
+    captured = capsys.readouterr()
+    assert "actions.log holds no readable record" in captured.err
+    assert "allocation source: none" in captured.out
+
+
 def test_parse_time():
     assert report.parse_time("1700000000") == 1700000000.0
     assert abs(report.parse_time("-2h") - (time.time() - 7200)) < 5
@@ -260,3 +293,16 @@ def test_report_over_real_sacct(tmp_path, dev_cluster, capsys):
         assert jobs[h]["cpu_time_s"] > 0.05 and jobs[h]["cpu_time_s"] == pytest.approx(total[str(jid)], abs=0.002)
     assert report.main(_args("--run-dir", str(rd))) == 0
     assert hs[1] in capsys.readouterr().out
+
+
+def test_a_clean_stop_reports_its_workers_stopped_not_lost(tmp_path):
+    """The coordinator stopping (SIGTERM) tells its workers to leave: that is no fault, in its log,
+    its counters or the report (it said 'worker ... lost' and 'worker jobs 1 (1 lost)')."""
+    from tangram_hpc import LocalCluster, function
+    with LocalCluster(workers=1, cores=1, run_dir=tmp_path) as cl, cl.client() as c:
+        assert c.submit(function("tangram_hpc.handlers:noop", 1)).result(30).output == 1
+    events = [r[1] for r in report.read_records(tmp_path / "workers.log")]
+    assert events[0] == "register" and events[-1] == "stopped" and "lost" not in events, events
+    assert " lost (" not in (tmp_path / "coordinator.log").read_text()
+    s = report.load_run(tmp_path).summary
+    assert s["job_states"] == {"stopped": 1} and s["actions"] == 1

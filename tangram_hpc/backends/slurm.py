@@ -19,6 +19,7 @@ import importlib
 import logging
 import math
 import os
+import shlex
 import shutil
 import subprocess
 import time
@@ -73,7 +74,8 @@ class SlurmBackendConfig:
     limit; the coordinator replaces workers before it (see ``time_limit``).
     ``mem_per_core_mb``: memory asked when the shape gives none.
     ``extra_sbatch``: more ``#SBATCH`` options, e.g. ``{"constraint": "ib"}``.
-    ``setup``: shell lines run in the job before the worker (module load, venv).
+    ``setup``: shell lines run in the job before the worker (module load, venv);
+    ``setup_file``: a shell file sourced before them.
     ``entry``: the ``module:function`` the job calls with the worker's argv.
     Defaults of the keys a user sets come from the [slurm] section of
     :mod:`tangram_hpc.config`.
@@ -87,6 +89,7 @@ class SlurmBackendConfig:
     mem_per_core_mb: int | None = None
     extra_sbatch: dict[str, str] = field(default_factory=dict)
     setup: tuple[str, ...] = ()
+    setup_file: str | None = None
     run_dir: str | None = None
     folder: str | None = None          # submitit folder; default RUN_DIR/submitit/<run tag>
     job_prefix: str = "tgw"
@@ -158,7 +161,14 @@ class SlurmBackend(WorkerBackend):
                               f"{os.environ.get('PATH', '')}): install the Slurm client or load its module")
         self.config = cfg = config or SlurmBackendConfig()
         self.clock = clock
-        self.view = view or cluster_view(cfg.cluster_view)
+        if view is None:
+            try:
+                view = cluster_view(cfg.cluster_view)
+            except SlurmCommandError as e:
+                if cfg.cluster_view != "pyslurm":
+                    raise
+                raise ConfigError(f"[slurm] view = pyslurm: {e} (view = auto uses it when it can)") from None
+        self.view = view
         self.run_tag = uuid.uuid4().hex[:8]
         self.prefix = f"{cfg.job_prefix}-{self.run_tag}-"
         if cfg.folder:
@@ -246,7 +256,8 @@ class SlurmBackend(WorkerBackend):
             params["qos"] = cfg.qos
         # the job must import this package even when it is not installed
         root = str(Path(__file__).resolve().parents[2])
-        params["setup"] = [f'export PYTHONPATH="{root}${{PYTHONPATH:+:$PYTHONPATH}}"', *cfg.setup]
+        sourced = [f"source {shlex.quote(cfg.setup_file)}"] if cfg.setup_file else []
+        params["setup"] = [f'export PYTHONPATH="{root}${{PYTHONPATH:+:$PYTHONPATH}}"', *sourced, *cfg.setup]
         return params
 
     def launch(self, spec: WorkerLaunchSpec, count: int = 1) -> list[str]:
@@ -527,9 +538,15 @@ def backend_config(s: SlurmSettings, run_dir: str | os.PathLike | None = None) -
             # (a time limit shorter than time_min drains every worker at birth, one launch after another)
             raise ConfigError(f"[slurm] sbatch may not set {key}: the backend sets it from {own}")
         extra[key] = value
+    setup_file = None
+    if s.setup_file:
+        # the jobs start elsewhere: a relative path is this process's
+        setup_file = os.path.abspath(os.path.expanduser(s.setup_file))
+        if not os.path.isfile(setup_file):
+            raise ConfigError(f"[slurm] setup_file (TANGRAM_SETUP): no file {setup_file}")
     return SlurmBackendConfig(
         partition=s.partition, gpu_partition=s.gpu_partition, account=s.account, qos=s.qos, time_min=s.time_min,
-        mem_per_core_mb=s.mem_per_core_mb, extra_sbatch=extra, setup=tuple(s.setup),
+        mem_per_core_mb=s.mem_per_core_mb, extra_sbatch=extra, setup=tuple(s.setup), setup_file=setup_file,
         run_dir=str(run_dir) if run_dir else None, cluster_view=s.view)
 
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 import time
 from typing import Any, Callable
 
 from ..metrics import Family, prometheus_collector
+from ..netaddr import advertised_host
 
 __all__ = ["LoopHandoff", "MetricsServer"]
 
@@ -43,7 +43,9 @@ class MetricsServer:
             self.handoff.close()
             raise
         self.port = self._httpd.server_port
-        self.host = advertise_host or (socket.getfqdn() if addr in ("0.0.0.0", "::") else addr)
+        # what the connection file tells workers, by the same rule: a loopback host name (a common
+        # /etc/hosts default) would be a target no Prometheus on another node can reach
+        self.host = advertised_host("0.0.0.0" if addr == "::" else addr, advertise_host)[0]
 
     @property
     def fd(self) -> int:

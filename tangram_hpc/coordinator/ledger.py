@@ -424,9 +424,13 @@ class ActionLedger:
         """Whether environments are still being saved off ``worker_id`` (a drained worker waits for that)."""
         return self.envs.moving_from(worker_id)
 
-    def worker_left(self, worker_id: str, now: float, reason: str) -> None:
-        """The worker's last word: it has left.  What it still ran (attempts it interrupted) is retried."""
-        self.lose_worker(worker_id, now, f"worker {worker_id} left ({reason})", dead=True)
+    def worker_left(self, worker_id: str, now: float, reason: str, *, stopped: bool = False) -> None:
+        """The worker's last word: it has left.  What it still ran (attempts it interrupted) is retried.
+
+        ``stopped``: it left because the coordinator is stopping and told it to: no fault.
+        """
+        self.lose_worker(worker_id, now, f"worker {worker_id} left ({reason})", dead=True,
+                         event="stopped" if stopped else "lost")
 
     def retire_worker(self, worker_id: str, now: float) -> WorkerRecord | None:
         """A drained worker with nothing running leaves (zombies die with it)."""
@@ -438,21 +442,28 @@ class ActionLedger:
                 self._env_changed(env, now)
         return w
 
-    def lose_worker(self, worker_id: str, now: float, reason: str, *, dead: bool = False) -> WorkerRecord | None:
+    def lose_worker(self, worker_id: str, now: float, reason: str, *, dead: bool = False,
+                    event: str = "lost") -> WorkerRecord | None:
         """A worker is gone: retry its running actions, or fail those out of attempts.
 
         ``dead``: it is known to have exited (its job or process ended, its connection closed), so
         the environments it held are adopted from its directory at once; otherwise (silence) they
         are awaited: it may come back with them (:class:`~.environments.EnvironmentDirectory`).
+        ``event``: ``stopped`` for a worker that left as the stopping coordinator told it to (not
+        counted or logged as a loss).
         """
-        w = self.workers.remove(worker_id, now, "lost")
+        w = self.workers.remove(worker_id, now, event)
         if w is None:
             if dead:
                 self.worker_dead(worker_id, now)
             return None
-        self.counters.workers_lost += 1
         lost = self._forget(w, now)
-        log.warning("worker %s lost (%s); %d running actions to retry", worker_id, reason, len(w.running))
+        if event == "lost":
+            self.counters.workers_lost += 1
+            log.warning("worker %s lost (%s); %d running actions to retry", worker_id, reason, len(w.running))
+        else:
+            log.info("worker %s %s (%s); %d actions it ran are left to their clients' resubmission",
+                     worker_id, event, reason, len(w.running))
         affected = self.envs.worker_lost(worker_id, dead=dead, now=now)
         for env in affected:
             self._hold_back(env)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from .. import protocol as P
 from ..backends.base import JobState, WorkerBackend, WorkerLaunchSpec
-from ..backends.guards import LaunchThrottle, ThrottleState, local_time
+from ..backends.guards import LaunchThrottle, ThrottleState, ThrottleStatus, local_time
 from ..config import CoordinatorSettings
 from ..policy.base import Launch, PoolPolicy, PoolView, Reclaim, Withdraw, WorkerStatus
 from ..resources import WorkerShape
@@ -333,7 +333,7 @@ class PoolDriver:
             counts[rec.state] = counts.get(rec.state, 0) + 1
         out = {"launch_failures": self.ledger.counters.launch_failures,
                "recent_launch_failures": [why for _, why in self.failures[-5:]],
-               "starting_workers": len(self.starting), "pool": self.pool.explain(),
+               "starting_workers": len(self.starting), "pool": self._explain(st),
                "launch": {"state": st.state, "reason": st.reason,
                           "retry_at": local_time(st.retry_at) if st.retry_at is not None else None,
                           "retry_in_s": round(max(0.0, st.retry_at - now), 1) if st.retry_at is not None else None},
@@ -342,6 +342,13 @@ class PoolDriver:
         if allocations:
             out["allocations"] = [rec.to_status() for rec in self.allocations.values()]
         return out
+
+    def _explain(self, launch: ThrottleStatus) -> str:
+        """The pool's own account, and whether launches are held back (it read 'ok' while paused)."""
+        text = self.pool.explain()
+        if launch.state != ThrottleState.OK:
+            text += f"; launches {launch.state}"
+        return text
 
     def describe_workers(self, workers: list[dict], now: float) -> None:
         """Add each worker's job id and time left (from the backend) to its ``status`` entry."""

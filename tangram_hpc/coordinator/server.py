@@ -367,7 +367,7 @@ class Coordinator:
                 raise P.ProtocolError("invalid", f"{bad} malformed DONE item(s) from worker {wid} ignored")
         elif mtype == P.HEARTBEAT:
             if body.get("left"):
-                ledger.worker_left(wid, now, str(body.get("left"))[:200])
+                ledger.worker_left(wid, now, str(body.get("left"))[:200], stopped=self._closing)
             elif body.get("leaving"):
                 ledger.worker_leaving(wid, str(body.get("leaving"))[:200], now)
             else:
