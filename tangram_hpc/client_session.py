@@ -144,7 +144,9 @@ class ClientSession:
     def on_frame(self, frame: bytes) -> int:
         """Handle one frame from the coordinator; return how many futures it resolved."""
         try:
-            mtype, body = P.decode(frame, _FROM_COORDINATOR)
+            # the coordinator keeps its frames within its own limit (WELCOME), which may be above
+            # the default; past that, a frame is still read: dropping it would leave futures unsettled
+            mtype, body = P.decode(frame, _FROM_COORDINATOR, 4 * max(self.max_frame, P.MAX_FRAME_BYTES))
         except P.ProtocolError as e:
             self.errors.append(str(e))
             return 0

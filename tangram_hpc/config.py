@@ -134,6 +134,8 @@ class CoordinatorSettings:
     max_pending_total: int = key(1_000_000, "unfinished actions in all", flag="--max-pending", minimum=1)
     max_frame_bytes: int = key(MAX_FRAME_BYTES, "largest frame accepted", minimum=1024)
     result_cache: int = key(200_000, "finished results kept to answer resubmissions", minimum=2)
+    result_cache_mb: int = key(512, "most megabytes of action outputs the result cache holds (large outputs: "
+                               "fewer results kept)", minimum=1)
     hwm: int = key(200_000, "messages queued per peer before ZMQ drops or blocks", minimum=1)
     pool_interval_s: float = key(1.0, "seconds between pool decisions", flag="--pool-interval", minimum=0.01)
     drain_grace_s: float = key(30.0, "seconds a stopped worker has to snapshot and exit before its job is "

@@ -12,7 +12,9 @@ Message types and bodies (``C`` client, ``K`` coordinator, ``W`` worker):
 type          direction  body
 ============  =========  ======================================================
 HELLO         C->K       ``{"name": str}``
-WELCOME       K->C/W     ``{"coordinator": incarnation id, "limits": {...}}``
+WELCOME       K->C/W     ``{"coordinator": incarnation id, "limits": {...}}`` to a client;
+                         ``{"coordinator", "heartbeat_s", "snapshot_dir", "max_frame_bytes"}``
+                         to a worker (frames it sends stay within that limit)
 SUBMIT        C->K       ``[action wire map, ...]``
 CANCEL        C->K       ``[action id, ...]``
 RESULT        K->C       ``[result wire list, ...]``
@@ -114,6 +116,24 @@ def encode(mtype: int, body: Any) -> bytes:
         # A Packer keeps partial output after a failure; start clean next time.
         _packer.reset()
         raise
+
+
+def encode_within(mtype: int, items: list, max_bytes: int) -> list[bytes]:
+    """``items`` (a list body: DONE, OUTCOMES, RESULT) as frames of at most ``max_bytes`` each.
+
+    The common case costs one encoding and a length check; a larger batch is cut into as many
+    parts as its size asks for (and those again, if uneven).  A single item larger than the
+    limit stays one frame: keeping items within it is the sender's business.
+    """
+    frame = encode(mtype, items)
+    if len(frame) <= max_bytes or len(items) <= 1:
+        return [frame]
+    parts = min(len(items), -(-len(frame) // max_bytes) + 1)
+    step = -(-len(items) // parts)
+    out: list[bytes] = []
+    for i in range(0, len(items), step):
+        out += encode_within(mtype, items[i:i + step], max_bytes)
+    return out
 
 
 def decode(frame: bytes, allowed: frozenset[int], max_bytes: int = MAX_FRAME_BYTES) -> tuple[int, Any]:

@@ -151,6 +151,7 @@ class Worker:
         self._sent_bytes = 0
         self._older: list = []                       # outcome items of earlier registrations to send
         self._older_frames: list[bytes] = []         # DONE frames of the last registration, until WELCOME
+        self._max_frame = P.MAX_FRAME_BYTES           # the coordinator's frame limit (its WELCOME says)
         self._last_heard_wall = time.time()
         # Leaving: why, since when, and the attempts it interrupted (retried by the coordinator).
         self._leave_deadline: float | None = None
@@ -568,13 +569,16 @@ class Worker:
     def _welcomed(self, body: dict) -> None:
         self._registered = True
         self._coordinator = body.get("coordinator")
+        limit = body.get("max_frame_bytes")
+        if type(limit) is int and limit > 0:
+            self._max_frame = limit
         snapshots = body.get("snapshot_dir")
         if self.sandboxes is not None and not self.cfg.snapshot_dir and isinstance(snapshots, str) and snapshots:
             from pathlib import Path
             self.sandboxes.snapshot_dir = Path(snapshots)
         for frame in self._older_frames:
             try:
-                _, items = P.decode(frame, frozenset({P.DONE}))
+                _, items = P.decode(frame, frozenset({P.DONE}), len(frame))   # our own frame
             except P.ProtocolError:
                 continue
             self._older.extend(items)
@@ -587,9 +591,16 @@ class Worker:
             older, self._older = self._older, []
             for i in range(0, len(older), 500):
                 try:
-                    self._send(P.OUTCOMES, older[i:i + 500])
+                    frames = P.encode_within(P.OUTCOMES, [self._packable(o) for o in older[i:i + 500]],
+                                             self._max_frame)
                 except Exception:   # an output that cannot be packed went out as a failed DONE already
                     log.warning("could not send %d earlier outcomes", len(older[i:i + 500]))
+                    continue
+                for frame in frames:
+                    try:
+                        self.sock.send(frame, zmq.NOBLOCK)
+                    except zmq.Again:
+                        log.warning("send queue to the coordinator is full; message dropped")
 
     def _heartbeat(self) -> None:
         gen = self._generation
@@ -801,13 +812,16 @@ class Worker:
                                                     EnvState.REPLAYED if env_state else None])
         if out:
             try:
-                frame = P.encode(P.DONE, out)
+                frames = [P.encode(P.DONE, out)]
             except Exception:
-                frame = P.encode(P.DONE, [self._packable(o) for o in out])
-            if len(frame) > self.cfg.max_output_bytes:
-                frame = P.encode(P.DONE, [self._packable(o) for o in out])
-            self._unsent.append(frame)
-            self._keep_sent(frame)
+                frames = []
+            if not frames or len(frames[0]) > self._item_limit():
+                # rare: an output too large or that cannot be packed fails alone, and the rest go in
+                # as many frames as the coordinator's limit asks (one frame past it was refused whole)
+                frames = P.encode_within(P.DONE, [self._packable(o) for o in out], self._max_frame)
+            for frame in frames:
+                self._unsent.append(frame)
+                self._keep_sent(frame)
         if self._older:
             self._send_older()
         self._flush_unsent()
@@ -848,14 +862,19 @@ class Worker:
             self._send_blocked = False
             log.info("the coordinator takes results again; every kept DONE frame is sent")
 
+    def _item_limit(self) -> int:
+        """The largest outcome sent: ``max_output_bytes``, and within the coordinator's frame limit."""
+        return min(self.cfg.max_output_bytes, self._max_frame - min(1024, self._max_frame // 4))
+
     def _packable(self, item: list) -> list:
         try:
             n = len(msgpack.packb(item, use_bin_type=True))
         except Exception as e:
             return item[:2] + [Status.FAILED, None, f"action output cannot be serialised: {e}"] + item[5:]
-        if n > self.cfg.max_output_bytes:
+        limit = self._item_limit()
+        if n > limit:
             return item[:2] + [Status.FAILED, None, f"action output of {n} bytes exceeds the limit of "
-                               f"{self.cfg.max_output_bytes}"] + item[5:]
+                               f"{limit}"] + item[5:]
         return item
 
     def leave(self, reason: str, *, by_signal: bool = True) -> None:

@@ -71,6 +71,18 @@ def test_action_gets_the_cores_it_was_granted(client):
     assert r.output["stdout"].split() == [str(min(2, os.cpu_count())), "2"]
 
 
+def test_results_larger_than_a_frame_in_total_all_arrive(client):
+    """Results that fit one by one but not together: the worker's DONE and the coordinator's RESULT
+    were one frame each, refused whole past the 16 MiB limit, and those futures never settled."""
+    light = client.map([function("operator:mul", "x", 6_000_000, cores=0) for _ in range(6)], timeout=120)
+    assert [len(r.output) for r in light] == [6_000_000] * 6, [r.error for r in light]
+    many = client.map([function("operator:mul", "y", 100_000) for _ in range(400)], timeout=120)
+    assert all(r.ok and len(r.output) == 100_000 for r in many)
+    assert client.status()["bad_frames"] == 0 and not client.errors
+    too_big = client.submit(function("operator:mul", "z", 9_000_000)).result(60)
+    assert too_big.status == "failed" and "exceeds the limit of 8388608" in too_big.error
+
+
 def test_timeout_kills_the_action(client):
     r = client.submit(ActionSpec(kind="sandbox", payload={"cmd": "sleep 30"}, timeout=0.5)).result(20)
     assert r.status == Status.TIMEOUT

@@ -103,6 +103,24 @@ def test_the_journal_keeps_the_last_outcomes_and_stays_small(hosts):
     assert journal.stat().st_size < 2 * JOURNAL_KEEP * 40
 
 
+def test_the_journal_keeps_large_outputs_within_its_byte_bound(hosts):
+    """32 outcomes of 2 MiB each cost 64 MiB per environment (worker memory, disk, every snapshot)."""
+    from tangram_hpc.managers.environments import JOURNAL_MAX_BYTES
+    h = hosts("w1")
+    run_in(h, act("true", env="e"), [1, P.GRANT_NEW, None])
+    big = "x" * (1 << 20)
+    for i in range(20):
+        h.record("e", [f"b{i}", 1, "ok", {"stdout": big, "n": i}, None, 0.0, 1.0])
+    journal = h.mgr.envs.root / (env_dirname("e") + ".journal")
+    assert journal.stat().st_size <= JOURNAL_MAX_BYTES + (2 << 20)
+    kept = [i for i in range(20) if h.replay("e", f"b{i}") is not None]
+    assert kept == list(range(20 - len(kept), 20)) and 2 <= len(kept) <= 9, kept    # the newest, in order
+    assert h.replay("e", "b19")[3]["n"] == 19
+    h.record("e", ["huge", 1, "ok", "y" * (3 * JOURNAL_MAX_BYTES), None, 0.0, 1.0])
+    h.record("e", ["after", 1, "ok", 1, None, 0.0, 1.0])
+    assert h.replay("e", "huge") is not None and h.replay("e", "after")[3] == 1    # the newest two stay
+
+
 def test_a_copy_being_made_when_the_worker_registers_again_counts_as_held(hosts):
     """Stopped between its ASSIGN and the copy (SIGSTOP, a stall), the worker registers again while
     the copy is still being made: it reports it, and the coordinator's renumbering sticks."""

@@ -418,3 +418,44 @@ def test_the_coordinator_core_does_no_io_of_its_own(module):
         elif isinstance(node, ast.ImportFrom) and node.level == 0:
             imported.add(node.module.split(".")[0])
     assert not imported & {"zmq", "socket", "time", "threading", "subprocess", "os"}, imported
+
+
+def test_finished_actions_do_not_keep_their_deadlines_until_due():
+    """Each action with a timeout put an entry on the deadline heap that stayed until its deadline
+    (an hour's worth at thousands of actions a second); ended ones are dropped now and then."""
+    ledger = make(max_pending_per_client=100_000)
+    join(ledger, "w1", cores=8)
+    for i in range(5000):
+        spec = sleep(0.01, timeout=3600)
+        submit(ledger, C1, spec, now=float(i))
+        [(aid, attempt, _)] = take_assign(ledger, now=float(i))["w1"]
+        done(ledger, "w1", aid, attempt, now=i + 0.5)
+    live = sleep(0.01, timeout=3600)
+    submit(ledger, C1, live, now=5000.0)
+    take_assign(ledger, now=5000.0)
+    ledger.expire(5001.0)
+    assert len(ledger._deadlines) <= 1 + 4096 and any(e[1] == live.id for e in ledger._deadlines)
+    ledger.expire(5000.0 + 3600 + 60)      # the live one still times out at its deadline
+    [res] = [r for rs in take_results(ledger).values() for r in rs if r[0] == live.id]
+    assert res[1] == Status.TIMEOUT
+
+
+def test_the_result_cache_holds_large_outputs_by_their_bytes():
+    from tangram_hpc.coordinator.ledger import RecentMap
+    m = RecentMap(1000, max_bytes=10_000)
+    for i in range(20):
+        m.put(i, "x", nbytes=1000)       # a generation is full at 5,000 bytes, not 500 entries
+    assert m.get(19) is not None and m.get(15) is not None and m.get(14) is None
+    small = RecentMap(1000, max_bytes=10_000)
+    for i in range(400):
+        small.put(i, i)                  # no size said: by count only
+    assert small.get(0) == 0
+    # the coordinator weighs each result by its share of the DONE frame it came in
+    ledger = make(result_cache=1000, result_cache_mb=1)
+    join(ledger, "w1", cores=4)
+    specs = [sleep(0.01) for _ in range(4)]
+    submit(ledger, C1, *specs)
+    items = [[aid, attempt, "ok", "y", None, 0.5, 1.0, None] for aid, attempt, _ in take_assign(ledger)["w1"]]
+    ledger.done("w1", items, 1.0, nbytes=4 << 20)      # 1 MiB each: a generation is full at 0.5 MiB
+    kept = [s.id for s in specs if ledger._recent.get(s.id) is not None]
+    assert kept == [specs[-1].id], kept                 # 1 MiB kept of 4, not all four

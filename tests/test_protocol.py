@@ -185,3 +185,13 @@ def test_a_done_item_with_a_time_that_is_no_time_is_refused(started, finished):
     """A NaN from a worker would make every ACT sum of its kind NaN in the status and the metrics."""
     with pytest.raises(ValidationError, match="bad times"):
         P.check_done(["a", 1, "ok", None, None, started, finished, None])
+
+
+def test_a_batch_is_cut_into_frames_within_the_limit():
+    items = [["a%d" % i, "x" * (1000 + 37 * i)] for i in range(300)]
+    frames = P.encode_within(P.RESULT, items, 20_000)
+    assert len(frames) > 1 and all(len(f) <= 20_000 for f in frames)
+    assert [it for f in frames for it in P.decode(f, frozenset({P.RESULT}))[1]] == items   # all, in order
+    assert P.encode_within(P.RESULT, items[:3], 20_000) == [P.encode(P.RESULT, items[:3])]  # one when it fits
+    [big] = P.encode_within(P.RESULT, [["b", "y" * 50_000]], 20_000)      # one item alone stays whole
+    assert len(big) > 20_000

@@ -96,21 +96,28 @@ class RecentMap:
     from one ordered map, keeps the coordinator's memory flat over millions of actions.
     """
 
-    __slots__ = ("half", "young", "old")
+    __slots__ = ("half", "half_bytes", "young", "old", "young_bytes")
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, max_bytes: int | None = None):
         self.half = max(1, capacity // 2)
+        # what the values weigh (large outputs), when the caller says: a generation is full at
+        # half the entries or half the bytes
+        self.half_bytes = max(1, max_bytes // 2) if max_bytes else float("inf")
         self.young: dict = {}
         self.old: dict = {}
+        self.young_bytes = 0
 
     def get(self, key):
         v = self.young.get(key)
         return v if v is not None else self.old.get(key)
 
-    def put(self, key, value) -> None:
+    def put(self, key, value, nbytes: int = 0) -> None:
         self.young[key] = value
-        if len(self.young) >= self.half:
+        if nbytes:
+            self.young_bytes += nbytes
+        if len(self.young) >= self.half or self.young_bytes >= self.half_bytes:
             self.old, self.young = self.young, {}
+            self.young_bytes = 0
 
     def pop(self, key) -> None:
         self.young.pop(key, None)
@@ -135,7 +142,8 @@ class ActionLedger:
         self.action_log = action_log if action_log is not None else []
         self.dirty = False                 # something changed that may let the policy start actions
         self._actions: dict[str, _Action] = {}
-        self._recent = RecentMap(config.result_cache)     # action id -> result wire
+        self._recent = RecentMap(config.result_cache, config.result_cache_mb << 20)   # action id -> result wire
+        self._item_bytes = 0        # the wire size of each outcome of the DONE frame being read (its share)
         self._idem = RecentMap(config.result_cache)       # idempotency key -> action id
         self._client_pending: dict[bytes, int] = {}
         self._deadlines: list[tuple[float, str, int]] = []
@@ -712,8 +720,16 @@ class ActionLedger:
         else:
             a.held = True   # released with the environment's next change
 
-    def done(self, worker_id: str, items: list, now: float) -> int:
-        """A worker's DONE batch; returns how many items were malformed (each is skipped alone)."""
+    def done(self, worker_id: str, items: list, now: float, nbytes: int = 0) -> int:
+        """A worker's DONE batch (``nbytes``: its frame's size); returns how many items were malformed
+        (each is skipped alone)."""
+        self._item_bytes = nbytes // len(items) if items else 0
+        try:
+            return self._done(worker_id, items, now)
+        finally:
+            self._item_bytes = 0
+
+    def _done(self, worker_id: str, items: list, now: float) -> int:
         w = self.workers.by_id.get(worker_id)
         if w is None:
             # Late outcomes of a worker declared lost: their actions were retried elsewhere.
@@ -764,6 +780,12 @@ class ActionLedger:
         for env in self.envs.expire(now):
             self._env_changed(env, now)
         dl = self._deadlines
+        if len(dl) > 2 * len(self._actions) + 4096:
+            # an entry stays until its deadline though its action ended long before (a one-hour
+            # timeout at thousands of actions a second): keep only the live ones, now and then
+            actions = self._actions
+            dl[:] = [e for e in dl if (a := actions.get(e[1])) is not None and a.attempt == e[2]]
+            heapq.heapify(dl)
         grace = self.config.timeout_grace_s
         while dl and dl[0][0] <= now:
             _, aid, attempt = heapq.heappop(dl)
@@ -854,7 +876,7 @@ class ActionLedger:
             results[a.client] = [res]
         else:
             mine.append(res)
-        self._recent.put(aid, res)
+        self._recent.put(aid, res, self._item_bytes)
         if a.waiters:
             for ident, other in a.waiters:
                 copy = list(res)

@@ -337,7 +337,8 @@ class Coordinator:
                 self.pool_driver.joined(w)
             self._send_ident(ident, P.encode(P.WELCOME, {"coordinator": self.id,
                                                          "heartbeat_s": self.config.heartbeat_s,
-                                                         "snapshot_dir": str(self.state.snapshots)}))
+                                                         "snapshot_dir": str(self.state.snapshots),
+                                                         "max_frame_bytes": self.config.max_frame_bytes}))
             log.info("worker %s registered: %d cores, %d GPUs, handle %s", wid, info.cores, info.gpus, info.handle)
             if self._closing:
                 # its job started while this coordinator stops (a launch just before the stop):
@@ -362,7 +363,7 @@ class Coordinator:
             return
         w.last_seen = now
         if mtype == P.DONE:
-            bad = ledger.done(wid, body, now)
+            bad = ledger.done(wid, body, now, len(frame))
             if bad:
                 raise P.ProtocolError("invalid", f"{bad} malformed DONE item(s) from worker {wid} ignored")
         elif mtype == P.HEARTBEAT:
@@ -402,12 +403,15 @@ class Coordinator:
         if ob.results:
             out, ob.results = ob.results, {}
             send = self.clients.send_multipart
+            limit = self.config.max_frame_bytes
             for ident, results in out.items():
                 for i in range(0, len(results), _RESULT_SLICE):
-                    try:
-                        send([ident, P.encode(P.RESULT, results[i:i + _RESULT_SLICE])], zmq.NOBLOCK)
-                    except zmq.ZMQError:
-                        pass  # client gone; it resubmits on reconnect and gets cached results
+                    # within the frame limit (the client's too): large outputs go in more frames
+                    for frame in P.encode_within(P.RESULT, results[i:i + _RESULT_SLICE], limit):
+                        try:
+                            send([ident, frame], zmq.NOBLOCK)
+                        except zmq.ZMQError:
+                            pass  # client gone; it resubmits on reconnect and gets cached results
         if ob.to_clients:
             msgs, ob.to_clients = ob.to_clients, []
             for ident, mtype, body in msgs:

@@ -13,7 +13,7 @@ uid (the sandboxed command runs as that uid, see
 
 Each environment has a *journal* beside its directory (``<dir>.journal``, out of
 the sandbox's sight): the outcomes of (at least) the last :data:`JOURNAL_KEEP`
-actions that ran in it.  It travels with the environment (inside its snapshot, in the tar's
+actions that ran in it, as far as :data:`JOURNAL_MAX_BYTES` holds them.  It travels with the environment (inside its snapshot, in the tar's
 pax header; with its directory when a worker adopts it), so an action whose
 result was lost (its worker declared lost, the coordinator restarted) and that
 comes back to the environment is answered from the journal instead of running a
@@ -66,6 +66,10 @@ _MAX_DEPTH = 256
 _CHANGED_MEANWHILE = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.ELOOP, errno.ENXIO})
 #: Outcomes kept in an environment's journal at least (it is compacted to this many once it holds twice as many).
 JOURNAL_KEEP = 32
+#: ... and at most this many bytes of them (the newest two whatever their size): outputs of up to
+#: 2 MiB each would otherwise cost a worker hosting many environments gigabytes, in memory, on disk
+#: and in every snapshot.
+JOURNAL_MAX_BYTES = 8 << 20
 # pax header keys of a snapshot: the environment id, its generation, its journal (base64 msgpack)
 _PAX_ENV, _PAX_GEN, _PAX_JOURNAL = "TANGRAM.env", "TANGRAM.generation", "TANGRAM.journal"
 _PAX_TEMPLATE, _PAX_BASE, _PAX_DELETED = "TANGRAM.template", "TANGRAM.base", "TANGRAM.deleted"
@@ -502,15 +506,15 @@ class EnvStore:
             journal.pop(record[0], None)
             journal[record[0]] = record
             env.journal_appends += 1
-            compact = env.journal_appends > JOURNAL_KEEP
-            if compact:
-                for old in list(journal)[:max(0, len(journal) - JOURNAL_KEEP)]:
-                    del journal[old]
-                env.journal_appends = 0
-                _write_journal(self._journal_path(env_id), list(journal.values()))
-            else:
-                with open(self._journal_path(env_id), "ab") as f:
+            path = self._journal_path(env_id)
+            if env.journal_appends <= JOURNAL_KEEP:
+                with open(path, "ab") as f:
                     f.write(msgpack.packb(record, use_bin_type=True))
+                    if f.tell() <= JOURNAL_MAX_BYTES:
+                        return
+            _trim_journal(journal)
+            env.journal_appends = 0
+            _write_journal(path, list(journal.values()))
 
     def _set_journal(self, env: Environment, records: list) -> None:
         env.journal = {r[0]: r for r in records}
@@ -775,6 +779,20 @@ def _journal_from_header(text: str | None) -> list:
         raise EnvError(f"snapshot journal is unreadable: {exc}") from None
     return [r for r in records if isinstance(r, list) and len(r) == 7 and isinstance(r[0], str)] \
         if isinstance(records, list) else []
+
+
+def _trim_journal(journal: dict) -> None:
+    """Drop the oldest records past :data:`JOURNAL_KEEP` or :data:`JOURNAL_MAX_BYTES` (keeping two)."""
+    for old in list(journal)[:max(0, len(journal) - JOURNAL_KEEP)]:
+        del journal[old]
+    total, keep = 0, 0
+    for rec in reversed(list(journal.values())):
+        total += len(msgpack.packb(rec, use_bin_type=True))
+        if total > JOURNAL_MAX_BYTES and keep >= 2:
+            break
+        keep += 1
+    for old in list(journal)[:len(journal) - keep]:
+        del journal[old]
 
 
 def _read_journal(path: Path) -> list:
