@@ -572,7 +572,8 @@ def main(args: argparse.Namespace) -> int:
     if args.run_dir is not None and not args.run_dir.is_dir():
         print(f"report: no run directory {args.run_dir}", file=sys.stderr)
         return 2
-    if args.run_dir is not None and not any((args.run_dir / n).exists() for n in _RUN_LOGS):
+    logs = [args.run_dir / n for n in _RUN_LOGS] if args.run_dir is not None else []
+    if logs and not any(p.exists() for p in logs):
         # an accounting report of a directory that is not a run's would say the run used nothing
         inside = sorted(str(p.parent) for p in args.run_dir.glob(f"*/{_RUN_LOGS[0]}"))
         hint = f"; run directories in it: {', '.join(inside[:5])}{' ...' if len(inside) > 5 else ''}" \
@@ -587,9 +588,8 @@ def main(args: argparse.Namespace) -> int:
     except SlurmCommandError as e:
         print(f"report: Slurm accounting unavailable: {e}", file=sys.stderr)
         return 1
-    for name in _RUN_LOGS:
-        path = args.run_dir / name if args.run_dir is not None else None
-        if path is not None and path.is_file() and path.stat().st_size and not any(True for _ in read_records(path)):
+    for path in logs:
+        if path.is_file() and path.stat().st_size and next(read_records(path), None) is None:
             print(f"report: warning: {path} holds no readable record (not a tangram-hpc log?)", file=sys.stderr)
     if args.json:
         print(format_json(rep))

@@ -543,8 +543,11 @@ class Worker:
         self.sandboxes.close(keep=keep)
 
     def _send(self, mtype: int, body: Any) -> None:
+        self._send_frame(P.encode(mtype, body))
+
+    def _send_frame(self, frame: bytes) -> None:
         try:
-            self.sock.send(P.encode(mtype, body), zmq.NOBLOCK)
+            self.sock.send(frame, zmq.NOBLOCK)
         except zmq.Again:
             log.warning("send queue to the coordinator is full; message dropped")
 
@@ -589,18 +592,11 @@ class Worker:
         """Outcomes of earlier registrations, for the coordinator to match with actions still waiting."""
         if self._older and self._registered:
             older, self._older = self._older, []
+            # _packable: each item packs (or fails alone) and fits; encode_within: each frame fits
             for i in range(0, len(older), 500):
-                try:
-                    frames = P.encode_within(P.OUTCOMES, [self._packable(o) for o in older[i:i + 500]],
-                                             self._max_frame)
-                except Exception:   # an output that cannot be packed went out as a failed DONE already
-                    log.warning("could not send %d earlier outcomes", len(older[i:i + 500]))
-                    continue
-                for frame in frames:
-                    try:
-                        self.sock.send(frame, zmq.NOBLOCK)
-                    except zmq.Again:
-                        log.warning("send queue to the coordinator is full; message dropped")
+                for frame in P.encode_within(P.OUTCOMES, [self._packable(o) for o in older[i:i + 500]],
+                                             self._max_frame):
+                    self._send_frame(frame)
 
     def _heartbeat(self) -> None:
         gen = self._generation

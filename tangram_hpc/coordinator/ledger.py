@@ -143,7 +143,6 @@ class ActionLedger:
         self.dirty = False                 # something changed that may let the policy start actions
         self._actions: dict[str, _Action] = {}
         self._recent = RecentMap(config.result_cache, config.result_cache_mb << 20)   # action id -> result wire
-        self._item_bytes = 0        # the wire size of each outcome of the DONE frame being read (its share)
         self._idem = RecentMap(config.result_cache)       # idempotency key -> action id
         self._client_pending: dict[bytes, int] = {}
         self._deadlines: list[tuple[float, str, int]] = []
@@ -723,13 +722,6 @@ class ActionLedger:
     def done(self, worker_id: str, items: list, now: float, nbytes: int = 0) -> int:
         """A worker's DONE batch (``nbytes``: its frame's size); returns how many items were malformed
         (each is skipped alone)."""
-        self._item_bytes = nbytes // len(items) if items else 0
-        try:
-            return self._done(worker_id, items, now)
-        finally:
-            self._item_bytes = 0
-
-    def _done(self, worker_id: str, items: list, now: float) -> int:
         w = self.workers.by_id.get(worker_id)
         if w is None:
             # Late outcomes of a worker declared lost: their actions were retried elsewhere.
@@ -737,6 +729,7 @@ class ActionLedger:
             return 0
         policy = self.policy
         actions = self._actions
+        share = nbytes // len(items) if items else 0     # what each result weighs in the result cache
         bad = 0
         for item in items:
             try:
@@ -763,7 +756,7 @@ class ActionLedger:
                 self._env_attempt_ended(a.spec.env, now)
             if env_state == EnvState.RESTORED:
                 self._observe_restore(now - a.assigned - (finished - started))
-            self._finalize(a, status, output, error, started, finished, env_state)
+            self._finalize(a, status, output, error, started, finished, env_state, nbytes=share)
         self.dirty = True
         return bad
 
@@ -860,7 +853,7 @@ class ActionLedger:
                 self._moving_since[env] = now       # a move's cost counts from the save
 
     def _finalize(self, a: _Action, status: str, output: Any, error: str | None,
-                  started: float, finished: float, env_state: str | None = None) -> None:
+                  started: float, finished: float, env_state: str | None = None, *, nbytes: int = 0) -> None:
         spec = a.spec
         aid = spec.id
         del self._actions[aid]
@@ -876,7 +869,7 @@ class ActionLedger:
             results[a.client] = [res]
         else:
             mine.append(res)
-        self._recent.put(aid, res, self._item_bytes)
+        self._recent.put(aid, res, nbytes)
         if a.waiters:
             for ident, other in a.waiters:
                 copy = list(res)

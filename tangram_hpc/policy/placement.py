@@ -375,7 +375,7 @@ class PlacementPolicy(SchedulingPolicy):
         self._env_first: dict[str, ActionRecord] = {}         # env -> its pending first action
         self._env_wait: dict[str, list[ActionRecord]] = {}    # later actions of an env with no host yet
         self._services: dict[str, ServiceInfo] = {}
-        self._declared_mb: dict[str, int] = {}       # service -> its size as the run declares it
+        self._declared: set[str] = set()              # services whose size the run declared (it stays)
         self._svc_replicas: dict[str, dict[str, WorkerRecord]] = {}
         self._svc_step: dict[str, int] = {}          # service -> last RL step that called it
         self._step = 0                                # highest RL step seen
@@ -427,7 +427,7 @@ class PlacementPolicy(SchedulingPolicy):
         loads from the moment a worker registers.
         """
         self._services.update(services)
-        self._declared_mb.update((name, info.gpu_mem_mb) for name, info in services.items())
+        self._declared.update(services)
         self._fit_memo.clear()          # a service's size decides where its calls fit
         for name, s in services.items():
             if s.load_s is not None:
@@ -462,13 +462,11 @@ class PlacementPolicy(SchedulingPolicy):
         svc = d.service
         hosted = self._hosted
         gpu_mem = d.gpu_mem_mb
-        if svc:
-            # where it cannot load, it cannot run: its declared size, else the size its calls gave it
-            size = self._declared_mb.get(svc)
-            if size is None:
-                known = self._services.get(svc)
-                size = known.gpu_mem_mb if known is not None else 0
-            gpu_mem = max(gpu_mem, size)
+        info = self._services.get(svc) if svc else None
+        if info is not None and info.gpu_mem_mb > gpu_mem:
+            # where it cannot load, it cannot run: its declared size (kept, see submit), else the
+            # size its calls gave it
+            gpu_mem = info.gpu_mem_mb
         for lim in self._limits:
             if lim.holds(d.min_cores, d.mem_mb, gpu_mem) and (
                     not svc or lim.serves and (hosted is None or svc in hosted)):
@@ -735,7 +733,7 @@ class PlacementPolicy(SchedulingPolicy):
             known = self._services.get(d.service)
             if known is None:
                 self._services[d.service] = ServiceInfo(d.gpu_mem_mb)
-            elif d.gpu_mem_mb > known.gpu_mem_mb and d.service not in self._declared_mb:
+            elif d.gpu_mem_mb > known.gpu_mem_mb and d.service not in self._declared:
                 # an undeclared service is as large as its calls say; a declared one keeps its size
                 # (a call claiming more is refused alone, by the fit check)
                 self._services[d.service] = replace(known, gpu_mem_mb=d.gpu_mem_mb)
