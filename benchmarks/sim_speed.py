@@ -6,6 +6,8 @@ the peak resident memory of the process, and tangram's mean ACT, so a scale
 sweep also shows whether the scheduler's quality holds at scale (with the
 learned parallel fraction, and with ``--fixed-p`` the prior alone).  The
 cluster grows with the trajectories, keeping the preset's load per core.
+It first says whether the native build runs (``TANGRAM_NATIVE=0`` for the
+Python sources, to compare).
 
     python3 benchmarks/sim_speed.py                         # 100,000 trajectories of swe, one step
     python3 benchmarks/sim_speed.py --trajectories 1000,10000,100000 --fixed-p
@@ -56,6 +58,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=1)
     ap.add_argument("--fixed-p", action="store_true", help="also run with the prior parallel fraction only")
     a = ap.parse_args()
+    from tangram_hpc import native
+    import tangram_hpc.sim.engine  # noqa: F401  (what the runs below load)
+    print(f"simulator: {native.status()}", flush=True)
     for n in [int(x) for x in a.trajectories.split(",")]:
         for learn in ([True, False] if a.fixed_p else [True]):
             f = run(a.preset, n, a.steps, learn)

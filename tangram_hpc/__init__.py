@@ -4,11 +4,15 @@ The public API::
 
     from tangram_hpc import Client, ActionSpec, Demand, sandbox, function, reward, LocalCluster
 """
-from .actions import (ActionFailed, ActionResult, ActionSpec, Demand, EnvState, Status, ValidationError,
-                      function, register_kind, reward, sandbox)
-from .client import AsyncClient, Client
-from .errors import TangramError
-from .launch import LocalCluster
+from .native import activate as _activate_native
+
+_activate_native()      # before anything imports a policy: a compiled build of the sources, where one exists
+
+from .actions import (ActionFailed, ActionResult, ActionSpec, Demand, EnvState, Status,  # noqa: E402
+                      ValidationError, function, register_kind, reward, sandbox)
+from .client import AsyncClient, Client  # noqa: E402
+from .errors import TangramError  # noqa: E402
+from .launch import LocalCluster  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -445,8 +445,9 @@ def test_a_setup_that_stalls_is_infeasible_and_a_bug_is_not(monkeypatch):
     assert "8-core sandboxes for 51 trajectories, all needed at once at a per-turn barrier: stuck at t=" in why
     assert "trajectory-max" not in fig["policies"] and "tangram" in fig["policies"]
 
-    def broken(self, now):
-        raise RuntimeError("a bug in a baseline")
-    monkeypatch.setattr(PooledPolicy, "schedule", broken)
+    class Broken(PooledPolicy):
+        def schedule(self, now):
+            raise RuntimeError("a bug in a baseline")
+    monkeypatch.setattr(bench, "PooledPolicy", Broken)
     with pytest.raises(RuntimeError, match="a bug in a baseline"):      # not reported as "cannot run here"
         bench.run_bench(w, search=False)

@@ -21,6 +21,12 @@ from typing import Iterable
 from ..actions import ActionSpec
 from ..resources import ClusterCapacity, ResourceClass, WorkerInfo, WorkerShape
 
+try:
+    from mypy_extensions import mypyc_attr
+except ImportError:     # no mypy here: the attribute matters only to the native build (tangram_hpc.native)
+    def mypyc_attr(*_args, **_kw):  # type: ignore[no-redef,misc]
+        return lambda cls: cls
+
 
 @dataclass(slots=True, frozen=True)
 class Assignment:
@@ -31,6 +37,7 @@ class Assignment:
     cores: int
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)    # a policy of one's own, compiled build or not
 class SchedulingPolicy(ABC):
     """Places actions on workers.  Owns the resource accounting of its decisions.
 
@@ -202,6 +209,7 @@ class Withdraw:
     reason: str = "no work waiting"
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class PoolPolicy(ABC):
     """Says which workers it wants (launches, reclaims, withdrawn launches); it does not throttle.
 
@@ -209,8 +217,10 @@ class PoolPolicy(ABC):
     (``tangram_hpc.backends.guards.LaunchThrottle``).
     """
 
-    #: every worker shape this policy may launch
-    shapes: list[WorkerShape]
+    @property
+    @abstractmethod
+    def shapes(self) -> list[WorkerShape]:
+        """Every worker shape this policy may launch."""
 
     @abstractmethod
     def decide(self, view: PoolView) -> list[Launch | Reclaim | Withdraw]: ...

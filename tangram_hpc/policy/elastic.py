@@ -87,12 +87,14 @@ import math
 from typing import Mapping, Sequence
 
 from ..resources import ServiceInfo, WorkerShape
+from .base import mypyc_attr
 from .placement import ActionRecord, PlacementPolicy, PlacementQueue, WorkerRecord, water_level
 from .predict import Predictor
 
 __all__ = ["ElasticScheduler"]
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class ElasticScheduler(PlacementPolicy):
     """SRPT-with-aging order, load-dependent elastic core shares, residency-aware placement.
 
@@ -240,6 +242,7 @@ class ElasticScheduler(PlacementPolicy):
 
     def _should_load(self, rec: ActionRecord, q: PlacementQueue, now: float) -> bool:
         svc = rec.spec.demand.service
+        assert svc is not None
         reps = self._svc_replicas.get(svc)
         slots = 0
         if reps:

@@ -10,11 +10,13 @@ are ignored: this is the plain action-level baseline.
 """
 from __future__ import annotations
 
+from .base import mypyc_attr
 from .placement import ActionRecord, PlacementPolicy, PlacementQueue
 
 __all__ = ["FifoPolicy"]
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class FifoPolicy(PlacementPolicy):
     def _key(self, rec: ActionRecord) -> float:
         return float(rec.seq)

@@ -82,11 +82,11 @@ import math
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from statistics import NormalDist
-from typing import Iterable, Mapping, Sequence
+from typing import ClassVar, Iterable, Mapping, Sequence
 
 from ..actions import ActionSpec, Demand
 from ..resources import CPU, GPU, ResourceClass, ServiceInfo, WorkerInfo, WorkerShape
-from .base import Assignment, SchedulingPolicy, light_capacity
+from .base import Assignment, SchedulingPolicy, light_capacity, mypyc_attr
 from .predict import Predictor
 from .residency import Resident, choose_victims
 
@@ -327,22 +327,23 @@ class Tally:
             kl.rigid -= rec.spec.demand.min_cores
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class PlacementPolicy(SchedulingPolicy):
     """Common machinery; see the module docstring.  Subclasses set the order and the grant."""
 
     #: Core-bound actions whose class is learned to take less than this run pipelined (see submit).
-    PIPELINE_BELOW_S = 0.001
+    PIPELINE_BELOW_S: ClassVar[float] = 0.001
     #: An environment leaves a crowded worker only for one with at least this many more free cores.
-    REBALANCE_MARGIN_CORES = 8
+    REBALANCE_MARGIN_CORES: ClassVar[int] = 8
     #: ... and, while its agent thinks, only if fewer than this share of the next actions would come
     #: before the move is done (think times learned as lognormal).
-    REBALANCE_EARLY_SHARE = 0.15
+    REBALANCE_EARLY_SHARE: ClassVar[float] = 0.15
     #: The spread (variance of log seconds) assumed for think times until gaps are seen.
-    THINK_PRIOR_VAR = 0.5
+    THINK_PRIOR_VAR: ClassVar[float] = 0.5
     #: Time constant (seconds) of a worker's average of the cores its environments' fixed-size actions use.
-    RIGID_WINDOW_S = 60.0
+    RIGID_WINDOW_S: ClassVar[float] = 60.0
     #: Cores a worker keeps out of elastic grants for its environments' fixed-size actions (see _reserve).
-    RIGID_RESERVE_CORES = 1
+    RIGID_RESERVE_CORES: ClassVar[int] = 1
 
     def __init__(self, predictor: Predictor | None = None, *, shapes: Sequence[WorkerShape] = (),
                  services: Mapping[str, ServiceInfo] | None = None, pipeline_below_s: float | None = None,
@@ -797,6 +798,7 @@ class PlacementPolicy(SchedulingPolicy):
                 return
             self._env_first[env] = rec
         d = rec.spec.demand
+        qk: tuple
         if d.service:
             qk = (rec.spec.kind, d.service, d.min_cores, d.mem_mb)
             gpu = 0
@@ -885,7 +887,7 @@ class PlacementPolicy(SchedulingPolicy):
         spec = rec.spec
         if not ok or run_time is None:
             self.predictor.observe(spec, None, rec.cores, now)
-        elif rec.load_wait > 0:
+        elif rec.load_wait > 0 and spec.demand.service is not None:
             warm = self.predictor.predict(spec, rec.cores)
             self.predictor.observe_load(spec.demand.service, max(0.0, run_time - warm))
             self.predictor.observe(spec, None, rec.cores, now)
@@ -956,6 +958,7 @@ class PlacementPolicy(SchedulingPolicy):
         out = []
         for r in started:
             w = r.worker
+            assert w is not None
             started_hook(r.spec, r.cores, now)
             r.expect = r.time_at(r.cores)
             r.ends_at = r.started + r.expect
@@ -995,11 +998,12 @@ class PlacementPolicy(SchedulingPolicy):
         """
         grow, self._grow = self._grow, []
         by_worker: dict[str, list[ActionRecord]] = {}
-        for rec, w in grow:
-            if rec.state is _RUNNING and rec.worker is w:
-                by_worker.setdefault(w.id, []).append(rec)
+        for rec, on in grow:
+            if rec.state is _RUNNING and rec.worker is on:
+                by_worker.setdefault(on.id, []).append(rec)
         for recs in by_worker.values():
             w = recs[0].worker
+            assert w is not None
             if len(recs) == 1:
                 rec = recs[0]
                 extra = min(self._grant(rec, w), rec.spec.demand.max_cores) - rec.cores
@@ -1064,7 +1068,8 @@ class PlacementPolicy(SchedulingPolicy):
 
     def _top_fit(self, heap: list, d) -> WorkerRecord | None:
         skipped = []
-        found = None
+        found: WorkerRecord | None = None
+        w: WorkerRecord
         workers = self._workers
         while heap:
             negfree, seq, w = heap[0]
@@ -1170,19 +1175,21 @@ class PlacementPolicy(SchedulingPolicy):
             return False
         d = rec.spec.demand
         lo, free, tail = d.min_cores, w.free_cores, rec.tail
+        move_s = self.env_move_s
+        assert move_s is not None           # asked only where environments move
         # its finish here: at its minimum cores after the wait for them, or (elastic) now on
         # what is free here
         here = self._wait_for_cores(w, lo - free, now) + rec.time_at(lo) * tail
         if rec.elastic and free > lo:
             here = min(here, rec.time_at(min(free, d.max_cores)) * tail)
         # no worker can make the move pay, even at its most cores: spare the search for one
-        if self.env_move_s + rec.time_at(d.max_cores if rec.elastic else lo) * tail >= here:
+        if move_s + rec.time_at(d.max_cores if rec.elastic else lo) * tail >= here:
             return False
         there = self._best_worker(rec.spec.kind, d)
         if there is None or there is w:
             return False
         c = max(lo, min(d.max_cores, there.free_cores)) if rec.elastic else lo
-        moved = self.env_move_s + rec.time_at(c) * tail
+        moved = move_s + rec.time_at(c) * tail
         if rec.elastic and c > free and moved < here:
             # or here on as many cores as it would get there, after the wait for them
             here = min(here, self._wait_for_cores(w, c - free, now) + rec.time_at(c) * tail)
@@ -1213,7 +1220,8 @@ class PlacementPolicy(SchedulingPolicy):
         a quarter of the math preset's are shorter than half their mean) and another worker has
         clearly more free cores (its next action goes there)."""
         q = w.env_queue
-        if w.draining or self._quick_think_s is None or self.env_move_s >= self._quick_think_s:
+        if (w.draining or self._quick_think_s is None or self.env_move_s is None
+                or self.env_move_s >= self._quick_think_s):
             return
         if q is None or not q.live:
             need = min(w.cores, self._kinds[kind].widest)
@@ -1244,6 +1252,7 @@ class PlacementPolicy(SchedulingPolicy):
 
     def _service_ready_on(self, w: WorkerRecord, rec: ActionRecord, now: float) -> bool:
         svc = rec.spec.demand.service
+        assert svc is not None
         if svc in w.services:
             return self._has_slot(w, svc)
         if not self._can_host(w, svc):
@@ -1257,10 +1266,11 @@ class PlacementPolicy(SchedulingPolicy):
     def _service_worker(self, rec: ActionRecord, q: PlacementQueue, now: float) -> WorkerRecord | None:
         d = rec.spec.demand
         svc = d.service
+        assert svc is not None
         best = None
         reps = self._svc_replicas.get(svc)
         if reps:
-            rank = None
+            rank: tuple = ()
             for w in reps.values():
                 if (not w.draining and rec.spec.kind in w.kinds and self._fits(w, d)
                         and self._has_slot(w, svc)):
@@ -1302,6 +1312,7 @@ class PlacementPolicy(SchedulingPolicy):
 
     def _load(self, w: WorkerRecord, rec: ActionRecord, evict: list[str], now: float) -> None:
         svc = rec.spec.demand.service
+        assert svc is not None
         for s in evict:
             self._evict(w, s)
         self._make_resident(w, svc, self._service_mem(svc, rec.spec.demand.gpu_mem_mb),

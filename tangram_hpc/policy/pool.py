@@ -61,10 +61,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from ..actions import ActionSpec
 from ..resources import CPU, GPU, ClusterCapacity, PartitionFree, ResourceClass, WorkerShape
-from .base import Launch, PoolPolicy, PoolView, Reclaim, Withdraw
+from .base import Launch, PoolPolicy, PoolView, Reclaim, Withdraw, mypyc_attr
 from .predict import Predictor
 
 __all__ = ["PoolController", "PoolConfig", "ClusterCapacity", "PartitionFree", "resource_for"]
@@ -128,11 +129,12 @@ class _Demand:
     running: int = 0         # actions running
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class PoolController(PoolPolicy):
     #: Waiting actions of one resource class whose predicted core-seconds a decision adds up; past
     #: this many, every k-th (a different offset each decision) and the sum scaled to them all.
     #: Each costs a predictor call, in the coordinator's loop: 100,000 waiting took 0.3 s a decision.
-    BACKLOG_SAMPLE = 10_000
+    BACKLOG_SAMPLE: ClassVar[int] = 10_000
 
     def __init__(self, config: PoolConfig, predictor: Predictor | None = None):
         self.config = config
@@ -321,7 +323,7 @@ class PoolController(PoolPolicy):
         return out
 
     def _withdrawals(self, view: PoolView, demand: dict[ResourceClass, _Demand], wanted: dict[ResourceClass, float],
-                     cap_left: dict[ResourceClass, float], kept: dict[ResourceClass, int]) -> list[Withdraw]:
+                     cap_left: dict[ResourceClass, int], kept: dict[ResourceClass, int]) -> list[Withdraw]:
         """Launches still starting that nothing needs any more: none of their class waits, and the
         capacity without them still covers what is wanted (and ``min_workers``)."""
         out = []

@@ -51,6 +51,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ..actions import ActionSpec
+from .base import mypyc_attr
 
 __all__ = ["Predictor", "ClassStats", "amdahl_time", "feature_key", "censored_log_mean"]
 
@@ -169,6 +170,7 @@ def censored_log_mean(done_n: int, done_sum: float, censored: list[float], sd: f
     return mu
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class Predictor:
     """Per-class duration and speedup model.
 
@@ -326,9 +328,11 @@ class Predictor:
             # one gets more cores while work waits), so raw times would credit the cores with less
             # speed-up than they gave (0.65 learned for a true 0.9 in the swe preset, 0.75 so)
             hint = spec.duration_hint
-            rel = (run_time / hint if hint is not None and hint > 0 else run_time) if usable else None
+            rel = None
+            if run_time is not None and usable:
+                rel = run_time / hint if hint is not None and hint > 0 else run_time
             self._speedup_in_start_order(st, spec.id, rel, max(1, cores))
-        if not usable:
+        if not usable or run_time is None:
             return
         cores = max(1, cores)
         a = self.alpha
@@ -394,21 +398,23 @@ class Predictor:
         Young: fewer than ``warm_runs`` finished, or still more than a quarter as
         many running as finished (the first to finish are the short ones).
         """
-        st.done[0] += 1
-        st.done[1] += y
-        n = st.done[0]
-        if n >= self.warm_runs and len(st.running) * 4 <= n:
+        done, running = st.done, st.running
+        assert done is not None and running is not None      # young: both kept
+        done[0] += 1
+        done[1] += y
+        n = done[0]
+        if n >= self.warm_runs and len(running) * 4 <= n:
             st.done = None      # enough evidence: the moving average alone from here
             st.running = None
             st.mu_adj = None
             return
         if n > 16 and n % max(8, n >> 4):
             return              # the estimate moves slowly by now: refresh it every 8 runs, about every 16 later
-        if now is None or not st.running:
+        if now is None or not running:
             st.mu_adj = None
             return
         censored = []
-        for start, factor in st.running.values():   # oldest first: the most telling
+        for start, factor in running.values():   # oldest first: the most telling
             el = now - start
             if el > 0:
                 censored.append(math.log(max(el / factor, 1e-6)))
@@ -417,7 +423,7 @@ class Predictor:
         # the finished runs are the short ones, so their spread says little yet: assume the
         # e-fold spread typical of action durations unless they already show more
         sd = max(1.0, math.sqrt(st.var))
-        st.mu_adj = censored_log_mean(st.done[0], st.done[1], censored, sd) if censored else None
+        st.mu_adj = censored_log_mean(done[0], done[1], censored, sd) if censored else None
 
     def seed_load_time(self, service: str, load_time: float) -> None:
         """A known load time (configuration, a previous run) until one is measured."""

@@ -15,7 +15,11 @@ class StaticPool(PoolPolicy):
     """
 
     def __init__(self, shapes: list[WorkerShape]):
-        self.shapes = list(shapes)
+        self._shapes = list(shapes)
+
+    @property
+    def shapes(self) -> list[WorkerShape]:
+        return self._shapes
 
     def explain(self) -> str:
         cpu = sum(1 for s in self.shapes if s.resource is CPU)

@@ -37,7 +37,7 @@ from typing import Mapping
 import numpy as np
 
 from ..actions import ActionSpec, Demand
-from ..policy.base import Assignment, SchedulingPolicy
+from ..policy.base import Assignment, SchedulingPolicy, mypyc_attr
 from ..policy.placement import ActionRecord, PlacementPolicy, PlacementQueue
 from ..policy.predict import Predictor
 from ..resources import ServiceInfo, WorkerInfo
@@ -254,6 +254,7 @@ class TrajectoryBoundPolicy(SchedulingPolicy):
         return len(self._running)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class PooledPolicy(PlacementPolicy):
     """One shared pool, FIFO or shortest-first, every action at min or at max cores; a reward server."""
 

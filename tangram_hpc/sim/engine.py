@@ -39,7 +39,7 @@ import itertools
 import time
 from array import array
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -47,6 +47,7 @@ from ..actions import ActionSpec, Demand
 from ..policy.base import Assignment, Launch, PoolPolicy, PoolView, Reclaim, SchedulingPolicy, Withdraw, WorkerStatus
 from ..policy.residency import Resident, choose_victims
 from ..resources import CPU, GPU, ResourceClass, ServiceInfo, WorkerInfo, WorkerShape
+from .stalled import SimulationStalled
 from .workload import Plan, Service, Workload
 
 __all__ = ["SimResult", "Simulation", "SimulationStalled", "simulate", "cluster_shapes", "action_specs_for",
@@ -78,9 +79,11 @@ def _info(wid: str, shape: WorkerShape, services: frozenset[str]) -> WorkerInfo:
     return WorkerInfo(wid, shape.cores, shape.mem_mb, kinds=CPU_KINDS)
 
 
-def _view(a: np.ndarray, dtype: type) -> memoryview:
-    """A flat view of ``a`` as ``dtype`` (a copy only if it is not that already) whose items read as Python scalars."""
-    return memoryview(np.ascontiguousarray(a, dtype=dtype))
+def _view(a: np.ndarray | None, dtype: type) -> Any:
+    """A flat view of ``a`` as ``dtype`` (a copy only if it is not that already) whose items read as Python scalars.
+
+    Typed ``Any``: a memoryview's items are ints to a type checker, floats or bools here."""
+    return np.ascontiguousarray(a, dtype=dtype).data
 
 
 @dataclass(slots=True, frozen=True)
@@ -212,27 +215,6 @@ class EventCalendar:
 
     def __bool__(self) -> bool:
         return bool(self.cur) or bool(self.keys)
-
-
-class SimulationStalled(RuntimeError):
-    """Actions wait and nothing runs or will come: the setup cannot run the workload (an action
-    that fits no worker, or sandboxes that every trajectory of a turn needs at once)."""
-
-    def __init__(self, name: str, at: float, waiting: int, running: int, why: str | None = None):
-        super().__init__(f"{name}: simulation stalled at t={at:.0f} with {waiting} waiting and {running} "
-                         f"running actions ({why or 'an action that fits no worker?'})")
-        self.name = name
-        self.at = at
-        self.waiting = waiting
-        self.running = running
-        self.why = why
-        #: the same without the run's name and the guess, for a report that gives its own cause
-        self.reason = f"stuck at t={at:.0f} s with {waiting} actions waiting and {running or 'none'} running"
-        if why:
-            self.reason += f": {why}"
-
-    def __reduce__(self):       # rebuilt from its fields in another process (a bench job), not from its message
-        return SimulationStalled, (self.name, self.at, self.waiting, self.running, self.why)
 
 
 class SimWorker:
@@ -484,7 +466,9 @@ class Simulation:
         move_s = self.w.cluster.env_move_s
         for env in envs:
             g = self.traj_index.get(env)
-            ew = self.env_worker.get(g) if g is not None else None
+            if g is None:
+                continue
+            ew = self.env_worker.get(g)
             if ew is None or g in self.moving:
                 continue                 # not live on a worker: nothing to move
             first, last = self.traj_group[g], self.traj_next[g]
@@ -493,7 +477,8 @@ class Simulation:
             self.moving[g] = [i for i in range(first, last) if self.policy.cancel(str(i))]
             del self.env_worker[g]
             ew.status.envs -= 1
-            self._close_env(env)
+            if self._close_env is not None:
+                self._close_env(env)
             self.moves += 1
             self._push(now + move_s, _MOVED, g)
 
@@ -590,6 +575,7 @@ class Simulation:
         offered = self._offered(now) if self._offered is not None else None
         view = PoolView(now, self.policy.pending_actions(), list(self.statuses), list(self.starting),
                         list(self.failures), step=self.step, offered_load=offered)
+        assert self.pool is not None        # ticks are pushed only with a pool
         for dec in self.pool.decide(view):
             if isinstance(dec, Launch):
                 self._launch(dec, now)
