@@ -199,7 +199,7 @@ def main(args) -> int:
         return 0
     try:
         build()
-    except RuntimeError as e:
+    except (RuntimeError, OSError) as e:      # OSError: e.g. an install the user cannot write to
         print(f"tangram-hpc native: {e}", file=sys.stderr)
         return 1
     return 0

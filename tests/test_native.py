@@ -106,3 +106,10 @@ def test_compiled_and_python_benchmarks_are_identical(preset, tmp_path):
                 f"'--json', '{path}']))", native_on=on)
         out[on] = _strip(json.loads(path.read_text()))
     assert json.dumps(out[True], sort_keys=True) == json.dumps(out[False], sort_keys=True)
+
+
+def test_a_build_that_cannot_be_made_says_why(monkeypatch, capsys):
+    import argparse
+    monkeypatch.setattr(native, "can_build", lambda: "no C compiler (cc)")
+    assert native.main(argparse.Namespace(what="build")) == 1
+    assert "cannot build: no C compiler (cc)" in capsys.readouterr().err

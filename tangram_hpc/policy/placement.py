@@ -954,12 +954,12 @@ class PlacementPolicy(SchedulingPolicy):
             self._heads = None
         if self._grow:
             self._grow_grants()
-        started_hook = self.predictor.started
+        predictor = self.predictor
         out = []
         for r in started:
             w = r.worker
             assert w is not None
-            started_hook(r.spec, r.cores, now)
+            predictor.started(r.spec, r.cores, now)     # a method, not a bound one kept: a native call when compiled
             r.expect = r.time_at(r.cores)
             r.ends_at = r.started + r.expect
             w.ends = None

@@ -39,7 +39,7 @@ import itertools
 import time
 from array import array
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Final
 
 import numpy as np
 
@@ -53,7 +53,13 @@ from .workload import Plan, Service, Workload
 __all__ = ["SimResult", "Simulation", "SimulationStalled", "simulate", "cluster_shapes", "action_specs_for",
            "service_infos", "CPU_KINDS", "GPU_KINDS"]
 
-_FINISH, _SUBMIT, _UP, _STEP, _TICK, _MOVED = 0, 1, 2, 3, 4, 5
+# event types (Final: constants in the native build, not module look-ups)
+_FINISH: Final = 0
+_SUBMIT: Final = 1
+_UP: Final = 2
+_STEP: Final = 3
+_TICK: Final = 4
+_MOVED: Final = 5
 
 CPU_KINDS = frozenset({"sandbox", "function"})
 GPU_KINDS = frozenset({"reward"})
@@ -370,31 +376,37 @@ class Simulation:
         handlers = (self._on_finish, self._on_submit, self._on_worker_up, self._on_step, self._on_pool_tick,
                     self._on_moved)
         q = self.events_q
-        pop = q.pop
         cur, later = q.cur, q.keys
         heappop = heapq.heappop
         policy = self.policy
-        schedule = policy.schedule
         env_moves = self._env_moves
         progress = self.progress
         next_trace = self.next_trace
         next_report = time.perf_counter() + 2.0
         events = 0
         now = 0.0
+        e: tuple
+        typ: int
         while (cur or later) and not self.done:
             # the calendar's current bucket, popped in place (the common case), else the calendar refills it
-            e = heappop(cur) if cur else pop()
+            e = heappop(cur) if cur else q.pop()
             now = e[0]
             self.now = now
             events += 1
-            handlers[e[1]](e)
+            typ = e[1]
+            if typ == _FINISH:          # the common two called directly (a native call when compiled)
+                self._on_finish(e)
+            elif typ == _SUBMIT:
+                self._on_submit(e)
+            else:
+                handlers[typ](e)
             if cur and cur[0][0] == now:
                 continue                # all events of an instant are applied before schedule
             if now >= next_trace:
                 self.trace.append((now, self.busy[CPU], self.alloc_units[CPU], self.busy[GPU],
                                    self.alloc_units[GPU]))
                 next_trace = self.next_trace = now + self.trace_dt
-            starts = schedule(now)
+            starts = policy.schedule(now)
             if env_moves is not None:
                 envs = env_moves()
                 if envs:
@@ -427,6 +439,8 @@ class Simulation:
 
     def _on_submit(self, e: tuple) -> None:
         """Submit a group: an action and the ones joined to it (``again``: one lost action, alone)."""
+        i: int
+        g: int
         _, _, _, i, g, again = e
         now = self.now
         if again:
@@ -490,6 +504,12 @@ class Simulation:
 
     def _on_finish(self, e: tuple) -> None:
         # the start's facts ride in the event: the per-action arrays are cold by now
+        i: int
+        sw: SimWorker
+        c: int
+        started: float
+        row: _ActionClassRow
+        g: int
         _, _, _, i, att, sw, aid, c, started, row, g = e
         if self.attempt and att != self.attempt.get(i, 0):
             return                      # an attempt lost with its worker
@@ -666,7 +686,7 @@ class Simulation:
         attempt = self.attempt
         traj_of = self.traj_of
         env_worker = self.env_worker
-        push = self.events_q.push
+        q = self.events_q
         seq = self.events_q.seq
         for a in starts:
             aid = a.action_id
@@ -698,10 +718,11 @@ class Simulation:
             st.idle_since = None
             busy[sw.resource] += c
             p = row.parallel_fraction
-            run = d1[i] * ((1.0 - p) + p / (c if c > 1 else 1)) * factor
+            one_core: float = d1[i]
+            run = one_core * ((1.0 - p) + p / (c if c > 1 else 1)) * factor
             if run > row.timeout_s:
                 run = row.timeout_s
-            push((start + run, _FINISH, seq(), i, attempt.get(i, 0) if attempt else 0, sw, aid, c, now, row, g))
+            q.push((start + run, _FINISH, seq(), i, attempt.get(i, 0) if attempt else 0, sw, aid, c, now, row, g))
 
     def _batch_factor(self, sw: SimWorker, name: str, in_batch: int) -> float:
         svc = self.svc_defs[name]
