@@ -37,7 +37,7 @@ if [ "${WITH_MODEL:-0}" = 1 ]; then
 else
     .venv/bin/python -m pip install -q -e '.[test,native]'
 fi
-# The policies and the simulator compiled (about 3x faster); where it cannot be built, the
+# The policies and the simulator compiled (about 2x faster); where it cannot be built, the
 # Python sources run, with a note why.  TANGRAM_NATIVE=0 skips it.
 if [ "${TANGRAM_NATIVE:-1}" != 0 ]; then
     .venv/bin/python -m tangram_hpc.cli native build || echo "setup-env: no native build; the Python sources run" >&2

@@ -28,7 +28,7 @@ COMMANDS = {
     "fidelity": ("tangram_hpc.fidelity", "run a small workload live on local workers and in the simulator; compare ACT"),
     "demo": ("tangram_hpc.demo", "run a synthetic agentic-RL step on a local coordinator and print ACT statistics"),
     "config": ("tangram_hpc.config_cli", "show the effective configuration (defaults, file, environment) and its sources"),
-    "native": ("tangram_hpc.native", "compile the policies and the simulator (about 3x faster), or show whether they run compiled"),
+    "native": ("tangram_hpc.native", "compile the policies and the simulator (about 2x faster), or show whether they run compiled"),
     "serve": ("tangram_hpc.serve.command", "HTTP in front of a coordinator: SandboxFusion's /run_code and OpenRLHF's remote reward (/reward/SERVICE)"),
 }
 

@@ -1,13 +1,13 @@
 """The native build: the scheduling policies and the simulator compiled to C with mypyc.
 
 The policies and the simulator's event loop are pure Python, and at 100,000 trajectories the
-simulator spends minutes in them.  The same sources compiled with mypyc run about three times
-faster and behave identically (the suite checks that the simulator's results are bit-identical),
+simulator spends minutes in them.  The same sources compiled with mypyc run two to almost three
+times faster and behave identically (the suite checks that the simulator's results are bit-identical),
 so where a build exists every process uses it: the coordinator, the simulator and the benchmark
 run the same policy code, compiled or not.
 
-A build is kept under ``tangram_hpc/_native_builds/<key>/``, where the key hashes the Python
-version and the compiled modules' sources.  Edit one of them and the key changes: the build no
+A build is kept under ``tangram_hpc/_native_builds/<key>/``, where the key names the Python
+version and hashes it with the compiled modules' sources.  Edit one of them and the key changes: the build no
 longer matches and the Python sources run until the next ``tangram-hpc native build`` (a stale
 build is never loaded).  ``TANGRAM_NATIVE=0`` turns the build off for one process.
 
@@ -61,11 +61,11 @@ def _source(module: str) -> Path:
 
 
 def build_key() -> str:
-    """Hash of what a build depends on: the interpreter's ABI and every compiled module's source."""
+    """The interpreter's tag and a hash of what a build depends on: its ABI and every compiled source."""
     h = hashlib.sha256(f"{sys.implementation.cache_tag} {_SUFFIX}\n".encode())
     for m in COMPILED:
         h.update(m.encode() + b"\0" + _source(m).read_bytes() + b"\0")
-    return h.hexdigest()[:20]
+    return f"{sys.implementation.cache_tag}-{h.hexdigest()[:20]}"
 
 
 class _BuildFinder(importlib.abc.MetaPathFinder):
@@ -179,8 +179,8 @@ def build(log=print) -> Path:
         if dest.exists():
             shutil.rmtree(dest)
         os.rename(staging, dest)            # whole or not at all: a process never sees half a build
-    for old in BUILDS.iterdir():
-        if old != dest:
+    for old in BUILDS.iterdir():       # older builds for this interpreter (another one keeps its own)
+        if old != dest and old.name.startswith(sys.implementation.cache_tag + "-"):
             shutil.rmtree(old, ignore_errors=True)
     log(f"native build {key} in {dest}")
     return dest
