@@ -82,7 +82,7 @@ import math
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from statistics import NormalDist
-from typing import ClassVar, Iterable, Mapping, Sequence
+from typing import ClassVar, Final, Iterable, Mapping, Sequence
 
 from ..actions import ActionSpec, Demand
 from ..resources import CPU, GPU, ResourceClass, ServiceInfo, WorkerInfo, WorkerShape
@@ -93,7 +93,7 @@ from .residency import Resident, choose_victims
 __all__ = ["ActionState", "ActionRecord", "ServiceReplica", "WorkerRecord", "PlacementQueue", "ShapeLimit",
            "KindLoad", "Tally", "PlacementPolicy", "water_level"]
 
-_INF = float("inf")
+_INF: Final = float("inf")
 
 
 class ActionState(Enum):
@@ -102,7 +102,10 @@ class ActionState(Enum):
     GONE = "gone"
 
 
-_PENDING, _RUNNING, _GONE = ActionState.PENDING, ActionState.RUNNING, ActionState.GONE
+# Final: C constants in the native build, where a plain module name is a dictionary look-up
+_PENDING: Final = ActionState.PENDING
+_RUNNING: Final = ActionState.RUNNING
+_GONE: Final = ActionState.GONE
 
 
 class ActionRecord:

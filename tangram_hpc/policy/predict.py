@@ -49,6 +49,7 @@ import functools
 import math
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Final
 
 from ..actions import ActionSpec
 from .base import mypyc_attr
@@ -109,9 +110,9 @@ class ClassStats:
         return math.exp((self.mu if self.mu_adj is None else self.mu_adj) + 0.5 * self.var)
 
 
-_P_GRID = tuple(i / 40 for i in range(41))
-_BUCKET_CAP = 200.0     # a core count's mean log time forgets after about this many runs
-_CENSORED_CAP = 128     # running actions counted in a warm-up estimate
+_P_GRID: Final = tuple(i / 40 for i in range(41))
+_BUCKET_CAP: Final = 200.0     # a core count's mean log time forgets after about this many runs
+_CENSORED_CAP: Final = 128     # running actions counted in a warm-up estimate
 _SQRT2 = math.sqrt(2.0)
 _SQRT_2PI = math.sqrt(2.0 * math.pi)
 
