@@ -7,15 +7,21 @@ so where a build exists every process uses it: the coordinator, the simulator an
 run the same policy code, compiled or not.
 
 A build is kept under ``tangram_hpc/_native_builds/<key>/``, where the key names the Python
-version and hashes it with the compiled modules' sources.  Edit one of them and the key changes: the build no
-longer matches and the Python sources run until the next ``tangram-hpc native build`` (a stale
-build is never loaded).  ``TANGRAM_NATIVE=0`` turns the build off for one process.
+version and hashes it with the sources of the compiled modules and of the modules they import
+(``DEPENDS``).  Edit one of them and the key changes: the build no longer matches and the Python
+sources run until the next ``tangram-hpc native build`` (a stale build is never loaded; neither
+is one that does not load here).  ``TANGRAM_NATIVE=0`` turns the build off for one process.
+
+Compiled classes check the types their fields and arguments are annotated with (an ``int``
+field given a float raises TypeError where Python would take it), take no attributes they do not
+declare and no monkeypatched methods; the frozen dataclasses pickle through their constructors.
 
     tangram-hpc native build     # compile (mypy and a C compiler; scripts/setup-env.sh does it)
     tangram-hpc native status    # whether this process runs the build, and why not
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.abc
 import importlib.machinery
@@ -28,7 +34,7 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
-__all__ = ["COMPILED", "active", "activate", "build", "status"]
+__all__ = ["COMPILED", "DEPENDS", "active", "activate", "build", "build_dir", "status"]
 
 #: The modules compiled.  Every class one of them subclasses is compiled too (a compiled class
 #: cannot inherit from a plain one), and none of them defines an exception class (those stay
@@ -45,6 +51,18 @@ COMPILED = (
     "tangram_hpc.sim.engine",
     "tangram_hpc.sim.baselines",
 )
+#: The other modules of the package the compiled ones import: their types are compiled in too (a
+#: compiled function checks the attributes of an ``ActionSpec`` it reads), so they are hashed
+#: into the build's key as well.  A test keeps this list equal to the import closure.
+DEPENDS = (
+    "tangram_hpc.actions",
+    "tangram_hpc.errors",
+    "tangram_hpc.resources",
+    "tangram_hpc.sim.stalled",
+    "tangram_hpc.sim.workload",
+)
+#: Builds kept per interpreter: a process started before a rebuild may still import from its own.
+KEEP_BUILDS = 3
 #: mypyc puts the compiled code of all of them in one shared library of this name.
 _GROUP = "tangram_hpc._native"
 _LIB = _GROUP + "__mypyc"
@@ -52,6 +70,7 @@ _LIB = _GROUP + "__mypyc"
 _PACKAGE = Path(__file__).resolve().parent
 BUILDS = _PACKAGE / "_native_builds"
 _SUFFIX = importlib.machinery.EXTENSION_SUFFIXES[0]
+_PREFIX = sys.implementation.cache_tag + "-"      # a build directory's name: this, then the hash
 
 _state = {"active": False, "why": "not activated"}
 
@@ -63,9 +82,9 @@ def _source(module: str) -> Path:
 def build_key() -> str:
     """The interpreter's tag and a hash of what a build depends on: its ABI and every compiled source."""
     h = hashlib.sha256(f"{sys.implementation.cache_tag} {_SUFFIX}\n".encode())
-    for m in COMPILED:
+    for m in (*COMPILED, *DEPENDS):
         h.update(m.encode() + b"\0" + _source(m).read_bytes() + b"\0")
-    return f"{sys.implementation.cache_tag}-{h.hexdigest()[:20]}"
+    return _PREFIX + h.hexdigest()[:20]
 
 
 class _BuildFinder(importlib.abc.MetaPathFinder):
@@ -99,15 +118,36 @@ def activate() -> bool:
         return False
     d = BUILDS / key
     files = {m: str(d / (m + _SUFFIX)) for m in (*COMPILED, _LIB)}
-    if not all(os.path.exists(f) for f in files.values()):
-        _state["why"] = "stale: the sources changed since the build (tangram-hpc native build)"
+    if not all(os.access(f, os.R_OK) for f in files.values()):
+        _state["why"] = _why_no_build(key)
         return False
     if any(m in sys.modules for m in COMPILED):
         _state["why"] = "too late: the Python modules were imported first"
         return False
-    sys.meta_path.insert(0, _BuildFinder(files))
-    _state.update(active=True, why=str(d))
+    finder = _BuildFinder(files)
+    sys.meta_path.insert(0, finder)
+    try:
+        # load the shared library now: one that cannot load here (a truncated file, a node with
+        # another C library) leaves the Python sources to run instead of failing every import
+        importlib.import_module(_LIB)
+    except Exception as e:          # noqa: BLE001 -- whatever the loader says, the sources still run
+        sys.meta_path.remove(finder)
+        sys.modules.pop(_LIB, None)
+        _state["why"] = f"the build in {d} does not load here ({e})"
+        return False
+    _state.update(active=True, why=str(d), dir=d)
     return True
+
+
+def _why_no_build(key: str) -> str:
+    prefix = _PREFIX
+    mine = [p for p in BUILDS.iterdir() if p.name.startswith(prefix)]
+    if (BUILDS / key).exists():
+        return f"the build {BUILDS / key} is incomplete or not readable by this user"
+    if mine:
+        return ("stale: the compiled sources (or the modules they import) changed since the last build "
+                "(tangram-hpc native build)")
+    return f"no build for this interpreter ({prefix[:-1]}; tangram-hpc native build)"
 
 
 def active() -> bool:
@@ -116,6 +156,12 @@ def active() -> bool:
     if mod is None:
         return bool(_state["active"])
     return not str(getattr(mod, "__file__", "")).endswith(".py")
+
+
+def build_dir() -> Path | None:
+    """The directory of the build this process runs, or None."""
+    d = _state.get("dir")
+    return d if isinstance(d, Path) and active() else None
 
 
 def status() -> str:
@@ -154,12 +200,19 @@ def build(log=print) -> Path:
     why = can_build()
     if why:
         raise RuntimeError(f"cannot build: {why}")
+    BUILDS.mkdir(exist_ok=True)
+    with open(BUILDS / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)        # one build at a time; a second finds it made
+        return _build_locked(log)
+
+
+def _build_locked(log) -> Path:
     key = build_key()
     dest = BUILDS / key
     if all((dest / (m + _SUFFIX)).exists() for m in (*COMPILED, _LIB)):
         log(f"native build {key} is up to date")
+        _prune(dest)
         return dest
-    BUILDS.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="tangram-native-") as tmp:
         # compile a copy: mypyc writes its C sources and objects next to what it compiles
         shutil.copytree(_PACKAGE, Path(tmp, "tangram_hpc"),
@@ -174,16 +227,28 @@ def build(log=print) -> Path:
             tail = out.read_text(errors="replace").splitlines()[-25:]
             raise RuntimeError("mypyc build failed:\n" + "\n".join(tail))
         staging = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=BUILDS))
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(staging, 0o777 & ~umask)   # mkdtemp's 0700 would hide it from other users of the install
         for m in (*COMPILED, _LIB):
             shutil.copy2(Path(tmp, *m.split(".")).with_suffix(_SUFFIX), staging / (m + _SUFFIX))
-        if dest.exists():
+        if dest.exists():                   # an incomplete one (a file removed by hand)
             shutil.rmtree(dest)
         os.rename(staging, dest)            # whole or not at all: a process never sees half a build
-    for old in BUILDS.iterdir():       # older builds for this interpreter (another one keeps its own)
-        if old != dest and old.name.startswith(sys.implementation.cache_tag + "-"):
-            shutil.rmtree(old, ignore_errors=True)
+    _prune(dest)
     log(f"native build {key} in {dest}")
     return dest
+
+
+def _prune(dest: Path) -> None:
+    """Drop this interpreter's oldest builds but ``dest``, keeping a few (a process started before
+    a rebuild may still import from its own; another interpreter's builds are its own business)."""
+    mine = sorted((p for p in BUILDS.iterdir() if p.name.startswith(_PREFIX) and p != dest),
+                  key=lambda p: p.stat().st_mtime)
+    for old in mine[:max(0, len(mine) - (KEEP_BUILDS - 1))]:
+        shutil.rmtree(old, ignore_errors=True)
+    for stale in BUILDS.glob("." + _PREFIX + "*"):  # staging left by a build that was killed
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def add_arguments(p) -> None:

@@ -36,6 +36,10 @@ class Assignment:
     worker_id: str
     cores: int
 
+    # a frozen dataclass of the native build unpickles (and copies) through its constructor
+    def __reduce__(self) -> tuple:
+        return (Assignment, (self.action_id, self.worker_id, self.cores))
+
 
 @mypyc_attr(allow_interpreted_subclasses=True)    # a policy of one's own, compiled build or not
 class SchedulingPolicy(ABC):
@@ -189,11 +193,17 @@ class Launch:
     count: int = 1
     reason: str = ""            # why, when it is not the actions waiting now (the driver says those)
 
+    def __reduce__(self) -> tuple:
+        return (Launch, (self.shape, self.count, self.reason))
+
 
 @dataclass(slots=True, frozen=True)
 class Reclaim:
     worker_id: str
     reason: str = "idle"
+
+    def __reduce__(self) -> tuple:
+        return (Reclaim, (self.worker_id, self.reason))
 
 
 @dataclass(slots=True, frozen=True)
@@ -208,6 +218,9 @@ class Withdraw:
     count: int = 1
     reason: str = "no work waiting"
 
+    def __reduce__(self) -> tuple:
+        return (Withdraw, (self.shape, self.count, self.reason))
+
 
 @mypyc_attr(allow_interpreted_subclasses=True)
 class PoolPolicy(ABC):
@@ -217,10 +230,8 @@ class PoolPolicy(ABC):
     (``tangram_hpc.backends.guards.LaunchThrottle``).
     """
 
-    @property
-    @abstractmethod
-    def shapes(self) -> list[WorkerShape]:
-        """Every worker shape this policy may launch."""
+    #: every worker shape this policy may launch (set by a subclass's __init__)
+    shapes: list[WorkerShape]
 
     @abstractmethod
     def decide(self, view: PoolView) -> list[Launch | Reclaim | Withdraw]: ...

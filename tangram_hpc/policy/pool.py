@@ -138,6 +138,7 @@ class PoolController(PoolPolicy):
 
     def __init__(self, config: PoolConfig, predictor: Predictor | None = None):
         self.config = config
+        self.shapes = list(config.shapes)
         self.predictor = predictor if predictor is not None else Predictor()
         self.cluster: ClusterCapacity | None = None
         self._last = ""
@@ -147,10 +148,6 @@ class PoolController(PoolPolicy):
         self._prev_peak: dict[ResourceClass, float] = {}   # ... in the previous step
         self._active_at: dict[ResourceClass, float] = {}   # last time an action of the class ran or waited
         self._decisions = 0
-
-    @property
-    def shapes(self) -> list[WorkerShape]:
-        return list(self.config.shapes)
 
     def update_cluster(self, capacity: ClusterCapacity | None) -> None:
         """The batch system's current free resources (the Slurm backend polls them)."""

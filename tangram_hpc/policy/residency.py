@@ -42,6 +42,10 @@ class Resident:
     reload_s: float
     evict_s: float
 
+    def __reduce__(self) -> tuple:      # see Assignment.__reduce__
+        return (Resident, (self.name, self.memory_mb, self.pending_inputs, self.idle_s, self.reload_s,
+                           self.evict_s))
+
 
 def eviction_value(r: Resident) -> float:
     return (1 + r.pending_inputs) * (r.reload_s + r.evict_s + _COST_FLOOR_S) / (1.0 + max(0.0, r.idle_s))

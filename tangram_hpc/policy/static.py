@@ -15,11 +15,7 @@ class StaticPool(PoolPolicy):
     """
 
     def __init__(self, shapes: list[WorkerShape]):
-        self._shapes = list(shapes)
-
-    @property
-    def shapes(self) -> list[WorkerShape]:
-        return self._shapes
+        self.shapes = list(shapes)
 
     def explain(self) -> str:
         cpu = sum(1 for s in self.shapes if s.resource is CPU)
