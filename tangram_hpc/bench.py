@@ -40,6 +40,7 @@ import numpy as np
 from .policy.elastic import ElasticScheduler
 from .policy.pool import PoolConfig, PoolController
 from .policy.predict import Predictor
+from . import native
 from .progress import progress_reporter
 from .resources import CPU, GPU
 from .sim.baselines import PooledPolicy, TaskIsolatedPolicy, TrajectoryBoundPolicy, isolated_split, unconstrained_peaks
@@ -638,6 +639,7 @@ def main(args: argparse.Namespace) -> int:
     with progress_reporter(args.quiet) as progress:
         fig, runs = run_bench(w, search=not args.no_search, jobs=jobs, progress=progress)
     fig["bench_wall_s"] = time.perf_counter() - t0
+    fig["bench_native"] = native.active()       # whether the compiled simulator ran (same figures, faster)
     print(f"workload {w.name} ({w.source}): {fig['trajectories']:,} trajectories, {fig['actions']:,} actions, "
           f"{w.rollout.steps} step{'s' if w.rollout.steps != 1 else ''}")
     print(_fmt_table(fig))
@@ -658,6 +660,7 @@ def _main_seeds(args: argparse.Namespace, w: Workload, jobs: int) -> int:
     with progress_reporter(args.quiet) as progress:
         res = run_seeds(w, args.seed, jobs=jobs, progress=progress)
     res["bench_wall_s"] = time.perf_counter() - t0
+    res["bench_native"] = native.active()
     first = res["runs"][0]
     print(f"workload {w.name} ({w.source}): {len(args.seed)} seeds ({', '.join(map(str, args.seed))}), "
           f"{first['trajectories']:,} trajectories and about {first['actions']:,} actions each, "

@@ -125,8 +125,8 @@ def test_a_policy_of_ones_own_subclasses_the_compiled_classes():
     assert [(a.action_id, a.worker_id) for a in s.schedule(0.0)] == [("a", "w")]
 
 
-# every field of bench --json but the machine's time to compute it
-_TIMING = {"bench_wall_s", "sim_wall_s"}
+# every field of bench --json but how this machine computed it (its time, and whether compiled)
+_TIMING = {"bench_wall_s", "sim_wall_s", "bench_native"}
 
 
 def _strip(x):
@@ -150,7 +150,9 @@ def test_compiled_and_python_benchmarks_are_identical(preset, tmp_path):
                        f"'--quiet', '--json', '{path}']); print(native.status()); raise SystemExit(rc)",
                        native_on=on)
         assert said.splitlines()[-1].startswith("native" if on else "pure Python"), said
-        out[on] = _strip(json.loads(path.read_text()))
+        raw = json.loads(path.read_text())
+        assert raw["bench_native"] is on
+        out[on] = _strip(raw)
     assert "cpu_saving" in json.dumps(out[True]) and "mean_act" in json.dumps(out[True])
     assert json.dumps(out[True], sort_keys=True) == json.dumps(out[False], sort_keys=True)
 
