@@ -22,6 +22,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from tangram_hpc import native  # noqa: E402
 from tangram_hpc.policy.elastic import ElasticScheduler  # noqa: E402
 from tangram_hpc.policy.pool import PoolConfig, PoolController  # noqa: E402
 from tangram_hpc.policy.predict import Predictor  # noqa: E402
@@ -58,8 +59,6 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=1)
     ap.add_argument("--fixed-p", action="store_true", help="also run with the prior parallel fraction only")
     a = ap.parse_args()
-    from tangram_hpc import native
-    import tangram_hpc.sim.engine  # noqa: F401  (what the runs below load)
     print(f"simulator: {native.status()}", flush=True)
     for n in [int(x) for x in a.trajectories.split(",")]:
         for learn in ([True, False] if a.fixed_p else [True]):

@@ -37,10 +37,10 @@ from typing import Any, Callable
 
 import numpy as np
 
+from . import native
 from .policy.elastic import ElasticScheduler
 from .policy.pool import PoolConfig, PoolController
 from .policy.predict import Predictor
-from . import native
 from .progress import progress_reporter
 from .resources import CPU, GPU
 from .sim.baselines import PooledPolicy, TaskIsolatedPolicy, TrajectoryBoundPolicy, isolated_split, unconstrained_peaks

@@ -79,6 +79,11 @@ def _source(module: str) -> Path:
     return _PACKAGE.parent.joinpath(*module.split(".")).with_suffix(".py")
 
 
+def _build_files(d: Path) -> dict[str, Path]:
+    """Module name -> its file in build directory ``d`` (the compiled modules and their library)."""
+    return {m: d / (m + _SUFFIX) for m in (*COMPILED, _LIB)}
+
+
 def build_key() -> str:
     """The interpreter's tag and a hash of what a build depends on: its ABI and every compiled source."""
     h = hashlib.sha256(f"{sys.implementation.cache_tag} {_SUFFIX}\n".encode())
@@ -117,7 +122,7 @@ def activate() -> bool:
         _state["why"] = f"sources unreadable ({e})"
         return False
     d = BUILDS / key
-    files = {m: str(d / (m + _SUFFIX)) for m in (*COMPILED, _LIB)}
+    files = {m: str(f) for m, f in _build_files(d).items()}
     if not all(os.access(f, os.R_OK) for f in files.values()):
         _state["why"] = _why_no_build(key)
         return False
@@ -140,14 +145,12 @@ def activate() -> bool:
 
 
 def _why_no_build(key: str) -> str:
-    prefix = _PREFIX
-    mine = [p for p in BUILDS.iterdir() if p.name.startswith(prefix)]
     if (BUILDS / key).exists():
         return f"the build {BUILDS / key} is incomplete or not readable by this user"
-    if mine:
+    if any(p.name.startswith(_PREFIX) for p in BUILDS.iterdir()):
         return ("stale: the compiled sources (or the modules they import) changed since the last build "
                 "(tangram-hpc native build)")
-    return f"no build for this interpreter ({prefix[:-1]}; tangram-hpc native build)"
+    return f"no build for this interpreter ({_PREFIX[:-1]}; tangram-hpc native build)"
 
 
 def active() -> bool:
@@ -209,7 +212,7 @@ def build(log=print) -> Path:
 def _build_locked(log) -> Path:
     key = build_key()
     dest = BUILDS / key
-    if all((dest / (m + _SUFFIX)).exists() for m in (*COMPILED, _LIB)):
+    if all(f.exists() for f in _build_files(dest).values()):
         log(f"native build {key} is up to date")
         _prune(dest)
         return dest
@@ -230,8 +233,8 @@ def _build_locked(log) -> Path:
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(staging, 0o777 & ~umask)   # mkdtemp's 0700 would hide it from other users of the install
-        for m in (*COMPILED, _LIB):
-            shutil.copy2(Path(tmp, *m.split(".")).with_suffix(_SUFFIX), staging / (m + _SUFFIX))
+        for m, f in _build_files(staging).items():
+            shutil.copy2(Path(tmp, *m.split(".")).with_suffix(_SUFFIX), f)
         if dest.exists():                   # an incomplete one (a file removed by hand)
             shutil.rmtree(dest)
         os.rename(staging, dest)            # whole or not at all: a process never sees half a build

@@ -687,7 +687,7 @@ class Simulation:
         traj_of = self.traj_of
         env_worker = self.env_worker
         q = self.events_q
-        seq = self.events_q.seq
+        seq = q.seq
         for a in starts:
             aid = a.action_id
             i = int(aid)
