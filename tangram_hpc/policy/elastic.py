@@ -145,10 +145,10 @@ class ElasticScheduler(PlacementPolicy):
         prio = spec.priority
         if prio > self.priority_clamp or prio < -self.priority_clamp:
             prio = max(-self.priority_clamp, min(self.priority_clamp, prio))
-        return rec.time_at(spec.demand.min_cores) + self.aging * rec.submit - self.priority_weight * prio
+        return rec.time_at(rec.min_cores) + self.aging * rec.submit - self.priority_weight * prio
 
     def _grant(self, rec: ActionRecord, w: WorkerRecord) -> int:
-        hi = min(rec.spec.demand.max_cores, rec.cores + max(0, w.free_cores - self._reserve(w, rec.started)))
+        hi = min(rec.max_cores, rec.cores + max(0, w.free_cores - self._reserve(w, rec.started)))
         if rec.target >= hi:
             return hi       # it waited for at least what is there (and _cores_for never exceeds hi)
         # an action that waited for its cores gets them
@@ -160,8 +160,7 @@ class ElasticScheduler(PlacementPolicy):
         ``later``: the grant it should wait for -- the fixed-size actions running now will have
         ended by then, so only the waiting ones count against the elastic share.
         """
-        d = rec.spec.demand
-        lo = d.min_cores
+        lo = rec.min_cores
         if hi <= lo:
             return lo
         kl = rec.load
@@ -191,22 +190,20 @@ class ElasticScheduler(PlacementPolicy):
         # (a long final test run on one core, on the critical path of the step) waits there for
         # the cores it should have -- when the time they save it exceeds the expected wait.
         free = w.free_cores
-        d = rec.spec.demand
-        most = max(d.min_cores, min(d.max_cores, w.cores - self._reserve(w, now)))
+        most = max(rec.min_cores, min(rec.max_cores, w.cores - self._reserve(w, now)))
         target = self._cores_for(rec, w, most, later=True)
         rec.target = target
         if free >= target:
             return True
         # expected times, not medians: durations are heavy-tailed, and the long ones are the ones
         # that decide a step's end
-        gain = (rec.time_at(max(free, rec.spec.demand.min_cores)) - rec.time_at(target)) * rec.tail
+        gain = (rec.time_at(max(free, rec.min_cores)) - rec.time_at(target)) * rec.tail
         return gain <= self._wait_for_cores(w, target - free, now)
 
     def _best_cores(self, rec: ActionRecord) -> int:
-        d = rec.spec.demand
         if not rec.elastic:
-            return max(1, d.min_cores)
-        return self._knee(rec.p, d.min_cores, d.max_cores)
+            return max(1, rec.min_cores)
+        return self._knee(rec.p, rec.min_cores, rec.max_cores)
 
     def _knee(self, p: float, lo: int, c: int) -> int:
         """Cut ``c`` back to where the next core buys less than ``min_gain`` (Amdahl with parallel fraction p)."""
@@ -241,12 +238,12 @@ class ElasticScheduler(PlacementPolicy):
         return r[0] * math.exp(-max(0.0, now - r[1]) / self.rate_window_s)
 
     def _should_load(self, rec: ActionRecord, q: PlacementQueue, now: float) -> bool:
-        svc = rec.spec.demand.service
+        svc = rec.service
         assert svc is not None
         reps = self._svc_replicas.get(svc)
         slots = 0
         if reps:
-            per = max(1, rec.spec.demand.min_cores)
+            per = max(1, rec.min_cores)
             info = self._services.get(svc)
             batch = info.max_batch if info is not None and info.max_batch else 1 << 30
             for w in reps.values():
@@ -254,7 +251,7 @@ class ElasticScheduler(PlacementPolicy):
                     slots += min(w.cores // per, batch)
         if slots == 0:
             return True
-        service_s = rec.time_at(rec.spec.demand.min_cores)
+        service_s = rec.time_at(rec.min_cores)
         if self.arrival_rate(svc, now) * service_s > self.service_util * slots:
             return True        # throughput: the replicas cannot keep up with the arrivals
         waiting = self.tally.service_pending.get(svc, 1)

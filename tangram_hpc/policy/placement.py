@@ -108,15 +108,56 @@ _RUNNING: Final = ActionState.RUNNING
 _GONE: Final = ActionState.GONE
 
 
-class ActionRecord:
-    """One submitted action as the policy tracks it."""
+class EnvState:
+    """One environment as the policy tracks it: where it lives, and its actions there or on their way.
 
-    __slots__ = ("spec", "submit", "seq", "key", "state", "worker", "cores", "started",
-                 "load_wait", "queue", "elastic", "light", "load", "expect", "ends_at", "d1", "p", "tail",
-                 "work", "target")
+    One record per environment, reached from its actions' records, rather than a map per fact
+    keyed by name: an action's life then looks its environment up once (at submit), not at
+    every step (maps of 100,000 names are what a large run spends its time in)."""
+
+    __slots__ = ("name", "host", "first", "wait", "idle", "busy", "live")
+
+    def __init__(self, name: str):
+        self.name = name
+        self.host: WorkerRecord | None = None       # the worker it lives on (the first of its actions to start decides)
+        self.first: ActionRecord | None = None      # with no host: its pending action routed first ...
+        self.wait: list[ActionRecord] = []          # ... and the later ones, held until that one starts
+        self.idle = -1.0                            # when its last action ended (-1: running, or not known)
+        self.busy = 0                               # its actions running
+        self.live = 0                               # its actions pending or running
+
+
+class Need:
+    """What a placement must find free on a worker: cores, memory, GPU memory, or a replica of ``service``.
+
+    Its own record, not the :class:`~tangram_hpc.actions.Demand`: the placement loops read these
+    fields many times per action, and a record compiled with the policy reads them directly."""
+
+    __slots__ = ("min_cores", "mem_mb", "gpu_mem_mb", "service")
+
+    def __init__(self, min_cores: int, mem_mb: int, gpu_mem_mb: int, service: str | None):
+        self.min_cores = min_cores
+        self.mem_mb = mem_mb
+        self.gpu_mem_mb = gpu_mem_mb
+        self.service = service
+
+
+class ActionRecord(Need):
+    """One submitted action as the policy tracks it (its spec's hot fields copied: see :class:`Need`)."""
+
+    __slots__ = ("spec", "aid", "kind", "env", "envst", "max_cores", "submit", "seq", "key", "state", "worker", "cores",
+                 "started", "load_wait", "queue", "elastic", "light", "load", "expect", "ends_at", "d1", "p",
+                 "tail", "work", "target")
 
     def __init__(self, spec: ActionSpec, submit: float, seq: int, load: "KindLoad"):
+        d = spec.demand
+        super().__init__(d.min_cores, d.mem_mb, d.gpu_mem_mb, d.service)
         self.spec = spec
+        self.aid = spec.id
+        self.kind = spec.kind
+        self.env = spec.env
+        self.envst: EnvState | None = None      # its environment's record (set at submit)
+        self.max_cores = d.max_cores
         self.submit = submit
         self.seq = seq
         self.key = 0.0
@@ -126,7 +167,6 @@ class ActionRecord:
         self.started = 0.0
         self.load_wait = 0.0        # seconds it had to wait for its service to load
         self.queue: PlacementQueue | None = None
-        d = spec.demand
         # a zero-core ("light") action binds no core: it is pipelined, never grown
         self.light = d.min_cores == 0
         self.elastic = not self.light and d.max_cores > d.min_cores
@@ -161,7 +201,7 @@ class WorkerRecord:
     """The policy's belief about one registered worker (see the module docstring for why it is its own)."""
 
     __slots__ = ("id", "info", "seq", "cores", "free_cores", "mem", "free_mem", "gpu_mem",
-                 "gpu_used", "services", "draining", "running", "busy_envs", "ends", "envs", "kinds",
+                 "gpu_used", "services", "draining", "running", "ends", "envs", "kinds",
                  "listed", "env_queue", "light", "light_cap", "rigid_env", "rigid_avg", "rigid_at")
 
     def __init__(self, info: WorkerInfo, seq: int):
@@ -177,7 +217,6 @@ class WorkerRecord:
         self.services: dict[str, ServiceReplica] = {}
         self.draining = False
         self.running: dict[str, ActionRecord] = {}
-        self.busy_envs: dict[str, int] = {}  # environment -> its actions in ``running``
         self.ends: tuple[float, list] | None = None   # (now, when its running actions free their cores)
         self.envs: set[str] = set()
         self.kinds = info.kinds
@@ -271,24 +310,24 @@ class Tally:
         self.pending += 1
         if rec.light:
             self.light_pending += 1
-        svc = rec.spec.demand.service
+        svc = rec.service
         if svc:
             self.service_pending[svc] = self.service_pending.get(svc, 0) + 1
         kl = rec.load
         if rec.elastic:
             kl.elastic += 1
-            m = rec.spec.demand.max_cores
+            m = rec.max_cores
             kl.by_max[m] = kl.by_max.get(m, 0) + 1
             if m > kl.widest:
                 kl.widest = m
         else:
-            kl.rigid += rec.spec.demand.min_cores
+            kl.rigid += rec.min_cores
 
     def _unpend(self, rec: ActionRecord) -> None:
         self.pending -= 1
         if rec.light:
             self.light_pending -= 1
-        svc = rec.spec.demand.service
+        svc = rec.service
         if svc:
             self.service_pending[svc] -= 1
 
@@ -298,7 +337,7 @@ class Tally:
         self.free_cores -= rec.cores
         w.free_cores -= rec.cores
         if not rec.elastic:
-            rec.load.rigid_running += rec.spec.demand.min_cores
+            rec.load.rigid_running += rec.min_cores
 
     def regranted(self, rec: ActionRecord, w: WorkerRecord, extra: int) -> None:
         rec.cores += extra
@@ -315,7 +354,7 @@ class Tally:
             self.free_cores += rec.cores
             w.free_cores += rec.cores
         if not rec.elastic:
-            rec.load.rigid_running -= rec.spec.demand.min_cores
+            rec.load.rigid_running -= rec.min_cores
         self._leave(rec)
 
     @staticmethod
@@ -323,14 +362,14 @@ class Tally:
         kl = rec.load
         if rec.elastic:
             kl.elastic -= 1
-            m = rec.spec.demand.max_cores
+            m = rec.max_cores
             left = kl.by_max[m] - 1
             if left:
                 kl.by_max[m] = left
             else:
                 del kl.by_max[m]
         else:
-            kl.rigid -= rec.spec.demand.min_cores
+            kl.rigid -= rec.min_cores
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
@@ -360,7 +399,6 @@ class PlacementPolicy(SchedulingPolicy):
         #: predicted seconds to move an environment (save, restore); None: environments stay put
         self.env_move_s = env_move_s
         self._moves: list[str] = []
-        self._env_idle: dict[str, float] = {}     # environment -> when its last action ended
         # the gaps between an environment's actions (its agent's think time): [mean, variance] of their
         # logs and how many were seen; and the gap that only REBALANCE_EARLY_SHARE of them are under
         self._think: list[float] | None = None
@@ -378,9 +416,7 @@ class PlacementPolicy(SchedulingPolicy):
         # free-capacity index: per set of kinds served, a max-heap of (-free cores, seq, worker)
         self._index: dict[frozenset[str], list] = {}
         self._kind_index: dict[str, list[list]] = {}    # kind -> the heaps of the workers serving it
-        self._env_host: dict[str, WorkerRecord] = {}
-        self._env_first: dict[str, ActionRecord] = {}         # env -> its pending first action
-        self._env_wait: dict[str, list[ActionRecord]] = {}    # later actions of an env with no host yet
+        self._envs: dict[str, EnvState] = {}     # environments with a host, a live action or a known idle time
         self._services: dict[str, ServiceInfo] = {}
         self._declared: set[str] = set()              # services whose size the run declared (it stays)
         self._svc_replicas: dict[str, dict[str, WorkerRecord]] = {}
@@ -419,7 +455,7 @@ class PlacementPolicy(SchedulingPolicy):
             if rec.state is not _PENDING:
                 continue
             why = self._too_big(rec.spec)
-            aid = rec.spec.id
+            aid = rec.aid
             if why and aid not in self._unplaceable:
                 self._set_aside(rec, why)
             elif not why and aid in self._unplaceable:
@@ -442,15 +478,31 @@ class PlacementPolicy(SchedulingPolicy):
 
     def _set_aside(self, rec: ActionRecord, why: str) -> None:
         """Hold a pending action outside every queue until the driver cancels it."""
-        env = rec.spec.env
-        if env is not None and self._env_first.get(env) is rec:
-            del self._env_first[env]
-            for r in self._env_wait.pop(env, ()):
-                self._route(r)
-        elif env is not None and rec.queue is None and rec in self._env_wait.get(env, ()):
-            self._env_wait[env].remove(rec)
+        es = rec.envst
+        if es is not None and es.first is rec:
+            self._release_first(es)
+        elif es is not None and rec.queue is None and rec in es.wait:
+            es.wait.remove(rec)
         self._unqueue(rec)
-        self._unplaceable[rec.spec.id] = (rec, why)
+        self._unplaceable[rec.aid] = (rec, why)
+
+    def _release_first(self, es: EnvState) -> None:
+        """``es``'s first action no longer holds the others back (it started elsewhere, or left): route them."""
+        es.first = None
+        held, es.wait = es.wait, []
+        for r in held:
+            self._route(r)
+
+    def _env_state(self, env: str) -> EnvState:
+        es = self._envs.get(env)
+        if es is None:
+            es = self._envs[env] = EnvState(env)
+        return es
+
+    def _forget_env(self, es: EnvState) -> None:
+        """Drop ``es`` once nothing refers to it: no host, no action of it live, no idle time kept."""
+        if es.live == 0 and es.host is None and es.idle < 0 and self._envs.get(es.name) is es:
+            del self._envs[es.name]
 
     def _too_big(self, spec: ActionSpec) -> str | None:
         if not self._limits:
@@ -502,7 +554,7 @@ class PlacementPolicy(SchedulingPolicy):
 
     def _grant(self, rec: ActionRecord, w: WorkerRecord) -> int:
         """Cores for an elastic action that starts on ``w`` when nothing else waits (``min_cores`` there)."""
-        return rec.spec.demand.min_cores
+        return rec.min_cores
 
     def _should_load(self, rec: ActionRecord, q: PlacementQueue, now: float) -> bool:
         raise NotImplementedError
@@ -539,7 +591,6 @@ class PlacementPolicy(SchedulingPolicy):
             self._end_running(rec, now)
             self.predictor.observe(rec.spec, None, rec.cores, now)
         w.running.clear()
-        w.busy_envs.clear()
         self.tally.free_cores -= w.free_cores
         if not w.draining:
             for k in w.kinds:
@@ -548,9 +599,11 @@ class PlacementPolicy(SchedulingPolicy):
             reps = self._svc_replicas.get(svc)
             if reps is not None:
                 reps.pop(w.id, None)
-        for env in list(w.envs):
-            if self._env_host.get(env) is w:
-                del self._env_host[env]
+        for env in w.envs:
+            es = self._envs.get(env)
+            if es is not None and es.host is w:
+                es.host = None
+                self._forget_env(es)
         w.envs.clear()
         q = w.env_queue
         if q is not None:
@@ -597,15 +650,17 @@ class PlacementPolicy(SchedulingPolicy):
         if envs is not None:
             for env in envs:
                 if env not in w.envs:
-                    old = self._env_host.get(env)
-                    if old is not None:
-                        old.envs.discard(env)
-                    self._env_host[env] = w
+                    es = self._env_state(env)
+                    if es.host is not None:
+                        es.host.envs.discard(env)
+                    es.host = w
                     w.envs.add(env)
             for env in [e for e in w.envs if e not in envs]:
                 w.envs.discard(env)
-                if self._env_host.get(env) is w:
-                    del self._env_host[env]
+                gone = self._envs.get(env)
+                if gone is not None and gone.host is w:
+                    gone.host = None
+                    self._forget_env(gone)
 
     def _touch(self, w: WorkerRecord) -> None:
         """A worker gained capacity (or joined): re-index it and arm the queues it may serve.
@@ -722,31 +777,34 @@ class PlacementPolicy(SchedulingPolicy):
             action = _pipelined(action)
         rec = ActionRecord(action, now, self._seq, self._kind(action.kind))
         self._recs[aid] = rec
-        if self.env_move_s is not None and action.env is not None:
-            idle = self._env_idle.pop(action.env, None)
-            if idle is not None:        # the gap between an environment's actions: its agent's think time
-                self._learn_think(now - idle)
         self._waiting[aid] = rec
+        if action.env is not None:
+            es = rec.envst = self._env_state(action.env)
+            es.live += 1
+            if es.idle >= 0:
+                if self.env_move_s is not None:     # the gap between an environment's actions: its agent's think time
+                    self._learn_think(now - es.idle)
+                es.idle = -1.0
         rec.d1, rec.p, rec.tail = self.predictor.estimate(action)
         if not rec.light:
-            rec.work = rec.time_at(action.demand.min_cores) * action.demand.min_cores
+            rec.work = rec.time_at(rec.min_cores) * rec.min_cores
         rec.key = self._key(rec)
         step = action.step
         if step is not None:
             self._step_seen = True
             if step > self._step:
                 self._step = step
-        if d.service:
-            known = self._services.get(d.service)
+        if rec.service:
+            known = self._services.get(rec.service)
             if known is None:
-                self._services[d.service] = ServiceInfo(d.gpu_mem_mb)
-            elif d.gpu_mem_mb > known.gpu_mem_mb and d.service not in self._declared:
+                self._services[rec.service] = ServiceInfo(rec.gpu_mem_mb)
+            elif rec.gpu_mem_mb > known.gpu_mem_mb and rec.service not in self._declared:
                 # an undeclared service is as large as its calls say; a declared one keeps its size
                 # (a call claiming more is refused alone, by the fit check)
-                self._services[d.service] = replace(known, gpu_mem_mb=d.gpu_mem_mb)
+                self._services[rec.service] = replace(known, gpu_mem_mb=rec.gpu_mem_mb)
                 self._fit_memo.clear()
-            self._svc_step[d.service] = self._step if step is None else step
-            self._arrived(d.service, now)
+            self._svc_step[rec.service] = self._step if step is None else step
+            self._arrived(rec.service, now)
         self.tally.submitted(rec)
         self._count_offered(rec, now)
         why = self._too_big(action)
@@ -760,13 +818,12 @@ class PlacementPolicy(SchedulingPolicy):
 
     def _best_cores(self, rec: ActionRecord) -> int:
         """Cores the action would run on with nothing waiting (the elastic scheduler grows it)."""
-        return max(1, rec.spec.demand.min_cores)
+        return max(1, rec.min_cores)
 
     def _count_offered(self, rec: ActionRecord, now: float) -> None:
-        d = rec.spec.demand
         if rec.light:
             return
-        res = GPU if d.service or d.gpu_mem_mb else CPU
+        res = GPU if rec.service or rec.gpu_mem_mb else CPU
         c = self._best_cores(rec)
         work = rec.time_at(c) * c / self.load_window_s
         r = self._offered.get(res)
@@ -788,34 +845,33 @@ class PlacementPolicy(SchedulingPolicy):
 
     def _route(self, rec: ActionRecord) -> None:
         """Put a pending action in the queue that matches its placement constraint."""
-        env = rec.spec.env
-        if env is not None:
-            host = self._env_host.get(env)
+        es = rec.envst
+        if es is not None:
+            host = es.host
             if host is not None:
                 q = host.env_queue
                 if q is None:
                     self._qseq += 1
-                    q = host.env_queue = PlacementQueue(self._qseq, rec.spec.kind, None, 0, 0, 0, host)
+                    q = host.env_queue = PlacementQueue(self._qseq, rec.kind, None, 0, 0, 0, host)
                 self._push(q, rec)
                 return
-            first = self._env_first.get(env)
+            first = es.first
             if first is not None and first is not rec:
-                self._env_wait.setdefault(env, []).append(rec)
+                es.wait.append(rec)
                 return
-            self._env_first[env] = rec
-        d = rec.spec.demand
+            es.first = rec
         qk: tuple
-        if d.service:
-            qk = (rec.spec.kind, d.service, d.min_cores, d.mem_mb)
+        if rec.service:
+            qk = (rec.kind, rec.service, rec.min_cores, rec.mem_mb)
             gpu = 0
         else:
-            qk = (rec.spec.kind, None, d.min_cores, d.mem_mb, d.gpu_mem_mb)
-            gpu = d.gpu_mem_mb
+            qk = (rec.kind, None, rec.min_cores, rec.mem_mb, rec.gpu_mem_mb)
+            gpu = rec.gpu_mem_mb
         q = self._queues.get(qk)
         if q is None:
             self._qseq += 1
-            q = self._queues[qk] = PlacementQueue(self._qseq, rec.spec.kind, d.service, d.min_cores,
-                                                  d.mem_mb, gpu)
+            q = self._queues[qk] = PlacementQueue(self._qseq, rec.kind, rec.service, rec.min_cores,
+                                                  rec.mem_mb, gpu)
         self._push(q, rec)
 
     def _push(self, q: PlacementQueue, rec: ActionRecord) -> None:
@@ -860,21 +916,20 @@ class PlacementPolicy(SchedulingPolicy):
 
     def _drop_pending(self, rec: ActionRecord) -> None:
         rec.state = _GONE
-        self._recs.pop(rec.spec.id, None)
-        del self._waiting[rec.spec.id]
+        self._recs.pop(rec.aid, None)
+        del self._waiting[rec.aid]
         self.tally.withdrawn(rec)
-        if self._unplaceable.pop(rec.spec.id, None) is not None:
-            return
-        self._unqueue(rec)
-        env = rec.spec.env
-        if env is not None:
-            waiting = self._env_wait.get(env)
-            if waiting and rec in waiting:
-                waiting.remove(rec)
-            if self._env_first.get(env) is rec:
-                del self._env_first[env]
-                for r in self._env_wait.pop(env, ()):
-                    self._route(r)
+        es = rec.envst
+        if self._unplaceable.pop(rec.aid, None) is None:       # (one set aside left its environment already)
+            self._unqueue(rec)
+            if es is not None:
+                if rec in es.wait:
+                    es.wait.remove(rec)
+                if es.first is rec:
+                    self._release_first(es)
+        if es is not None:
+            es.live -= 1
+            self._forget_env(es)
 
     # -- completion --------------------------------------------------------------
     def finished(self, action_id: str, now: float, *, ok: bool = True, run_time: float | None = None) -> None:
@@ -882,14 +937,15 @@ class PlacementPolicy(SchedulingPolicy):
         if rec is None or rec.state is not _RUNNING:
             return
         w = rec.worker
+        es = rec.envst
+        if es is not None and w is not None and self.env_move_s is not None:
+            es.idle = now
         self._end_running(rec, now)
         if w is not None:
             del w.running[action_id]
-            env = rec.spec.env
             self._touch(w)
-            if env is not None and self.env_move_s is not None:
-                self._env_idle[env] = now
-                self._rebalance(rec.spec.kind, env, w, now)
+            if es is not None and self.env_move_s is not None:
+                self._rebalance(rec.kind, es, w, now)
         spec = rec.spec
         if not ok or run_time is None:
             self.predictor.observe(spec, None, rec.cores, now)
@@ -904,30 +960,27 @@ class PlacementPolicy(SchedulingPolicy):
         rec.state = _GONE
         w = rec.worker
         self.tally.ended(rec, w)
+        es = rec.envst
+        if es is not None:
+            es.live -= 1
+            if w is not None:
+                es.busy -= 1
+                if not rec.elastic and rec.cores:
+                    self._rigid_change(w, -rec.cores, now)
+            self._forget_env(es)
         if w is None:
             return
-        spec = rec.spec
-        d = spec.demand
         w.ends = None
         if rec.light:
             w.light -= 1
-        env = spec.env
-        if env is not None:
-            if not rec.elastic and rec.cores:
-                self._rigid_change(w, -rec.cores, now)
-            left = w.busy_envs[env] - 1
-            if left:
-                w.busy_envs[env] = left
-            else:
-                del w.busy_envs[env]
-        w.free_mem += d.mem_mb
-        if d.service:
-            st = w.services.get(d.service)
+        w.free_mem += rec.mem_mb
+        if rec.service:
+            st = w.services.get(rec.service)
             if st is not None:
                 st.running -= 1
                 st.last_used = max(st.last_used, rec.started)
         else:
-            w.gpu_used -= d.gpu_mem_mb
+            w.gpu_used -= rec.gpu_mem_mb
 
     # -- scheduling --------------------------------------------------------------
     def schedule(self, now: float) -> list[Assignment]:
@@ -943,7 +996,7 @@ class PlacementPolicy(SchedulingPolicy):
                 del self._armed[q.idx]
                 continue
             w = q.worker
-            if w is not None and w.free_cores < h[0][2].spec.demand.min_cores:
+            if w is not None and w.free_cores < h[0][2].min_cores:
                 del self._armed[q.idx]
                 if self.env_move_s is not None:
                     self._consider_move(h[0][2], w, now)
@@ -969,7 +1022,7 @@ class PlacementPolicy(SchedulingPolicy):
             r.expect = r.time_at(r.cores)
             r.ends_at = r.started + r.expect
             w.ends = None
-            out.append(Assignment(r.spec.id, w.id, r.cores))
+            out.append(Assignment(r.aid, w.id, r.cores))
         return out
 
     def _drain_heads(self, heads: list, now: float, started: list[ActionRecord]) -> None:
@@ -1012,13 +1065,13 @@ class PlacementPolicy(SchedulingPolicy):
             assert w is not None
             if len(recs) == 1:
                 rec = recs[0]
-                extra = min(self._grant(rec, w), rec.spec.demand.max_cores) - rec.cores
+                extra = min(self._grant(rec, w), rec.max_cores) - rec.cores
                 if 0 < extra <= w.free_cores:
                     self.tally.regranted(rec, w, extra)
                 continue
             heap = []
             for rec in recs:
-                cap = min(self._grant(rec, w), rec.spec.demand.max_cores)
+                cap = min(self._grant(rec, w), rec.max_cores)
                 if cap > rec.cores:
                     # one more core than c saves d1 * p / (c (c + 1)) seconds (Amdahl)
                     scale = rec.d1 * rec.p
@@ -1048,7 +1101,7 @@ class PlacementPolicy(SchedulingPolicy):
         drain = (work - env_work) / max(1, kl.capacity) + env_work / max(1, w.cores)
         return n, max(0.0, drain)
 
-    def _fits(self, w: WorkerRecord, d) -> bool:
+    def _fits(self, w: WorkerRecord, d: Need) -> bool:
         return ((w.free_cores >= d.min_cores if d.min_cores else w.light < w.light_cap)
                 and w.free_mem >= d.mem_mb
                 and (d.service is not None or w.gpu_mem - w.gpu_used >= d.gpu_mem_mb))
@@ -1058,7 +1111,7 @@ class PlacementPolicy(SchedulingPolicy):
         info = self._services.get(svc)
         return info is None or not info.max_batch or w.services[svc].running < info.max_batch
 
-    def _best_worker(self, kind: str, d) -> WorkerRecord | None:
+    def _best_worker(self, kind: str, d: Need) -> WorkerRecord | None:
         """The non-draining worker serving ``kind`` with the most free cores that fits ``d``."""
         heaps = self._kind_index.get(kind)
         if not heaps:
@@ -1072,7 +1125,7 @@ class PlacementPolicy(SchedulingPolicy):
                 best = w
         return best
 
-    def _top_fit(self, heap: list, d) -> WorkerRecord | None:
+    def _top_fit(self, heap: list, d: Need) -> WorkerRecord | None:
         skipped = []
         found: WorkerRecord | None = None
         w: WorkerRecord
@@ -1102,24 +1155,23 @@ class PlacementPolicy(SchedulingPolicy):
         return found
 
     def _place(self, rec: ActionRecord, q: PlacementQueue, now: float, started: list[ActionRecord]) -> bool:
-        d = rec.spec.demand
         w = q.worker
         if w is not None:                       # env queue: only that worker
-            if rec.spec.kind not in w.kinds or not self._fits(w, d):
+            if rec.kind not in w.kinds or not self._fits(w, rec):
                 if self.env_move_s is not None and not rec.light:
                     self._consider_move(rec, w, now)
                 return False
-            if (self.env_move_s is not None and rec.elastic and w.free_cores < d.max_cores
+            if (self.env_move_s is not None and rec.elastic and w.free_cores < rec.max_cores
                     and self._consider_move(rec, w, now)):
                 return False
-            if d.service and not self._service_ready_on(w, rec, now):
+            if rec.service and not self._service_ready_on(w, rec, now):
                 return False
-        elif d.service:
+        elif rec.service:
             w = self._service_worker(rec, q, now)
             if w is None:
                 return False
         else:
-            w = self._best_worker(rec.spec.kind, d)
+            w = self._best_worker(rec.kind, rec)
             if w is None:
                 return False
         if rec.elastic and not self._startable(rec, w, now):
@@ -1167,40 +1219,39 @@ class PlacementPolicy(SchedulingPolicy):
         return ends
 
     # -- moving environments -------------------------------------------------------
-    def _movable(self, env: str, w: WorkerRecord) -> bool:
-        """``env`` lives on ``w``, is not asked to move yet, and nothing runs in it (a move would
-        wait for its copy to be free anyway)."""
-        return env not in w.busy_envs and self._env_host.get(env) is w and env not in self._moves
+    def _movable(self, es: EnvState, w: WorkerRecord) -> bool:
+        """The environment lives on ``w``, is not asked to move yet, and nothing runs in it (a move
+        would wait for its copy to be free anyway)."""
+        return es.busy == 0 and es.host is w and es.name not in self._moves
 
     def _consider_move(self, rec: ActionRecord, w: WorkerRecord, now: float) -> bool:
         """Ask to move ``rec``'s environment off ``w``, its host, when ``rec`` would finish sooner on
         the worker with the most free cores, the move included, than on ``w`` (now on what is free
         there, or after waiting for cores).  Returns whether it asked."""
-        env = rec.spec.env
-        if env is None or not self._movable(env, w):
+        es = rec.envst
+        if es is None or not self._movable(es, w):
             return False
-        d = rec.spec.demand
-        lo, free, tail = d.min_cores, w.free_cores, rec.tail
+        lo, free, tail = rec.min_cores, w.free_cores, rec.tail
         move_s = self.env_move_s
         assert move_s is not None           # asked only where environments move
         # its finish here: at its minimum cores after the wait for them, or (elastic) now on
         # what is free here
         here = self._wait_for_cores(w, lo - free, now) + rec.time_at(lo) * tail
         if rec.elastic and free > lo:
-            here = min(here, rec.time_at(min(free, d.max_cores)) * tail)
+            here = min(here, rec.time_at(min(free, rec.max_cores)) * tail)
         # no worker can make the move pay, even at its most cores: spare the search for one
-        if move_s + rec.time_at(d.max_cores if rec.elastic else lo) * tail >= here:
+        if move_s + rec.time_at(rec.max_cores if rec.elastic else lo) * tail >= here:
             return False
-        there = self._best_worker(rec.spec.kind, d)
+        there = self._best_worker(rec.kind, rec)
         if there is None or there is w:
             return False
-        c = max(lo, min(d.max_cores, there.free_cores)) if rec.elastic else lo
+        c = max(lo, min(rec.max_cores, there.free_cores)) if rec.elastic else lo
         moved = move_s + rec.time_at(c) * tail
         if rec.elastic and c > free and moved < here:
             # or here on as many cores as it would get there, after the wait for them
             here = min(here, self._wait_for_cores(w, c - free, now) + rec.time_at(c) * tail)
         if moved < here:
-            self._moves.append(env)
+            self._moves.append(es.name)
             return True
         return False
 
@@ -1218,10 +1269,10 @@ class PlacementPolicy(SchedulingPolicy):
             t[1] = (1.0 - a) * (t[1] + a * d * d)
         self._quick_think_s = math.exp(t[0] + self._early_z * math.sqrt(t[1]))
 
-    def _rebalance(self, kind: str, env: str, w: WorkerRecord, now: float) -> None:
-        """An action of ``env`` ended on ``w``, a crowded worker: one whose own queue has actions
+    def _rebalance(self, kind: str, es: EnvState, w: WorkerRecord, now: float) -> None:
+        """An action of environment ``es`` ended on ``w``, a crowded worker: one whose own queue has actions
         waiting for cores, or whose free cores could not give the kind's widest elastic action its
-        grant (the environment's next action may be one).  Move ``env`` while its agent thinks,
+        grant (the environment's next action may be one).  Move it while its agent thinks,
         when the move is done before all but a few next actions come (think times are long-tailed:
         a quarter of the math preset's are shorter than half their mean) and another worker has
         clearly more free cores (its next action goes there)."""
@@ -1234,11 +1285,11 @@ class PlacementPolicy(SchedulingPolicy):
             free = w.free_cores
             if need == 0 or free > need + self.RIGID_RESERVE_CORES or free - self._reserve(w, now) >= need:
                 return          # roomy: it can give the widest grant, the core for commands aside
-        if not self._movable(env, w):
+        if not self._movable(es, w):
             return
         there = self._best_worker(kind, _ONE_CORE)
         if there is not None and there is not w and there.free_cores >= w.free_cores + self.REBALANCE_MARGIN_CORES:
-            self._moves.append(env)
+            self._moves.append(es.name)
 
     def env_moves(self) -> list[str]:
         out = self._moves
@@ -1257,28 +1308,27 @@ class PlacementPolicy(SchedulingPolicy):
         return not hostable or svc in hostable
 
     def _service_ready_on(self, w: WorkerRecord, rec: ActionRecord, now: float) -> bool:
-        svc = rec.spec.demand.service
+        svc = rec.service
         assert svc is not None
         if svc in w.services:
             return self._has_slot(w, svc)
         if not self._can_host(w, svc):
             return False
-        ev = self._victims(w, self._service_mem(svc, rec.spec.demand.gpu_mem_mb), now)
+        ev = self._victims(w, self._service_mem(svc, rec.gpu_mem_mb), now)
         if ev is None:
             return False
         self._load(w, rec, ev, now)
         return True
 
     def _service_worker(self, rec: ActionRecord, q: PlacementQueue, now: float) -> WorkerRecord | None:
-        d = rec.spec.demand
-        svc = d.service
+        svc = rec.service
         assert svc is not None
         best = None
         reps = self._svc_replicas.get(svc)
         if reps:
             rank: tuple = ()
             for w in reps.values():
-                if (not w.draining and rec.spec.kind in w.kinds and self._fits(w, d)
+                if (not w.draining and rec.kind in w.kinds and self._fits(w, rec)
                         and self._has_slot(w, svc)):
                     r = self._replica_rank(w, svc)
                     if best is None or r < rank:
@@ -1288,12 +1338,12 @@ class PlacementPolicy(SchedulingPolicy):
         if not self._should_load(rec, q, now):
             return None
         # load a new replica where it evicts nothing needed soon, then the fewest, most free memory
-        need = self._service_mem(svc, d.gpu_mem_mb)
+        need = self._service_mem(svc, rec.gpu_mem_mb)
         choice = None
         for w in self._workers.values():
-            if w.draining or w.gpu_mem < need or rec.spec.kind not in w.kinds:
+            if w.draining or w.gpu_mem < need or rec.kind not in w.kinds:
                 continue
-            if svc in w.services or not self._fits(w, d) or not self._can_host(w, svc):
+            if svc in w.services or not self._fits(w, rec) or not self._can_host(w, svc):
                 continue
             ev = self._victims(w, need, now)
             if ev is None:
@@ -1317,48 +1367,47 @@ class PlacementPolicy(SchedulingPolicy):
         return (w.services[svc].ready_at, -w.free_cores, w.seq)
 
     def _load(self, w: WorkerRecord, rec: ActionRecord, evict: list[str], now: float) -> None:
-        svc = rec.spec.demand.service
+        svc = rec.service
         assert svc is not None
         for s in evict:
             self._evict(w, s)
-        self._make_resident(w, svc, self._service_mem(svc, rec.spec.demand.gpu_mem_mb),
+        self._make_resident(w, svc, self._service_mem(svc, rec.gpu_mem_mb),
                             now + self.predictor.load_time(svc))
 
     def _start(self, rec: ActionRecord, w: WorkerRecord, now: float, started: list[ActionRecord]) -> None:
-        spec = rec.spec
-        d = spec.demand
         self._unqueue(rec)
-        del self._waiting[spec.id]
+        del self._waiting[rec.aid]
         rec.state = _RUNNING
         rec.worker = w
-        rec.cores = d.min_cores
+        rec.cores = rec.min_cores
         rec.started = now
         rec.ends_at = now             # until schedule() sets its expected run time
         w.ends = None
         self.tally.started(rec, w)
         if rec.light:
             w.light += 1
-        w.free_mem -= d.mem_mb
-        if d.service:
-            st = w.services[d.service]
+        w.free_mem -= rec.mem_mb
+        if rec.service:
+            st = w.services[rec.service]
             st.running += 1
             st.last_used = now
             if st.ready_at > now:
                 rec.load_wait = st.ready_at - now
         else:
-            w.gpu_used += d.gpu_mem_mb
-        w.running[spec.id] = rec
-        env = spec.env
-        if env is not None:
+            w.gpu_used += rec.gpu_mem_mb
+        w.running[rec.aid] = rec
+        es = rec.envst
+        if es is not None:
             if not rec.elastic and rec.cores:
                 self._rigid_change(w, rec.cores, now)
-            w.busy_envs[env] = w.busy_envs.get(env, 0) + 1
-            if self._env_first.get(env) is rec:
-                del self._env_first[env]
-            if env not in self._env_host:
-                self._env_host[env] = w
-                w.envs.add(env)
-                for r in self._env_wait.pop(env, ()):
+            es.busy += 1
+            if es.first is rec:
+                es.first = None
+            if es.host is None:
+                es.host = w
+                w.envs.add(es.name)
+                held, es.wait = es.wait, []
+                for r in held:
                     self._route(r)
         if rec.elastic:
             self._grow.append((rec, w))
@@ -1374,7 +1423,7 @@ class PlacementPolicy(SchedulingPolicy):
         return self.tally.running
 
     def pending_actions(self) -> list[ActionSpec]:
-        return [r.spec for r in self._waiting.values() if r.spec.id not in self._unplaceable]
+        return [r.spec for r in self._waiting.values() if r.aid not in self._unplaceable]
 
     def unplaceable(self, now: float) -> list[tuple[str, str]]:
         """Pending actions larger than every configured shape; they stay pending until cancelled."""
@@ -1385,21 +1434,26 @@ class PlacementPolicy(SchedulingPolicy):
         return frozenset(w.services) if w is not None else frozenset()
 
     def env_host(self, env: str) -> str | None:
-        w = self._env_host.get(env)
-        return w.id if w is not None else None
+        es = self._envs.get(env)
+        return es.host.id if es is not None and es.host is not None else None
 
     def close_env(self, env: str) -> None:
         """Stop pinning actions to ``env``: it was destroyed (its trajectory ended), saved for a move,
         or it is only a placement hint the scheduler wants elsewhere.  Its actions still waiting on
         its worker go back to the shared queues (the next to start pins it again)."""
-        self._env_idle.pop(env, None)
-        w = self._env_host.pop(env, None)
+        es = self._envs.get(env)
+        if es is None:
+            return
+        w = es.host
+        es.host = None
+        es.idle = -1.0
+        self._forget_env(es)
         if w is None:
             return
         w.envs.discard(env)
         q = w.env_queue
         if q is not None and q.live:
-            for rec in [e[2] for e in q.heap if e[2].queue is q and e[2].spec.env == env]:
+            for rec in [e[2] for e in q.heap if e[2].queue is q and e[2].env == env]:
                 self._unqueue(rec)
                 self._route(rec)
 
@@ -1428,7 +1482,7 @@ def water_level(cores: float, by_max: dict[int, int]) -> float:
 
 
 _NO_CORE = Demand(0, 0)
-_ONE_CORE = Demand(1, 1)
+_ONE_CORE = Need(1, 0, 0, None)
 
 
 def _pipelined(spec: ActionSpec) -> ActionSpec:

@@ -291,7 +291,7 @@ class PooledPolicy(PlacementPolicy):
     def _key(self, rec: ActionRecord) -> float:
         if self.order == "fifo":
             return float(rec.seq)
-        return rec.time_at(rec.spec.demand.min_cores)
+        return rec.time_at(rec.min_cores)
 
     def _should_load(self, rec: ActionRecord, q: PlacementQueue, now: float) -> bool:
         return False             # the reward server keeps its layout
