@@ -171,6 +171,28 @@ class _Replica:
         self.mem = mem
 
 
+class _Trajectory:
+    """One trajectory's progress: the group of actions it has out, and what comes after it.
+
+    One record per trajectory rather than an array per fact: the simulator
+    comes back to a trajectory after its agent thought, when nothing of it is
+    in the CPU's caches any more, and each separate array cost a miss."""
+
+    __slots__ = ("name", "step", "end", "group", "next", "left", "worker", "held", "think_next", "barrier_next")
+
+    def __init__(self, name: str, step: int, end: int):
+        self.name = name
+        self.step = step
+        self.end = end                  # one past its last action
+        self.group = 0                  # the first action of its current group
+        self.next = 0                   # the first action of its next group
+        self.left = 0                   # actions of the current group still running
+        self.worker: SimWorker | None = None    # the worker its environment lives on
+        self.held: list[int] | None = None      # its actions held back while its environment moves
+        self.think_next = 0.0           # the think time before its next group, and whether that group
+        self.barrier_next = False       # starts a turn (read when this one is submitted, from warm memory)
+
+
 class EventCalendar:
     """Pending events in ``(time, type, seq)`` order.
 
@@ -291,18 +313,12 @@ class Simulation:
         starts = np.concatenate(plan.step_traj_start) if plan.step_traj_start else np.zeros(0, np.int64)
         lens = np.concatenate(plan.step_traj_len) if plan.step_traj_len else np.zeros(0, np.int64)
         self.traj_of = array("i", np.repeat(np.arange(len(starts), dtype=np.int32), lens).tobytes())
-        self.traj_end = array("q", (starts + lens).astype(np.int64).tobytes())
-        self.traj_next = array("q", bytes(8 * len(starts)))
-        self.traj_left = array("i", bytes(4 * len(starts)))
-        self.traj_group = array("q", bytes(8 * len(starts)))     # the first action of its current group
-        self.traj_names: list[str] = []
-        self.traj_step = array("i")
+        ends = (starts + lens).tolist()
+        self.trajs: list[_Trajectory] = []
         for s, st in enumerate(plan.step_traj_start):
-            self.traj_names.extend(f"s{s}t{j}" for j in range(len(st)))
-            self.traj_step.extend([s] * len(st))
-        self.env_worker: dict[int, SimWorker] = {}
-        self.traj_index: dict[str, int] | None = None    # environment (trajectory) name -> index, on first move
-        self.moving: dict[int, list[int]] = {}   # trajectory whose environment moves -> actions held back
+            base = len(self.trajs)
+            self.trajs.extend(_Trajectory(f"s{s}t{j}", s, ends[base + j]) for j in range(len(st)))
+        self.traj_index: dict[str, _Trajectory] | None = None    # environment (trajectory) name -> it, on first move
         self.moves = 0
         self.attempt: dict[int, int] = {}       # actions resubmitted after their worker was reclaimed
         # workers
@@ -330,7 +346,7 @@ class Simulation:
         self.step = 0
         self.step_started = 0.0
         self.step_active = 0
-        self.barrier: list[int] = []            # trajectories waiting for the others to finish the turn
+        self.barrier: list[_Trajectory] = []    # trajectories waiting for the others to finish the turn
         self.step_durations: list[float] = []
         self.sync_turns = w.rollout.sync_turns
         self.done = False
@@ -434,38 +450,43 @@ class Simulation:
         self.barrier = []
         think = self.think
         q = self.events_q
+        trajs = self.trajs
         for j, i in enumerate(st.tolist()):
-            q.push((now + think[i], _SUBMIT, q.seq(), i, base + j, False))
+            q.push((now + think[i], _SUBMIT, q.seq(), i, trajs[base + j], False))
 
     def _on_submit(self, e: tuple) -> None:
         """Submit a group: an action and the ones joined to it (``again``: one lost action, alone)."""
         i: int
-        g: int
-        _, _, _, i, g, again = e
+        t: _Trajectory
+        _, _, _, i, t, again = e
         now = self.now
         if again:
-            self._submit_one(i, g, now)
+            self._submit_one(i, t, now)
             return
-        end = self.traj_end[g]
+        end = t.end
         joined = self.joined
         k = i
-        self.traj_group[g] = i
-        self._submit_one(k, g, now)
+        t.group = i
+        self._submit_one(k, t, now)
         while k + 1 < end and joined[k + 1]:
             k += 1
-            self._submit_one(k, g, now)
-        self.traj_next[g] = k + 1
-        self.traj_left[g] = k - i + 1
+            self._submit_one(k, t, now)
+        k += 1
+        t.next = k
+        t.left = k - i
+        if k < end:
+            t.think_next = self.think[k]
+            t.barrier_next = self.sync_turns and self.turn[k] != self.turn[i]
 
-    def _submit_one(self, i: int, g: int, now: float, *, first: bool = True) -> None:
+    def _submit_one(self, i: int, t: _Trajectory, now: float, *, first: bool = True) -> None:
         row = self.classes[self.cls[i]]
-        tid = self.traj_names[g]
+        tid = t.name
         hint = self.hint[i]
         spec = ActionSpec(row.kind, None, tid if row.uses_env else None, row.demand, hint or None, None, 0,
-                          tid, self.traj_step[g], row.label, None, str(i))
+                          tid, t.step, row.label, None, str(i))
         if first:
             self.submit_t[i] = now
-        held = self.moving.get(g) if self.moving else None
+        held = t.held
         if held is not None:
             held.append(i)              # its environment is on its way to another worker
             return
@@ -476,31 +497,34 @@ class Simulation:
         """Carry out the policy's moves as the coordinator does: take the environment's waiting
         actions back, release it from its worker, and submit them again once it has moved."""
         if self.traj_index is None:
-            self.traj_index = {name: g for g, name in enumerate(self.traj_names)}
+            self.traj_index = {t.name: t for t in self.trajs}
         move_s = self.w.cluster.env_move_s
         for env in envs:
-            g = self.traj_index.get(env)
-            if g is None:
+            t = self.traj_index.get(env)
+            if t is None:
                 continue
-            ew = self.env_worker.get(g)
-            if ew is None or g in self.moving:
+            ew = t.worker
+            if ew is None or t.held is not None:
                 continue                 # not live on a worker: nothing to move
-            first, last = self.traj_group[g], self.traj_next[g]
+            first, last = t.group, t.next
             if any(self.start_t[i] > 0.0 and self.finish_t[i] == 0.0 for i in range(first, last)):
                 continue                 # it runs there (the policy does not ask for that)
-            self.moving[g] = [i for i in range(first, last) if self.policy.cancel(str(i))]
-            del self.env_worker[g]
+            t.held = [i for i in range(first, last) if self.policy.cancel(str(i))]
+            t.worker = None
             ew.status.envs -= 1
             if self._close_env is not None:
                 self._close_env(env)
             self.moves += 1
-            self._push(now + move_s, _MOVED, g)
+            self._push(now + move_s, _MOVED, t)
 
     def _on_moved(self, e: tuple) -> None:
-        g = e[3]
+        t: _Trajectory = e[3]
         self.policy.observe_env_move(self.w.cluster.env_move_s)
-        for i in self.moving.pop(g):
-            self._submit_one(i, g, self.now, first=False)
+        held = t.held
+        assert held is not None
+        t.held = None
+        for i in held:
+            self._submit_one(i, t, self.now, first=False)
 
     def _on_finish(self, e: tuple) -> None:
         # the start's facts ride in the event: the per-action arrays are cold by now
@@ -509,8 +533,8 @@ class Simulation:
         c: int
         started: float
         row: _ActionClassRow
-        g: int
-        _, _, _, i, att, sw, aid, c, started, row, g = e
+        t: _Trajectory
+        _, _, _, i, att, sw, aid, c, started, row, t = e
         if self.attempt and att != self.attempt.get(i, 0):
             return                      # an attempt lost with its worker
         now = self.now
@@ -533,33 +557,33 @@ class Simulation:
             self.mem_reserved += row.demand.mem_mb * ran
             self.mem_used += row.mem_mean_mb * ran
         self.policy.finished(aid, now, run_time=ran)
-        left = self.traj_left[g] - 1
-        self.traj_left[g] = left
+        left = t.left - 1
+        t.left = left
         if left:
             return                      # others of its group still run
-        nxt = self.traj_next[g]
-        if nxt < self.traj_end[g]:
-            if self.sync_turns and self.turn[nxt] != self.turn[i]:
-                self.barrier.append(g)
+        nxt = t.next
+        if nxt < t.end:
+            if t.barrier_next:
+                self.barrier.append(t)
                 if len(self.barrier) >= self.step_active:
                     self._release_barrier()
             else:
                 q = self.events_q
-                q.push((now + self.think[nxt], _SUBMIT, q.seq(), nxt, g, False))
+                q.push((now + t.think_next, _SUBMIT, q.seq(), nxt, t, False))
             return
-        self._trajectory_done(g, now)
+        self._trajectory_done(t, now)
 
     def _release_barrier(self) -> None:
         now = self.now
         waiting, self.barrier = self.barrier, []
         q = self.events_q
-        for g in waiting:
-            nxt = self.traj_next[g]
-            q.push((now + self.think[nxt], _SUBMIT, q.seq(), nxt, g, False))
+        for t in waiting:
+            q.push((now + t.think_next, _SUBMIT, q.seq(), t.next, t, False))
 
-    def _trajectory_done(self, g: int, now: float) -> None:
-        tid = self.traj_names[g]
-        ew = self.env_worker.pop(g, None)
+    def _trajectory_done(self, t: _Trajectory, now: float) -> None:
+        tid = t.name
+        ew = t.worker
+        t.worker = None
         if ew is not None:
             ew.status.envs -= 1
         if self._close_env is not None:
@@ -663,14 +687,15 @@ class Simulation:
         sw.alloc_end = now
         self.alloc_units[sw.resource] -= sw.shape.cores
         self.retired.append(sw)
-        for g in [g for g, ew in self.env_worker.items() if ew is sw]:
-            del self.env_worker[g]
+        for t in self.trajs:
+            if t.worker is sw:
+                t.worker = None
         for aid in lost:     # the pool should never reclaim a busy worker; resubmit
             i = int(aid)
             self.attempt[i] = self.attempt.get(i, 0) + 1
             self.busy[sw.resource] -= self.cores_of[i]
             q = self.events_q
-            q.push((now, _SUBMIT, q.seq(), i, self.traj_of[i], True))
+            q.push((now, _SUBMIT, q.seq(), i, self.trajs[self.traj_of[i]], True))
             self.notes.append(f"action {aid} lost on reclaimed worker {sw.id}")
 
     # -- starts ------------------------------------------------------------------
@@ -685,7 +710,7 @@ class Simulation:
         busy = self.busy
         attempt = self.attempt
         traj_of = self.traj_of
-        env_worker = self.env_worker
+        trajs = self.trajs
         q = self.events_q
         seq = q.seq
         for a in starts:
@@ -694,7 +719,7 @@ class Simulation:
             sw = workers[a.worker_id]
             c = a.cores
             row = classes[cls[i]]
-            g = traj_of[i]
+            t = trajs[traj_of[i]]
             start = now
             factor = 1.0
             if row.service is not None:
@@ -707,8 +732,8 @@ class Simulation:
                 rep.running += 1
                 rep.last_used = now
                 factor = self._batch_factor(sw, row.service, rep.running)
-            elif row.uses_env and g not in env_worker:
-                env_worker[g] = sw
+            elif row.uses_env and t.worker is None:
+                t.worker = sw
                 sw.status.envs += 1
             start_t[i] = now
             cores_of[i] = c
@@ -722,7 +747,7 @@ class Simulation:
             run = one_core * ((1.0 - p) + p / (c if c > 1 else 1)) * factor
             if run > row.timeout_s:
                 run = row.timeout_s
-            q.push((start + run, _FINISH, seq(), i, attempt.get(i, 0) if attempt else 0, sw, aid, c, now, row, g))
+            q.push((start + run, _FINISH, seq(), i, attempt.get(i, 0) if attempt else 0, sw, aid, c, now, row, t))
 
     def _batch_factor(self, sw: SimWorker, name: str, in_batch: int) -> float:
         svc = self.svc_defs[name]
