@@ -37,7 +37,6 @@ import gc
 import heapq
 import itertools
 import time
-from array import array
 from dataclasses import dataclass, field
 from typing import Any, Callable, Final
 
@@ -85,11 +84,42 @@ def _info(wid: str, shape: WorkerShape, services: frozenset[str]) -> WorkerInfo:
     return WorkerInfo(wid, shape.cores, shape.mem_mb, kinds=CPU_KINDS)
 
 
-def _view(a: np.ndarray | None, dtype: type) -> Any:
-    """A flat view of ``a`` as ``dtype`` (a copy only if it is not that already) whose items read as Python scalars.
+# An action's row: eight floats, one cache line.  The simulator comes back to an action after
+# its trajectory's think time or its run, when nothing of it is cached; with an array per fact
+# each visit cost a miss per array read.
+_ROW: Final = 8
+_R_SUBMIT: Final = 0
+_R_START: Final = 1
+_R_FINISH: Final = 2
+_R_D1: Final = 3            # one-core duration
+_R_THINK: Final = 4         # think time before it (the first of a group)
+_R_HINT: Final = 5          # the duration hint its client passes (0: none)
+_R_CORES: Final = 6         # cores granted
+_R_META: Final = 7          # class | joined << 12 | turn << 13 | trajectory << 29 (an integer, exact in a float)
+_CLS_BITS: Final = 12
+_TURN_BITS: Final = 16
+_TRAJ_SHIFT: Final = 29
+_TRAJ_LIMIT: Final = 1 << 24
 
-    Typed ``Any``: a memoryview's items are ints to a type checker, floats or bools here."""
-    return np.ascontiguousarray(a, dtype=dtype).data
+
+def _action_rows(plan: Plan, traj_of: np.ndarray) -> np.ndarray:
+    """The plan's per-action facts as rows of :data:`_ROW` floats, each row on one 64-byte line."""
+    n = plan.n_actions
+    turn, joined = plan.turn, plan.joined
+    assert turn is not None and joined is not None      # (the plan fills them in)
+    if n and (int(plan.cls.max()) >= 1 << _CLS_BITS or int(turn.max()) >= 1 << _TURN_BITS):
+        raise ValueError(f"the simulator takes at most {1 << _CLS_BITS} action classes and {1 << _TURN_BITS} turns")
+    if len(traj_of) and int(traj_of.max()) >= _TRAJ_LIMIT:
+        raise ValueError(f"the simulator takes at most {_TRAJ_LIMIT:,} trajectories per run (steps x trajectories)")
+    buf = np.zeros(n * _ROW + _ROW)
+    off = (-buf.ctypes.data % 64) // 8
+    rows = buf[off:off + n * _ROW].reshape(n, _ROW)
+    rows[:, _R_D1] = plan.d1
+    rows[:, _R_THINK] = plan.think
+    rows[:, _R_HINT] = plan.hint
+    rows[:, _R_META] = (plan.cls.astype(np.int64) | joined.astype(np.int64) << _CLS_BITS
+                        | turn.astype(np.int64) << (_CLS_BITS + 1) | traj_of << _TRAJ_SHIFT)
+    return rows
 
 
 @dataclass(slots=True, frozen=True)
@@ -296,23 +326,13 @@ class Simulation:
         self.classes = action_specs_for(w)
         self.svc_defs: dict[str, Service] = w.services
         self.svc_names = frozenset(w.services)
-        n = plan.n_actions
-        # per action, compact (a 100,000-trajectory plan has millions of actions); the plan's
-        # arrays are read through typed views (as fast per item as an array, and no second copy)
-        self.cls = _view(plan.cls, np.int32)
-        self.d1 = _view(plan.d1, np.float64)
-        self.think = _view(plan.think, np.float64)
-        self.hint = _view(plan.hint, np.float64)
-        self.joined = _view(plan.joined, np.bool_)
-        self.turn = _view(plan.turn, np.int32)
-        self.submit_t = array("d", bytes(8 * n))
-        self.start_t = array("d", bytes(8 * n))
-        self.finish_t = array("d", bytes(8 * n))
-        self.cores_of = array("i", bytes(4 * n))
         # per trajectory
         starts = np.concatenate(plan.step_traj_start) if plan.step_traj_start else np.zeros(0, np.int64)
         lens = np.concatenate(plan.step_traj_len) if plan.step_traj_len else np.zeros(0, np.int64)
-        self.traj_of = array("i", np.repeat(np.arange(len(starts), dtype=np.int32), lens).tobytes())
+        # per action (a 100,000-trajectory plan has millions of actions): its row, read and
+        # written through a flat memoryview (typed Any: its items are floats)
+        self.table = _action_rows(plan, np.repeat(np.arange(len(starts), dtype=np.int64), lens))
+        self.rows: Any = self.table.reshape(-1).data
         ends = (starts + lens).tolist()
         self.trajs: list[_Trajectory] = []
         for s, st in enumerate(plan.step_traj_start):
@@ -448,11 +468,11 @@ class Simulation:
         base = sum(len(x) for x in self.plan.step_traj_start[:s])
         self.step_active = len(st)
         self.barrier = []
-        think = self.think
+        rows = self.rows
         q = self.events_q
         trajs = self.trajs
         for j, i in enumerate(st.tolist()):
-            q.push((now + think[i], _SUBMIT, q.seq(), i, trajs[base + j], False))
+            q.push((now + rows[i * _ROW + _R_THINK], _SUBMIT, q.seq(), i, trajs[base + j], False))
 
     def _on_submit(self, e: tuple) -> None:
         """Submit a group: an action and the ones joined to it (``again``: one lost action, alone)."""
@@ -464,28 +484,34 @@ class Simulation:
             self._submit_one(i, t, now)
             return
         end = t.end
-        joined = self.joined
+        rows = self.rows
+        turn = int(rows[i * _ROW + _R_META]) >> (_CLS_BITS + 1) & ((1 << _TURN_BITS) - 1)
         k = i
         t.group = i
         self._submit_one(k, t, now)
-        while k + 1 < end and joined[k + 1]:
-            k += 1
-            self._submit_one(k, t, now)
         k += 1
+        # the group's actions, and what comes after it: the next row is read once, here
+        while k < end:
+            m = int(rows[k * _ROW + _R_META])
+            if not m >> _CLS_BITS & 1:          # not joined: the next group
+                t.think_next = rows[k * _ROW + _R_THINK]
+                t.barrier_next = self.sync_turns and m >> (_CLS_BITS + 1) & ((1 << _TURN_BITS) - 1) != turn
+                break
+            self._submit_one(k, t, now)
+            k += 1
         t.next = k
         t.left = k - i
-        if k < end:
-            t.think_next = self.think[k]
-            t.barrier_next = self.sync_turns and self.turn[k] != self.turn[i]
 
     def _submit_one(self, i: int, t: _Trajectory, now: float, *, first: bool = True) -> None:
-        row = self.classes[self.cls[i]]
+        rows = self.rows
+        b = i * _ROW
+        row = self.classes[int(rows[b + _R_META]) & ((1 << _CLS_BITS) - 1)]
         tid = t.name
-        hint = self.hint[i]
+        hint = rows[b + _R_HINT]
         spec = ActionSpec(row.kind, None, tid if row.uses_env else None, row.demand, hint or None, None, 0,
                           tid, t.step, row.label, None, str(i))
         if first:
-            self.submit_t[i] = now
+            rows[b + _R_SUBMIT] = now
         held = t.held
         if held is not None:
             held.append(i)              # its environment is on its way to another worker
@@ -507,7 +533,8 @@ class Simulation:
             if ew is None or t.held is not None:
                 continue                 # not live on a worker: nothing to move
             first, last = t.group, t.next
-            if any(self.start_t[i] > 0.0 and self.finish_t[i] == 0.0 for i in range(first, last)):
+            rows = self.rows
+            if any(rows[i * _ROW + _R_START] > 0.0 and rows[i * _ROW + _R_FINISH] == 0.0 for i in range(first, last)):
                 continue                 # it runs there (the policy does not ask for that)
             t.held = [i for i in range(first, last) if self.policy.cancel(str(i))]
             t.worker = None
@@ -538,7 +565,7 @@ class Simulation:
         if self.attempt and att != self.attempt.get(i, 0):
             return                      # an attempt lost with its worker
         now = self.now
-        self.finish_t[i] = now
+        self.rows[i * _ROW + _R_FINISH] = now
         st = sw.status
         st.busy_cores -= c
         st.running -= 1
@@ -693,9 +720,10 @@ class Simulation:
         for aid in lost:     # the pool should never reclaim a busy worker; resubmit
             i = int(aid)
             self.attempt[i] = self.attempt.get(i, 0) + 1
-            self.busy[sw.resource] -= self.cores_of[i]
+            b = i * _ROW
+            self.busy[sw.resource] -= int(self.rows[b + _R_CORES])
             q = self.events_q
-            q.push((now, _SUBMIT, q.seq(), i, self.trajs[self.traj_of[i]], True))
+            q.push((now, _SUBMIT, q.seq(), i, self.trajs[int(self.rows[b + _R_META]) >> _TRAJ_SHIFT], True))
             self.notes.append(f"action {aid} lost on reclaimed worker {sw.id}")
 
     # -- starts ------------------------------------------------------------------
@@ -703,13 +731,9 @@ class Simulation:
         """Start what the policy placed (``schedule`` was asked after the instant's events)."""
         workers = self.workers
         classes = self.classes
-        cls = self.cls
-        d1 = self.d1
-        start_t = self.start_t
-        cores_of = self.cores_of
+        rows = self.rows
         busy = self.busy
         attempt = self.attempt
-        traj_of = self.traj_of
         trajs = self.trajs
         q = self.events_q
         seq = q.seq
@@ -718,8 +742,10 @@ class Simulation:
             i = int(aid)
             sw = workers[a.worker_id]
             c = a.cores
-            row = classes[cls[i]]
-            t = trajs[traj_of[i]]
+            b = i * _ROW
+            m = int(rows[b + _R_META])
+            row = classes[m & ((1 << _CLS_BITS) - 1)]
+            t = trajs[m >> _TRAJ_SHIFT]
             start = now
             factor = 1.0
             if row.service is not None:
@@ -735,15 +761,15 @@ class Simulation:
             elif row.uses_env and t.worker is None:
                 t.worker = sw
                 sw.status.envs += 1
-            start_t[i] = now
-            cores_of[i] = c
+            rows[b + _R_START] = now
+            rows[b + _R_CORES] = c
             st = sw.status
             st.busy_cores += c
             st.running += 1
             st.idle_since = None
             busy[sw.resource] += c
             p = row.parallel_fraction
-            one_core: float = d1[i]
+            one_core: float = rows[b + _R_D1]
             run = one_core * ((1.0 - p) + p / (c if c > 1 else 1)) * factor
             if run > row.timeout_s:
                 run = row.timeout_s
@@ -799,11 +825,9 @@ class Simulation:
         np.minimum(lb, tmo[plan.cls], out=lb)
         is_gpu = np.array([r.service is not None for r in self.classes])[plan.cls]
         return SimResult(
-            # views, not copies: the run is over, and at 100,000 trajectories a copy is 80 MB more at the peak
-            name=self.name, submit=np.frombuffer(self.submit_t, dtype=np.float64),
-            start=np.frombuffer(self.start_t, dtype=np.float64),
-            finish=np.frombuffer(self.finish_t, dtype=np.float64),
-            cores=np.frombuffer(self.cores_of, dtype=np.int32), lower_bound=lb,
+            # views of the rows, not copies: at 100,000 trajectories a copy is 70 MB more at the peak
+            name=self.name, submit=self.table[:, _R_SUBMIT], start=self.table[:, _R_START],
+            finish=self.table[:, _R_FINISH], cores=self.table[:, _R_CORES].astype(np.int32), lower_bound=lb,
             step_durations=self.step_durations, cpu_core_s=cpu_cs, gpu_s=gpu_s,
             cpu_busy_core_s=self.cpu_busy_cs, gpu_busy_slot_s=self.gpu_busy_ss, gpu_slot_s=gpu_ss,
             makespan=end, cpu_cores_max=self.alloc_max[CPU], gpu_slots_max=self.alloc_max[GPU],
