@@ -429,7 +429,10 @@ class PlacementPolicy(SchedulingPolicy):
         self._limits: tuple[ShapeLimit, ...] = ()
         self._hosted: frozenset[str] | None = None
         self._unplaceable: dict[str, tuple[ActionRecord, str]] = {}
-        self._fit_memo: dict[tuple, str | None] = {}   # (kind, demand) -> why it fits nothing (None: fits)
+        # (kind, id(demand)) -> (the demand, why it fits nothing (None: fits)).  By identity: a frozen
+        # dataclass hashes in interpreted code, and the simulator's actions of a class share one
+        # Demand; the entry holds the demand, so its id is not reused while the entry stands.
+        self._fit_memo: dict[tuple[str, int], tuple[Demand, str | None]] = {}
         self._heads: list | None = None
         self._grow: list[tuple[ActionRecord, WorkerRecord]] = []
         self.load_window_s = 60.0
@@ -507,14 +510,16 @@ class PlacementPolicy(SchedulingPolicy):
     def _too_big(self, spec: ActionSpec) -> str | None:
         if not self._limits:
             return None
-        key = (spec.kind, spec.demand)
-        try:
-            return self._fit_memo[key]
-        except KeyError:
-            if len(self._fit_memo) >= 4096:     # clients may send any number of distinct demands
-                self._fit_memo.clear()
-            why = self._fit_memo[key] = self._too_big_now(spec)
-            return why
+        d = spec.demand
+        key = (spec.kind, id(d))
+        hit = self._fit_memo.get(key)
+        if hit is not None and hit[0] is d:
+            return hit[1]
+        if len(self._fit_memo) >= 4096:     # clients may send any number of distinct demands
+            self._fit_memo.clear()
+        why = self._too_big_now(spec)
+        self._fit_memo[key] = (d, why)
+        return why
 
     def _too_big_now(self, spec: ActionSpec) -> str | None:
         d = spec.demand
