@@ -127,8 +127,9 @@ def _is_pending(p, aid: str) -> bool:
     return any(s.id == aid for s in p.pending_actions())
 
 
-@pytest.mark.parametrize("policy_cls", [ElasticScheduler, FifoPolicy, partial(ElasticScheduler, env_move_s=0.5)],
-                         ids=["elastic", "fifo", "elastic-moving-envs"])
+@pytest.mark.parametrize("policy_cls", [ElasticScheduler, FifoPolicy, partial(ElasticScheduler, env_move_s=0.5),
+                                       partial(ElasticScheduler, barriers=True)],
+                         ids=["elastic", "fifo", "elastic-moving-envs", "elastic-barriers"])
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(events=st.lists(event, min_size=5, max_size=120))
 def test_capacity_affinity_and_determinism(policy_cls, events):
@@ -257,6 +258,95 @@ def test_a_worker_keeps_a_core_out_of_elastic_grants_for_its_environments_comman
     assert grant(12) == 15              # E's next command finds a free core
     assert grant(12, idle_s=300.0) == 16   # the commands stopped long ago: nothing held back
     assert grant(12, cores=4) == 4      # a core of four is too much to hold back
+
+
+def _burst_at_a_barrier(barriers: bool, straggler: str) -> tuple[float, dict[str, int]]:
+    """Three long elastic actions of one turn, pinned to a worker where a 4-core command leaves 12
+    cores: when does the last end (true parallel fraction 0.95, ``straggler`` 10x the others' run),
+    and on how many cores did each run?"""
+    p = ElasticScheduler(Predictor(prior_parallel=0.95), barriers=barriers)
+    p.add_worker(WorkerInfo("w1", 16, kinds=CPU), 0)
+    for e in "ABC":       # each environment's first command pins it to w1
+        p.submit(ActionSpec("sandbox", id=f"{e}0", env=e, duration_hint=0.5), 0)
+    p.submit(ActionSpec("sandbox", id="X", env="X", demand=Demand(4, 4), duration_hint=2.0), 0)
+    assert len(p.schedule(0)) == 4
+    p.add_worker(WorkerInfo("w2", 64, kinds=CPU), 0)      # roomy elsewhere: the share is not the limit
+    for e in "ABC":
+        p.finished(f"{e}0", 1, run_time=1.0)
+    one_core = {"A1": 20.0, "B1": 20.0, "C1": 20.0}
+    one_core[straggler] = 200.0
+    for aid in one_core:
+        p.submit(ActionSpec("sandbox", id=aid, env=aid[0], demand=Demand(1, 8), duration_hint=20.0,
+                            label="search"), 1)
+    ends = {"X": 2.0}
+    cores: dict[str, int] = {}
+    now = 1.0
+    while True:
+        for a in p.schedule(now):
+            cores[a.action_id] = a.cores
+            ends[a.action_id] = now + one_core[a.action_id] * (0.05 + 0.95 / a.cores)
+        if not ends:
+            return now, cores
+        aid = min(ends, key=lambda k: (ends[k], k))
+        now = ends.pop(aid)
+        p.finished(aid, now, run_time=1.0)
+
+
+def test_at_a_barrier_each_long_elastic_action_of_a_burst_gets_its_cores():
+    """Without barriers the three split the 12 free cores evenly (right for mean ACT among actions
+    of one predicted size); with them, each runs on its 8 cores, one now and two as cores free,
+    and the turn ends sooner whichever of them turns out long."""
+    for straggler in ("A1", "B1", "C1"):
+        end_split, split = _burst_at_a_barrier(False, straggler)
+        end_held, held = _burst_at_a_barrier(True, straggler)
+        assert sorted(split[a] for a in ("A1", "B1", "C1")) == [4, 4, 4]
+        assert [held[a] for a in ("A1", "B1", "C1")] == [8, 8, 8]
+        assert end_held < 0.75 * end_split
+
+
+def test_at_a_barrier_an_elastic_action_short_of_cores_promised_in_the_same_call_waits_for_a_later_one():
+    """Three 8-core searches whose environments live on an idle 16-core worker: two get 8 each, the
+    third does not start on the core left but waits for one of them to end; without barriers
+    the three share the worker."""
+    def run(barriers: bool) -> tuple[list[int], list[int]]:
+        p = ElasticScheduler(Predictor(prior_parallel=0.95), barriers=barriers)
+        p.add_worker(WorkerInfo("w1", 16, kinds=CPU), 0)
+        for e in "ABC":       # each environment's first command pins it to w1
+            p.submit(ActionSpec("sandbox", id=f"{e}0", env=e, duration_hint=0.5), 0)
+        assert len(p.schedule(0)) == 3
+        p.add_worker(WorkerInfo("w2", 64, kinds=CPU), 0)      # roomy elsewhere: the share is not the limit
+        for e in "ABC":
+            p.finished(f"{e}0", 1, run_time=1.0)
+            p.submit(ActionSpec("sandbox", id=f"{e}1", env=e, demand=Demand(1, 8), duration_hint=20.0,
+                                label="search"), 1)
+        first = p.schedule(1)
+        p.finished(first[0].action_id, 5, run_time=4.0)
+        return [a.cores for a in first], [a.cores for a in p.schedule(5)]
+
+    assert run(True) == ([8, 8], [8])
+    first, later = run(False)
+    assert len(first) == 3 and sum(first) == 16 and later == []
+
+
+def test_at_a_barrier_actions_of_one_class_keep_their_submission_order():
+    """The class estimate falls between two submits: shortest-predicted-first would run the later
+    one first; at a barrier the older goes first (their sizes differ only by that drift)."""
+    def first_of(barriers: bool) -> str:
+        p = ElasticScheduler(barriers=barriers)
+        p.add_worker(WorkerInfo("w", 1, kinds=CPU), 0)
+        p.submit(ActionSpec("sandbox", id="Y", label="other", duration_hint=10.0), 0)
+        assert len(p.schedule(0)) == 1
+        p.submit(ActionSpec("sandbox", id="S0", label="cell"), 1)
+        for _ in range(5):
+            p.predictor.observe(ActionSpec("sandbox", label="cell"), 0.1, 1)
+        p.submit(ActionSpec("sandbox", id="S1", label="cell"), 2)
+        assert p.schedule(2) == []
+        p.finished("Y", 10, run_time=10.0)
+        [a] = p.schedule(10)
+        return a.action_id
+
+    assert first_of(False) == "S1"
+    assert first_of(True) == "S0"
 
 
 def test_moves_while_the_agent_thinks_follow_the_spread_of_think_times_not_their_mean():

@@ -327,6 +327,22 @@ def test_reward_workers_scale_from_zero_in_the_simulator():
     assert z.gpu_s > 0
 
 
+def test_the_bench_runs_tangram_in_barrier_mode_exactly_when_the_rollouts_have_per_turn_barriers(monkeypatch):
+    made = []
+
+    class Recording(ElasticScheduler):
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            made.append(self.barriers)
+
+    monkeypatch.setattr(bench, "ElasticScheduler", Recording)
+    for sync in (False, True):
+        d = _doc(rollout={"steps": 1, "trajectories_per_step": 2, "turns": 2, "think_s": 1.0,
+                          "sync_turns": sync})
+        bench.tangram_run(parse_workload(d).sample())
+    assert made == [False, True]
+
+
 def test_step_aware_pool_keeps_the_capacity_of_a_step_for_the_next():
     # one long straggler keeps step 1 going while every other worker idles past the TTL
     d = _doc(rollout={"steps": 2, "trajectories_per_step": 16, "turns": 1, "think_s": 1.0},

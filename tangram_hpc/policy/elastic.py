@@ -74,6 +74,25 @@ Placement.
     previous RL step called (it is needed again at the end of the step).
     Draining workers take only actions of the environments they already host.
 
+Barriers (``barriers=True``, for synchronous rollout loops).
+    When a turn starts only after every trajectory finished the one before, a
+    turn ends with its slowest action, and which of a burst's long elastic
+    actions that is cannot be told from their predictions (they carry no
+    feature but their class; the tails are long).  Three rules then differ:
+    an elastic action that finds fewer free cores than its target waits for
+    them, unless the wait is longer than the cores would save it were it the
+    turn's straggler (``BARRIER_TAIL_Z`` standard deviations of the class's
+    log durations above the median); the elastic starts of one
+    :meth:`schedule` call on a worker each get the cores they were judged worth
+    (the core kept for commands included) before the rest is shared -- rather
+    than splitting a worker's free cores evenly among, say, three long actions
+    of one size; and an action without a hint ranks no earlier than one of
+    its class waiting in the same queue submitted before it (predicted sizes
+    within a class differ only by the drift of the class estimate, so the
+    oldest goes first).  Mean ACT alone would split and reorder; at a barrier
+    the turn's end is what every trajectory waits for.  Without barriers none
+    of this applies.
+
 Costs.  See :mod:`tangram_hpc.policy.placement`: waiting actions are kept in
 heaps per placement class, so a :meth:`schedule` call costs
 ``O(Q + k log(Q + W))`` for Q non-empty queues, k starts and W workers.
@@ -84,12 +103,12 @@ same decisions (ties break by submission order and worker registration order).
 from __future__ import annotations
 
 import math
-from typing import Mapping, Sequence
+from typing import ClassVar, Mapping, Sequence
 
 from ..resources import ServiceInfo, WorkerShape
 from .base import mypyc_attr
-from .placement import ActionRecord, PlacementPolicy, PlacementQueue, WorkerRecord, water_level
-from .predict import Predictor
+from .placement import ActionRecord, ActionState, PlacementPolicy, PlacementQueue, WorkerRecord, water_level
+from .predict import Predictor, feature_key
 
 __all__ = ["ElasticScheduler"]
 
@@ -113,13 +132,26 @@ class ElasticScheduler(PlacementPolicy):
     env_move_s: predicted seconds to move an environment to another worker
         (save and restore); None keeps every environment where it started
         (see "Moving environments" in :mod:`tangram_hpc.policy.placement`).
+    barriers: the rollouts are synchronous -- a turn starts only when every
+        trajectory finished the one before (per-turn barriers), so a turn ends
+        with its slowest action.  The user's RL loop decides this and the
+        scheduler cannot see it; set it for such loops.  Then an elastic action
+        waits for the cores it is judged worth rather than start on a worker's
+        leftovers, the elastic starts of one :meth:`schedule` call on a worker
+        each get theirs before the rest is shared, and actions of one class
+        keep their submission order (see "Barriers" in the module docstring).
     """
+
+    #: Barrier mode: an elastic action is weighed as if it were its turn's straggler, this many
+    #: standard deviations of its class's log durations above the median (see _startable_at_barrier).
+    BARRIER_TAIL_Z: ClassVar[float] = 3.0
 
     def __init__(self, predictor: Predictor | None = None, *, shapes: Sequence[WorkerShape] = (),
                  services: Mapping[str, ServiceInfo] | None = None,
                  aging: float = 0.5, priority_weight: float = 30.0, priority_clamp: int = 16,
                  min_gain: float = 0.005, service_util: float = 0.85, rate_window_s: float = 30.0,
-                 pipeline_below_s: float | None = None, env_move_s: float | None = None):
+                 pipeline_below_s: float | None = None, env_move_s: float | None = None,
+                 barriers: bool = False):
         if aging <= 0:
             raise ValueError("aging must be positive (it bounds the wait of every action)")
         self.aging = aging
@@ -129,6 +161,12 @@ class ElasticScheduler(PlacementPolicy):
         self.service_util = service_util
         self.rate_window_s = rate_window_s
         self._rates: dict[str, list[float]] = {}     # service -> [rate per second, at time]
+        self.barriers = barriers
+        # barrier mode: worker id -> cores promised to this schedule() call's elastic starts there,
+        # beyond the min_cores they took; and per (class, min_cores, host worker or ""), the last
+        # action submitted and its rank (see _in_class_order)
+        self._promised: dict[str, int] = {}
+        self._class_last: dict[tuple[str, int, str], tuple[ActionRecord, float]] = {}
         super().__init__(predictor, shapes=shapes, services=services, pipeline_below_s=pipeline_below_s,
                          env_move_s=env_move_s)
 
@@ -145,7 +183,29 @@ class ElasticScheduler(PlacementPolicy):
         prio = spec.priority
         if prio > self.priority_clamp or prio < -self.priority_clamp:
             prio = max(-self.priority_clamp, min(self.priority_clamp, prio))
-        return rec.time_at(rec.min_cores) + self.aging * rec.submit - self.priority_weight * prio
+        rank = rec.time_at(rec.min_cores) + self.aging * rec.submit
+        if self.barriers:
+            rank = self._in_class_order(rec, rank)
+        return rank - self.priority_weight * prio
+
+    def _in_class_order(self, rec: ActionRecord, rank: float) -> float:
+        """Barrier mode: an action without a hint ranks no earlier than the last action of its
+        class for the same queue (its environment's worker, or the shared queues) while that one
+        still waits.  Their predicted sizes differ only by the drift of the class estimate between
+        their submits, which says nothing about which of them will be long; at a barrier the
+        oldest is served first.  (Only while it waits: a rank inherited for good would keep a
+        spike of the estimate, a turn's stragglers just seen, in every later rank of the class.)"""
+        spec = rec.spec
+        hint = spec.duration_hint
+        if hint is not None and hint > 0:
+            return rank             # its own prediction
+        host = rec.envst.host if rec.envst is not None else None
+        ck = (feature_key(spec), rec.min_cores, host.id if host is not None else "")
+        last = self._class_last.get(ck)
+        if last is not None and last[0].state is ActionState.PENDING and rank < last[1]:
+            rank = last[1]
+        self._class_last[ck] = (rec, rank)
+        return rank
 
     def _grant(self, rec: ActionRecord, w: WorkerRecord) -> int:
         hi = min(rec.max_cores, rec.cores + max(0, w.free_cores - self._reserve(w, rec.started)))
@@ -193,12 +253,50 @@ class ElasticScheduler(PlacementPolicy):
         most = max(rec.min_cores, min(rec.max_cores, w.cores - self._reserve(w, now)))
         target = self._cores_for(rec, w, most, later=True)
         rec.target = target
+        if self.barriers:
+            return self._startable_at_barrier(rec, w, free, target, now)
         if free >= target:
             return True
         # expected times, not medians: durations are heavy-tailed, and the long ones are the ones
         # that decide a step's end
         gain = (rec.time_at(max(free, rec.min_cores)) - rec.time_at(target)) * rec.tail
         return gain <= self._wait_for_cores(w, target - free, now)
+
+    def _startable_at_barrier(self, rec: ActionRecord, w: WorkerRecord, free: int, target: int,
+                              now: float) -> bool:
+        """Barrier mode: a turn ends with its slowest action, and any long elastic action of a burst
+        may be it.  The cores promised to this call's earlier elastic starts on ``w`` are theirs
+        (:meth:`_grow_grants` gives them first), and an action that finds fewer than its target
+        waits for them -- unless the wait (the running actions' predicted ends say how long) is
+        longer than the cores would save it were it the straggler (its duration
+        ``BARRIER_TAIL_Z`` standard deviations of the class's log durations above the median).
+        Short of cores promised in this call, it waits for a later call, which knows when this
+        call's starts end."""
+        lo = rec.min_cores
+        promised = self._promised.get(w.id, 0)
+        free -= promised
+        if free < target:
+            if promised:
+                return False    # what it would wait for is this call's: weighed in a later call
+            sigma = math.sqrt(2.0 * math.log(rec.tail)) if rec.tail > 1.0 else 0.0
+            gain = (rec.time_at(max(free, lo)) - rec.time_at(target)) * math.exp(self.BARRIER_TAIL_Z * sigma)
+            if gain > self._wait_for_cores(w, target - free, now):
+                return False
+            target = rec.target = max(free, lo)
+        self._promised[w.id] = promised + target - lo
+        return True
+
+    def _grow_grants(self) -> None:
+        if self.barriers:
+            # each elastic start first gets the cores it waited for (the core kept for commands
+            # too: it was judged worth them), then the rest is shared as without barriers
+            self._promised.clear()
+            for rec, on in self._grow:
+                if rec.state is ActionState.RUNNING and rec.worker is on:
+                    extra = min(rec.target, on.free_cores + rec.cores) - rec.cores
+                    if extra > 0:
+                        self.tally.regranted(rec, on, extra)
+        super()._grow_grants()
 
     def _best_cores(self, rec: ActionRecord) -> int:
         if not rec.elastic:
