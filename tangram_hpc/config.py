@@ -121,6 +121,10 @@ class CoordinatorSettings:
                             "worker (its holder saves it, the next one restores it); the scheduler learns the "
                             "real cost from each move (to keep environments where they start: env_moves = false)",
                             minimum=0.01)
+    barriers: bool = key(False, "the training loop rolls out synchronously: a turn starts only when every "
+                         "trajectory finished the one before (per-turn barriers), so a turn ends with its "
+                         "slowest action; the elastic policy then gives a burst's wide actions the cores they "
+                         "are worth rather than share a worker's leftovers (docs/scheduler.md, 'Barriers')")
     max_attempts: int = key(3, "attempts per action across worker losses", minimum=1)
     worker_timeout_s: float = key(5.0, "seconds of silence before a worker is lost", flag="--worker-timeout",
                                   minimum=0.1)

@@ -35,14 +35,16 @@ from .security import CurveKeys, is_loopback
 log = logging.getLogger("tangram.launch")
 
 
-def make_policy(name: str, pipeline_below_s: float | None = None, env_move_s: float | None = None) -> SchedulingPolicy:
-    """The named placement policy; ``env_move_s`` (the first guess of a move's cost) None: environments never move."""
+def make_policy(name: str, pipeline_below_s: float | None = None, env_move_s: float | None = None,
+                barriers: bool = False) -> SchedulingPolicy:
+    """The named placement policy; ``env_move_s`` (the first guess of a move's cost) None: environments never move;
+    ``barriers``: the rollouts have per-turn barriers (the elastic policy's barrier mode; FIFO has none)."""
     if name == "fifo":
         from .policy.fifo import FifoPolicy
         return FifoPolicy(pipeline_below_s=pipeline_below_s, env_move_s=env_move_s)
     if name == "elastic":
         from .policy.elastic import ElasticScheduler
-        return ElasticScheduler(pipeline_below_s=pipeline_below_s, env_move_s=env_move_s)
+        return ElasticScheduler(pipeline_below_s=pipeline_below_s, env_move_s=env_move_s, barriers=barriers)
     raise ConfigError(f"unknown policy {name!r} (choose elastic or fifo)")
 
 
@@ -69,7 +71,7 @@ def build_coordinator(settings: Settings, *, reuse_ports: bool = True) -> Coordi
     common = ["--config", str(settings.file)] if settings.file else []
     service_args = common + worker_flags(settings, "services") + ["--kinds", "reward"]
     backend = pool = None
-    policy = make_policy(cfg.policy, cfg.pipeline_below_s, cfg.env_move_s if cfg.env_moves else None)
+    policy = make_policy(cfg.policy, cfg.pipeline_below_s, cfg.env_move_s if cfg.env_moves else None, cfg.barriers)
     if cfg.backend == "local":
         from .backends.local import LocalBackend
         backend = LocalBackend(cfg.run_dir / "workers")

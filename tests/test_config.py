@@ -201,3 +201,16 @@ def test_environment_moves_are_turned_off_by_their_own_key_not_by_a_zero_cost(tm
     assert load(write(tmp_path, "[coordinator]\nenv_moves = false\n"), environ={}).coordinator.env_moves is False
     with pytest.raises(ConfigError, match="env_move_s .*must be at least 0.01"):
         load(write(tmp_path, "[coordinator]\nenv_move_s = 0\n"), environ={})
+
+
+def test_barrier_mode_is_a_coordinator_setting_that_reaches_the_elastic_policy(tmp_path):
+    from tangram_hpc.launch import build_coordinator
+    run = ("--run-dir", str(tmp_path / "run"), "--insecure", "--backend", "none")
+    plain = build_coordinator(parse("coordinator", *run))
+    flag = build_coordinator(parse("coordinator", *run, "--barriers"))
+    try:
+        assert plain.policy.barriers is False and flag.policy.barriers is True
+    finally:
+        plain.close()
+        flag.close()
+    assert load(write(tmp_path, "[coordinator]\nbarriers = true\n"), environ={}).coordinator.barriers is True
