@@ -164,9 +164,10 @@ class ElasticScheduler(PlacementPolicy):
         self.barriers = barriers
         # barrier mode: worker id -> cores promised to this schedule() call's elastic starts there,
         # beyond the min_cores they took; and per (class, min_cores, host worker or ""), the last
-        # action submitted and its rank (see _in_class_order)
+        # action submitted (its id and submission number, not its record: a long run sees many
+        # workers, and a record holds its payload) and its rank (see _in_class_order)
         self._promised: dict[str, int] = {}
-        self._class_last: dict[tuple[str, int, str], tuple[ActionRecord, float]] = {}
+        self._class_last: dict[tuple[str, int, str], tuple[str, int, float]] = {}
         super().__init__(predictor, shapes=shapes, services=services, pipeline_below_s=pipeline_below_s,
                          env_move_s=env_move_s)
 
@@ -202,9 +203,11 @@ class ElasticScheduler(PlacementPolicy):
         host = rec.envst.host if rec.envst is not None else None
         ck = (feature_key(spec), rec.min_cores, host.id if host is not None else "")
         last = self._class_last.get(ck)
-        if last is not None and last[0].state is ActionState.PENDING and rank < last[1]:
-            rank = last[1]
-        self._class_last[ck] = (rec, rank)
+        if last is not None and rank < last[2]:
+            waiting = self._waiting.get(last[0])
+            if waiting is not None and waiting.seq == last[1]:
+                rank = last[2]
+        self._class_last[ck] = (rec.aid, rec.seq, rank)
         return rank
 
     def _grant(self, rec: ActionRecord, w: WorkerRecord) -> int:
