@@ -795,3 +795,23 @@ def test_pipelining_can_be_turned_off():
         [a] = p.schedule(float(i))
         p.finished(a.action_id, float(i), run_time=1e-5)
         assert a.cores == 1
+
+
+def test_the_fit_check_is_remembered_for_equal_demands_and_for_one_shared_demand():
+    """A client's actions each bring their own (equal) Demand; the simulator's share one per class.
+    Either way the check against the worker shapes runs once per distinct demand."""
+    class Counting(ElasticScheduler):
+        checks = 0
+
+        def _too_big_now(self, spec):
+            Counting.checks += 1
+            return super()._too_big_now(spec)
+
+    p = Counting(shapes=[WorkerShape(4)])
+    shared = Demand(1, 4)
+    for i in range(3):
+        p.submit(ActionSpec("sandbox", id=f"w{i}", demand=Demand(1, 4)), 0)     # equal, not the same object
+        p.submit(ActionSpec("sandbox", id=f"s{i}", demand=shared), 0)
+    assert Counting.checks == 1
+    p.submit(ActionSpec("sandbox", id="big", demand=Demand(8, 8)), 0)
+    assert Counting.checks == 2 and [aid for aid, _ in p.unplaceable(0)] == ["big"]

@@ -210,6 +210,11 @@ class ElasticScheduler(PlacementPolicy):
         self._class_last[ck] = (rec.aid, rec.seq, rank)
         return rank
 
+    def remove_worker(self, worker_id: str, now: float) -> list[str]:
+        if self._class_last:        # (barrier mode) a long run sees many workers come and go
+            self._class_last = {k: v for k, v in self._class_last.items() if k[2] != worker_id}
+        return super().remove_worker(worker_id, now)
+
     def _grant(self, rec: ActionRecord, w: WorkerRecord) -> int:
         hi = min(rec.max_cores, rec.cores + max(0, w.free_cores - self._reserve(w, rec.started)))
         if rec.target >= hi:

@@ -429,10 +429,11 @@ class PlacementPolicy(SchedulingPolicy):
         self._limits: tuple[ShapeLimit, ...] = ()
         self._hosted: frozenset[str] | None = None
         self._unplaceable: dict[str, tuple[ActionRecord, str]] = {}
-        # (kind, id(demand)) -> (the demand, why it fits nothing (None: fits)).  By identity: a frozen
-        # dataclass hashes in interpreted code, and the simulator's actions of a class share one
-        # Demand; the entry holds the demand, so its id is not reused while the entry stands.
-        self._fit_memo: dict[tuple[str, int], tuple[Demand, str | None]] = {}
+        # (kind, id(demand)) and (kind, demand) -> (the demand, why it fits nothing (None: fits)).
+        # By identity first: a frozen dataclass hashes in interpreted code, and the simulator's
+        # actions of a class share one Demand (the entry holds it, so its id is not reused while
+        # the entry stands); by value for a client's actions, which each bring their own.
+        self._fit_memo: dict[tuple, tuple[Demand, str | None]] = {}
         self._heads: list | None = None
         self._grow: list[tuple[ActionRecord, WorkerRecord]] = []
         self.load_window_s = 60.0
@@ -511,15 +512,19 @@ class PlacementPolicy(SchedulingPolicy):
         if not self._limits:
             return None
         d = spec.demand
+        memo = self._fit_memo
         key = (spec.kind, id(d))
-        hit = self._fit_memo.get(key)
+        hit = memo.get(key)
         if hit is not None and hit[0] is d:
             return hit[1]
-        if len(self._fit_memo) >= 4096:     # clients may send any number of distinct demands
-            self._fit_memo.clear()
-        why = self._too_big_now(spec)
-        self._fit_memo[key] = (d, why)
-        return why
+        if len(memo) >= 4096:     # clients may send any number of distinct demands
+            memo.clear()
+        by_value = (spec.kind, d)
+        hit = memo.get(by_value)
+        if hit is None:
+            hit = memo[by_value] = (d, self._too_big_now(spec))
+        memo[key] = (d, hit[1])
+        return hit[1]
 
     def _too_big_now(self, spec: ActionSpec) -> str | None:
         d = spec.demand

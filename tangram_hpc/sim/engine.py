@@ -366,6 +366,7 @@ class Simulation:
         self.step = 0
         self.step_started = 0.0
         self.step_active = 0
+        self.step_trajs = (0, 0)                # the current step's trajectories: [first, last)
         self.barrier: list[_Trajectory] = []    # trajectories waiting for the others to finish the turn
         self.step_durations: list[float] = []
         self.sync_turns = w.rollout.sync_turns
@@ -467,6 +468,7 @@ class Simulation:
         st = self.plan.step_traj_start[s]
         base = sum(len(x) for x in self.plan.step_traj_start[:s])
         self.step_active = len(st)
+        self.step_trajs = (base, base + len(st))
         self.barrier = []
         rows = self.rows
         q = self.events_q
@@ -714,9 +716,10 @@ class Simulation:
         sw.alloc_end = now
         self.alloc_units[sw.resource] -= sw.shape.cores
         self.retired.append(sw)
-        for t in self.trajs:
-            if t.worker is sw:
-                t.worker = None
+        trajs = self.trajs
+        for g in range(*self.step_trajs):       # only the current step's trajectories are live
+            if trajs[g].worker is sw:
+                trajs[g].worker = None
         for aid in lost:     # the pool should never reclaim a busy worker; resubmit
             i = int(aid)
             self.attempt[i] = self.attempt.get(i, 0) + 1
