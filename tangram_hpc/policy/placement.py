@@ -145,7 +145,7 @@ class Need:
 class ActionRecord(Need):
     """One submitted action as the policy tracks it (its spec's hot fields copied: see :class:`Need`)."""
 
-    __slots__ = ("spec", "aid", "kind", "env", "envst", "max_cores", "submit", "seq", "key", "state", "worker", "cores",
+    __slots__ = ("spec", "aid", "kind", "envst", "max_cores", "submit", "seq", "key", "state", "worker", "cores",
                  "started", "load_wait", "queue", "elastic", "light", "load", "expect", "ends_at", "d1", "p",
                  "tail", "work", "target")
 
@@ -155,7 +155,6 @@ class ActionRecord(Need):
         self.spec = spec
         self.aid = spec.id
         self.kind = spec.kind
-        self.env = spec.env
         self.envst: EnvState | None = None      # its environment's record (set at submit)
         self.max_cores = d.max_cores
         self.submit = submit
@@ -491,7 +490,7 @@ class PlacementPolicy(SchedulingPolicy):
         self._unplaceable[rec.aid] = (rec, why)
 
     def _release_first(self, es: EnvState) -> None:
-        """``es``'s first action no longer holds the others back (it started elsewhere, or left): route them."""
+        """``es``'s first action no longer holds the others back (it started, or left): route them."""
         es.first = None
         held, es.wait = es.wait, []
         for r in held:
@@ -1411,14 +1410,12 @@ class PlacementPolicy(SchedulingPolicy):
             if not rec.elastic and rec.cores:
                 self._rigid_change(w, rec.cores, now)
             es.busy += 1
-            if es.first is rec:
-                es.first = None
-            if es.host is None:
+            if es.host is None:         # its first action to start: the environment lives here now
                 es.host = w
                 w.envs.add(es.name)
-                held, es.wait = es.wait, []
-                for r in held:
-                    self._route(r)
+                self._release_first(es)
+            elif es.first is rec:
+                es.first = None
         if rec.elastic:
             self._grow.append((rec, w))
         started.append(rec)
@@ -1463,7 +1460,7 @@ class PlacementPolicy(SchedulingPolicy):
         w.envs.discard(env)
         q = w.env_queue
         if q is not None and q.live:
-            for rec in [e[2] for e in q.heap if e[2].queue is q and e[2].env == env]:
+            for rec in [e[2] for e in q.heap if e[2].queue is q and e[2].envst is es]:
                 self._unqueue(rec)
                 self._route(rec)
 

@@ -97,7 +97,11 @@ _R_HINT: Final = 5          # the duration hint its client passes (0: none)
 _R_CORES: Final = 6         # cores granted
 _R_META: Final = 7          # class | joined << 12 | turn << 13 | trajectory << 29 (an integer, exact in a float)
 _CLS_BITS: Final = 12
+_CLS_MASK: Final = (1 << _CLS_BITS) - 1
+_JOINED_SHIFT: Final = _CLS_BITS
+_TURN_SHIFT: Final = _CLS_BITS + 1
 _TURN_BITS: Final = 16
+_TURN_MASK: Final = (1 << _TURN_BITS) - 1
 _TRAJ_SHIFT: Final = 29
 _TRAJ_LIMIT: Final = 1 << 24
 
@@ -117,8 +121,8 @@ def _action_rows(plan: Plan, traj_of: np.ndarray) -> np.ndarray:
     rows[:, _R_D1] = plan.d1
     rows[:, _R_THINK] = plan.think
     rows[:, _R_HINT] = plan.hint
-    rows[:, _R_META] = (plan.cls.astype(np.int64) | joined.astype(np.int64) << _CLS_BITS
-                        | turn.astype(np.int64) << (_CLS_BITS + 1) | traj_of << _TRAJ_SHIFT)
+    rows[:, _R_META] = (plan.cls.astype(np.int64) | joined.astype(np.int64) << _JOINED_SHIFT
+                        | turn.astype(np.int64) << _TURN_SHIFT | traj_of << _TRAJ_SHIFT)
     return rows
 
 
@@ -487,7 +491,7 @@ class Simulation:
             return
         end = t.end
         rows = self.rows
-        turn = int(rows[i * _ROW + _R_META]) >> (_CLS_BITS + 1) & ((1 << _TURN_BITS) - 1)
+        turn = int(rows[i * _ROW + _R_META]) >> _TURN_SHIFT & _TURN_MASK
         k = i
         t.group = i
         self._submit_one(k, t, now)
@@ -495,9 +499,9 @@ class Simulation:
         # the group's actions, and what comes after it: the next row is read once, here
         while k < end:
             m = int(rows[k * _ROW + _R_META])
-            if not m >> _CLS_BITS & 1:          # not joined: the next group
+            if not m >> _JOINED_SHIFT & 1:      # not joined: the next group
                 t.think_next = rows[k * _ROW + _R_THINK]
-                t.barrier_next = self.sync_turns and m >> (_CLS_BITS + 1) & ((1 << _TURN_BITS) - 1) != turn
+                t.barrier_next = self.sync_turns and m >> _TURN_SHIFT & _TURN_MASK != turn
                 break
             self._submit_one(k, t, now)
             k += 1
@@ -507,7 +511,7 @@ class Simulation:
     def _submit_one(self, i: int, t: _Trajectory, now: float, *, first: bool = True) -> None:
         rows = self.rows
         b = i * _ROW
-        row = self.classes[int(rows[b + _R_META]) & ((1 << _CLS_BITS) - 1)]
+        row = self.classes[int(rows[b + _R_META]) & _CLS_MASK]
         tid = t.name
         hint = rows[b + _R_HINT]
         spec = ActionSpec(row.kind, None, tid if row.uses_env else None, row.demand, hint or None, None, 0,
@@ -747,7 +751,7 @@ class Simulation:
             c = a.cores
             b = i * _ROW
             m = int(rows[b + _R_META])
-            row = classes[m & ((1 << _CLS_BITS) - 1)]
+            row = classes[m & _CLS_MASK]
             t = trajs[m >> _TRAJ_SHIFT]
             start = now
             factor = 1.0
