@@ -815,3 +815,14 @@ def test_the_fit_check_is_remembered_for_equal_demands_and_for_one_shared_demand
     assert Counting.checks == 1
     p.submit(ActionSpec("sandbox", id="big", demand=Demand(8, 8)), 0)
     assert Counting.checks == 2 and [aid for aid, _ in p.unplaceable(0)] == ["big"]
+
+
+def test_assignment_is_a_value():
+    """Policies' starts compare and hash by their fields (drivers and tests put them in sets and lists)."""
+    from tangram_hpc.policy.base import Assignment
+    a = Assignment("a1", "w1", 2)
+    assert a == Assignment("a1", "w1", 2) and hash(a) == hash(Assignment("a1", "w1", 2))
+    assert a != Assignment("a1", "w1", 3) and a != Assignment("a2", "w1", 2) and a != ("a1", "w1", 2)
+    assert len({a, Assignment("a1", "w1", 2), Assignment("a1", "w2", 2)}) == 2
+    assert repr(a) == "Assignment(action_id='a1', worker_id='w1', cores=2)"
+    assert (a.action_id, a.worker_id, a.cores) == ("a1", "w1", 2)

@@ -467,3 +467,41 @@ def test_a_setup_that_stalls_is_infeasible_and_a_bug_is_not(monkeypatch):
     monkeypatch.setattr(bench, "PooledPolicy", Broken)
     with pytest.raises(RuntimeError, match="a bug in a baseline"):      # not reported as "cannot run here"
         bench.run_bench(w, search=False)
+
+
+@pytest.mark.parametrize("width", [0.25, 1e-4])
+def test_event_calendar_pops_in_order_near_and_far(width):
+    """Each pop is the least pending event in (time, type, seq) order, as from one heap, whether its
+    bucket sat in the calendar's ring, in its map of far buckets, or partly in each (pushed while far,
+    then again once near)."""
+    import heapq
+
+    from tangram_hpc.sim.engine import EventCalendar
+    rng = np.random.default_rng(7)
+    q = EventCalendar(width)
+    ref: list = []
+    popped, pushed = [], []
+    now = 0.0
+
+    def push(t, typ):
+        e = (t, typ, q.seq(), len(pushed))
+        pushed.append(e)
+        q.push(e)
+        heapq.heappush(ref, e)
+
+    for _ in range(300):           # some far ahead (beyond the ring at the small width), some at once
+        push(float(rng.choice([rng.exponential(2.0), rng.uniform(0, 50), 30.0])), int(rng.integers(0, 3)))
+    for x in range(51):            # whole seconds: pushed again below once they are 5 s away
+        push(float(x), 1)
+    while q:
+        e = q.pop()
+        assert e == heapq.heappop(ref)
+        assert e[0] >= now
+        now = e[0]
+        popped.append(e)
+        if len(pushed) < 3000:     # pushes while popping: at this instant, soon, and far
+            for t in (now, now + float(rng.exponential(0.5)), now + float(rng.uniform(0, 40)), round(now) + 5.0):
+                if rng.random() < 0.45:
+                    push(t, int(rng.integers(0, 3)))
+    assert len(popped) == len(pushed) >= 3000
+    assert not ref and not q and q.later == 0 and q.near == 0 and not q.far

@@ -28,15 +28,33 @@ except ImportError:     # no mypy here: the attribute matters only to the native
         return lambda cls: cls
 
 
-@dataclass(slots=True, frozen=True)
 class Assignment:
-    """Start ``action_id`` on ``worker_id`` with ``cores`` cores."""
+    """Start ``action_id`` on ``worker_id`` with ``cores`` cores.
 
-    action_id: str
-    worker_id: str
-    cores: int
+    A value (compared and hashed by its fields; treat it as read-only).  A plain class rather
+    than a frozen dataclass: a policy makes one per start, and in the native build a frozen
+    dataclass is built by interpreted code (its generated ``__init__``), a plain class by C.
+    """
 
-    # a frozen dataclass of the native build unpickles (and copies) through its constructor
+    __slots__ = ("action_id", "worker_id", "cores")
+
+    def __init__(self, action_id: str, worker_id: str, cores: int) -> None:
+        self.action_id = action_id
+        self.worker_id = worker_id
+        self.cores = cores
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Assignment):
+            return NotImplemented
+        return (self.action_id == other.action_id and self.worker_id == other.worker_id
+                and self.cores == other.cores)
+
+    def __hash__(self) -> int:
+        return hash((self.action_id, self.worker_id, self.cores))
+
+    def __repr__(self) -> str:
+        return f"Assignment(action_id={self.action_id!r}, worker_id={self.worker_id!r}, cores={self.cores!r})"
+
     def __reduce__(self) -> tuple:
         return (Assignment, (self.action_id, self.worker_id, self.cores))
 
@@ -193,6 +211,7 @@ class Launch:
     count: int = 1
     reason: str = ""            # why, when it is not the actions waiting now (the driver says those)
 
+    # a frozen dataclass of the native build unpickles (and copies) through its constructor
     def __reduce__(self) -> tuple:
         return (Launch, (self.shape, self.count, self.reason))
 

@@ -261,7 +261,7 @@ class ShapeLimit:
     gpu_mem_mb: int | None = 0
     serves: bool = False             # a worker of services (GPUs, or a memory budget standing in)
 
-    def __reduce__(self) -> tuple:      # see Assignment.__reduce__
+    def __reduce__(self) -> tuple:      # see Launch.__reduce__
         return (ShapeLimit, (self.cores, self.mem_mb, self.gpu_mem_mb, self.serves))
 
     @classmethod

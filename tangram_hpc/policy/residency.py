@@ -42,7 +42,7 @@ class Resident:
     reload_s: float
     evict_s: float
 
-    def __reduce__(self) -> tuple:      # see Assignment.__reduce__
+    def __reduce__(self) -> tuple:      # see Launch.__reduce__
         return (Resident, (self.name, self.memory_mb, self.pending_inputs, self.idle_s, self.reload_s,
                            self.evict_s))
 
