@@ -826,3 +826,22 @@ def test_assignment_is_a_value():
     assert len({a, Assignment("a1", "w1", 2), Assignment("a1", "w2", 2)}) == 2
     assert repr(a) == "Assignment(action_id='a1', worker_id='w1', cores=2)"
     assert (a.action_id, a.worker_id, a.cores) == ("a1", "w1", 2)
+
+
+def test_a_finish_for_a_waiting_action_leaves_it_waiting():
+    """A stray finish (an attempt that no longer runs) must not drop the waiting action: it still starts,
+    and its own finish then gives its cores back."""
+    p = ElasticScheduler()
+    p.add_worker(WorkerInfo("w1", 2, kinds=CPU), 0)
+    p.submit(ActionSpec("sandbox", id="busy", demand=Demand(2, 2)), 0)
+    assert [a.action_id for a in p.schedule(0)] == ["busy"]
+    p.submit(ActionSpec("sandbox", id="waits", demand=Demand(1, 1)), 0)
+    assert p.schedule(0) == []
+    p.finished("waits", 0.5, ok=False)                # not running: nothing to end
+    assert p.pending_count == 1 and p.running_count == 1
+    p.finished("busy", 1, run_time=1)
+    assert [(a.action_id, a.cores) for a in p.schedule(1)] == [("waits", 1)]
+    p.finished("waits", 2, run_time=1)
+    assert p.pending_count == 0 and p.running_count == 0
+    p.submit(ActionSpec("sandbox", id="wide", demand=Demand(2, 2)), 2)
+    assert [(a.action_id, a.cores) for a in p.schedule(2)] == [("wide", 2)]     # both cores free again

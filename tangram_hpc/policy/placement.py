@@ -943,7 +943,10 @@ class PlacementPolicy(SchedulingPolicy):
     # -- completion --------------------------------------------------------------
     def finished(self, action_id: str, now: float, *, ok: bool = True, run_time: float | None = None) -> None:
         rec = self._recs.pop(action_id, None)
-        if rec is None or rec.state is not _RUNNING:
+        if rec is None:
+            return
+        if rec.state is not _RUNNING:
+            self._recs[action_id] = rec     # a finish for an attempt no longer running: the waiting one stays
             return
         w = rec.worker
         es = rec.envst
