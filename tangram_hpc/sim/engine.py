@@ -247,9 +247,10 @@ class EventCalendar:
     later ones are plain lists until their turn comes.  The buckets of the
     next ``_NEAR`` widths are a ring indexed by bucket number (almost every
     event lands there: a look-up in a map of bucket numbers cost as much as
-    the rest of a push); a bucket further out waits in a map until its turn.  A bucket's events may thus sit partly in the map (pushed
-    while it was far) and partly in the ring: they are merged when its turn
-    comes, and a heap orders them the same either way.
+    the rest of a push); a bucket further out waits in a map until its turn.
+    A bucket's events may thus sit partly in the map (pushed while it was
+    far) and partly in the ring: they are merged when its turn comes, and a
+    heap orders them the same either way.
     """
 
     __slots__ = ("width", "ring", "near", "far", "far_keys", "cur", "cur_key", "later", "seq")
