@@ -255,6 +255,46 @@ def test_unlabelled_commands_are_learned_per_program():
     assert p.predict(ActionSpec("sandbox", {"cmd": "ls"})) == pytest.approx(0.1)
 
 
+def test_class_stats_kept_by_the_caller_learn_the_same_as_looked_up_each_time():
+    # a labelled multi-core class, an unlabelled one keyed by its program, and a service's calls,
+    # young (running ones counted) and then fitted: passing the kept stats changes nothing
+    rng = np.random.default_rng(3)
+    looked_up, kept = Predictor(min_fit_runs=5), Predictor(min_fit_runs=5)
+    specs = []
+    for i in range(240):
+        kind = i % 3
+        if kind == 0:
+            spec = ActionSpec("sandbox", label="build", demand=Demand(1, 8), id=f"b{i}",
+                              duration_hint=None if i % 2 else 20.0)
+        elif kind == 1:
+            spec = ActionSpec("sandbox", {"cmd": f"pytest -x t{i}.py"}, id=f"p{i}")
+        else:
+            spec = ActionSpec("reward", demand=Demand(1, 1, 0, 1000, "judge"), id=f"j{i}")
+        specs.append(spec)
+    running = []
+    for i, spec in enumerate(specs):
+        now = float(i)
+        st = kept.class_stats(spec)
+        assert kept.class_stats(spec) is st and kept.stats(feature_key(spec)) is st
+        assert kept.estimate(spec, st) == looked_up.estimate(spec)
+        cores = 1 + i % 8 if spec.demand.max_cores > 1 else 1
+        looked_up.started(spec, cores, now)
+        kept.started(spec, cores, now, st)
+        running.append((now + 5.0 * math.exp(rng.normal(0, 1.0)), spec, cores, now, st))
+        running.sort(key=lambda r: r[0])
+        while running and running[0][0] <= now:
+            end, s, c, t0, sst = running.pop(0)
+            ok = int(end * 10) % 7 != 0
+            looked_up.observe(s, end - t0 if ok else None, c, end)
+            kept.observe(s, end - t0 if ok else None, c, end, sst)
+    for key in ("sandbox:build", "sandbox:pytest", "reward:judge"):
+        a, b = looked_up.stats(key), kept.stats(key)
+        assert (a.n, a.mu, a.var, a.p, a.mu_adj, a.hint_n, a.fed) == (b.n, b.mu, b.var, b.p, b.mu_adj, b.hint_n, b.fed)
+    assert looked_up.stats("sandbox:build").p is not None       # the fit ran, on both
+    for spec in specs[:3]:
+        assert kept.estimate(spec) == looked_up.estimate(spec) == kept.estimate(spec, kept.class_stats(spec))
+
+
 def _cpu(n, busy=0, idle_since=None):
     return [_ws(f"w{i}", busy=busy, running=1 if busy else 0, idle_since=idle_since) for i in range(n)]
 

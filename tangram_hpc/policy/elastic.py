@@ -108,7 +108,7 @@ from typing import ClassVar, Mapping, Sequence
 from ..resources import ServiceInfo, WorkerShape
 from .base import mypyc_attr
 from .placement import ActionRecord, ActionState, PlacementPolicy, PlacementQueue, WorkerRecord, water_level
-from .predict import Predictor, feature_key
+from .predict import Predictor
 
 __all__ = ["ElasticScheduler"]
 
@@ -167,7 +167,7 @@ class ElasticScheduler(PlacementPolicy):
         # action submitted (its id and submission number, not its record: a long run sees many
         # workers, and a record holds its payload) and its rank (see _in_class_order)
         self._promised: dict[str, int] = {}
-        self._class_last: dict[tuple[str, int, str], tuple[str, int, float]] = {}
+        self._class_last: dict[tuple[int, int, str], tuple[str, int, float]] = {}
         super().__init__(predictor, shapes=shapes, services=services, pipeline_below_s=pipeline_below_s,
                          env_move_s=env_move_s)
 
@@ -201,7 +201,8 @@ class ElasticScheduler(PlacementPolicy):
         if hint is not None and hint > 0:
             return rank             # its own prediction
         host = rec.envst.host if rec.envst is not None else None
-        ck = (feature_key(spec), rec.min_cores, host.id if host is not None else "")
+        # the class by its stats' identity (one per feature key, kept for good): no key string per action
+        ck = (id(rec.stats), rec.min_cores, host.id if host is not None else "")
         last = self._class_last.get(ck)
         if last is not None and rank < last[2]:
             waiting = self._waiting.get(last[0])

@@ -87,7 +87,7 @@ from typing import ClassVar, Final, Iterable, Mapping, Sequence
 from ..actions import ActionSpec, Demand
 from ..resources import CPU, GPU, ResourceClass, ServiceInfo, WorkerInfo, WorkerShape
 from .base import Assignment, SchedulingPolicy, light_capacity, mypyc_attr
-from .predict import Predictor
+from .predict import ClassStats, Predictor
 from .residency import Resident, choose_victims
 
 __all__ = ["ActionState", "ActionRecord", "ServiceReplica", "WorkerRecord", "PlacementQueue", "ShapeLimit",
@@ -147,7 +147,7 @@ class ActionRecord(Need):
 
     __slots__ = ("spec", "aid", "kind", "envst", "max_cores", "submit", "seq", "key", "state", "worker", "cores",
                  "started", "load_wait", "queue", "elastic", "light", "load", "expect", "ends_at", "d1", "p",
-                 "tail", "work", "target")
+                 "tail", "work", "target", "stats")
 
     def __init__(self, spec: ActionSpec, submit: float, seq: int, load: "KindLoad"):
         d = spec.demand
@@ -177,6 +177,7 @@ class ActionRecord(Need):
         self.tail = 1.0             # expected duration / median duration of its class
         self.work = 0.0             # predicted core-seconds at min_cores
         self.target = 0             # the cores an elastic action waited for (0: none)
+        self.stats: ClassStats | None = None    # its class's learned figures, looked up once (at submit)
 
     def time_at(self, cores: int) -> float:
         """Predicted run time at ``cores`` (Amdahl with the estimate made at submit)."""
@@ -598,7 +599,7 @@ class PlacementPolicy(SchedulingPolicy):
         lost = list(w.running)
         for rec in w.running.values():
             self._end_running(rec, now)
-            self.predictor.observe(rec.spec, None, rec.cores, now)
+            self.predictor.observe(rec.spec, None, rec.cores, now, rec.stats)
         w.running.clear()
         self.tally.free_cores -= w.free_cores
         if not w.draining:
@@ -794,7 +795,8 @@ class PlacementPolicy(SchedulingPolicy):
                 if self.env_move_s is not None:     # the gap between an environment's actions: its agent's think time
                     self._learn_think(now - es.idle)
                 es.idle = -1.0
-        rec.d1, rec.p, rec.tail = self.predictor.estimate(action)
+        st = rec.stats = self.predictor.class_stats(action)
+        rec.d1, rec.p, rec.tail = self.predictor.estimate(action, st)
         if not rec.light:
             rec.work = rec.time_at(rec.min_cores) * rec.min_cores
         rec.key = self._key(rec)
@@ -960,13 +962,13 @@ class PlacementPolicy(SchedulingPolicy):
                 self._rebalance(rec.kind, es, w, now)
         spec = rec.spec
         if not ok or run_time is None:
-            self.predictor.observe(spec, None, rec.cores, now)
+            self.predictor.observe(spec, None, rec.cores, now, rec.stats)
         elif rec.load_wait > 0 and spec.demand.service is not None:
             warm = self.predictor.predict(spec, rec.cores)
             self.predictor.observe_load(spec.demand.service, max(0.0, run_time - warm))
-            self.predictor.observe(spec, None, rec.cores, now)
+            self.predictor.observe(spec, None, rec.cores, now, rec.stats)
         else:
-            self.predictor.observe(spec, run_time, rec.cores, now)
+            self.predictor.observe(spec, run_time, rec.cores, now, rec.stats)
 
     def _end_running(self, rec: ActionRecord, now: float) -> None:
         rec.state = _GONE
@@ -1030,7 +1032,7 @@ class PlacementPolicy(SchedulingPolicy):
         for r in started:
             w = r.worker
             assert w is not None
-            predictor.started(r.spec, r.cores, now)     # a method, not a bound one kept: a native call when compiled
+            predictor.started(r.spec, r.cores, now, r.stats)     # a method, not a bound one kept: a native call when compiled
             r.expect = r.time_at(r.cores)
             r.ends_at = r.started + r.expect
             w.ends = None

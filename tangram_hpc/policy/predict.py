@@ -251,14 +251,15 @@ class Predictor:
             return st.median()
         return self.default_duration
 
-    def estimate(self, spec: ActionSpec) -> tuple[float, float, float]:
+    def estimate(self, spec: ActionSpec, stats: ClassStats | None = None) -> tuple[float, float, float]:
         """(predicted one-core duration (median), parallel fraction, mean / median) in one look-up.
 
         The last is the class's tail: durations are heavy-tailed, so the expected
         time of an action is this much above its median (``exp(var / 2)`` of the
-        log durations; ``exp(0.25)`` before two runs were seen).
+        log durations; ``exp(0.25)`` before two runs were seen).  ``stats``: the
+        action's :meth:`class_stats`, when the caller keeps them.
         """
-        st = self._stats_of(spec)
+        st = self._stats_of(spec) if stats is None else stats
         var = st.var if st is not None and st.n >= 2 else 0.5
         return self.one_core(spec, st), self.parallel_fraction(spec, st), math.exp(0.5 * var)
 
@@ -290,6 +291,15 @@ class Predictor:
         return self._load.get(service, self.default_load_time)
 
     # -- learning ------------------------------------------------------------
+    def class_stats(self, spec: ActionSpec) -> ClassStats:
+        """The learned figures of ``spec``'s class, created empty if it is new.
+
+        A caller that tracks an action from submit to finish can keep them and pass
+        them as ``stats`` to :meth:`estimate`, :meth:`started` and :meth:`observe`:
+        the class is then looked up once per action instead of at each call.
+        """
+        return self._class(spec)
+
     def _class(self, spec: ActionSpec) -> ClassStats:
         labelled = spec.label or spec.demand.service
         if labelled:
@@ -304,9 +314,9 @@ class Predictor:
             self._by_ck[(spec.kind, spec.label, spec.demand.service)] = st
         return st
 
-    def started(self, spec: ActionSpec, cores: int, now: float) -> None:
+    def started(self, spec: ActionSpec, cores: int, now: float, stats: ClassStats | None = None) -> None:
         """An action started (counts as a lower bound on its class's durations while the class is young)."""
-        st = self._class(spec)
+        st = self._class(spec) if stats is None else stats
         if st.running is not None:
             p = self.parallel_fraction(spec, st)
             st.running[spec.id] = (now, (1.0 - p) + p / max(1, cores))
@@ -315,12 +325,13 @@ class Predictor:
             st.cohort[spec.id] = st.seq
             st.order.append((st.seq, spec.id))
 
-    def observe(self, spec: ActionSpec, run_time: float | None, cores: int, now: float | None = None) -> None:
+    def observe(self, spec: ActionSpec, run_time: float | None, cores: int, now: float | None = None,
+                stats: ClassStats | None = None) -> None:
         """Learn from one run of ``spec`` that took ``run_time`` on ``cores`` cores and ended at ``now``.
 
         ``run_time=None``: the run ended without a usable time (failed, lost); it only stops counting as running.
         """
-        st = self._class(spec)
+        st = self._class(spec) if stats is None else stats
         if st.running is not None:
             st.running.pop(spec.id, None)
         usable = run_time is not None and run_time > 0.0 and not math.isinf(run_time)
