@@ -98,6 +98,30 @@ class Demand:
 
 _DEFAULT_DEMAND = Demand()
 
+#: Demands decoded from the wire, by value.  A client sends a handful of distinct demands, so
+#: its specs share one checked ``Demand`` each: no validation or allocation per action, and the
+#: scheduler's fit memo finds them by identity.  Bounded, as a client may send any number.
+WIRE_DEMANDS_KEPT = 1024
+_wire_demands: dict[tuple, Demand] = {}
+
+
+def _demand_from_wire(d: Any) -> Demand:
+    if not isinstance(d, (list, tuple)) or len(d) != 5:
+        raise ValidationError("demand must be [min_cores, max_cores, mem_mb, gpu_mem_mb, service]")
+    lo, hi, mem, gpu, svc = d
+    # only exact ints and strings are looked up: True == 1 and 1.0 == 1 as keys, but not as demands
+    if not (type(lo) is int and type(hi) is int and type(mem) is int and type(gpu) is int
+            and (svc is None or type(svc) is str)):
+        return Demand(lo, hi, mem, gpu, svc)        # refuses it, with the reason
+    key = (lo, hi, mem, gpu, svc)
+    demand = _wire_demands.get(key)
+    if demand is None:
+        demand = Demand(lo, hi, mem, gpu, svc)
+        if len(_wire_demands) >= WIRE_DEMANDS_KEPT:
+            _wire_demands.clear()
+        _wire_demands[key] = demand
+    return demand
+
 
 @dataclass(slots=True)
 class ActionSpec:
@@ -192,10 +216,7 @@ class ActionSpec:
         env = _opt_str(w, "e", "env")
         demand = _DEFAULT_DEMAND
         if "d" in w:
-            d = w["d"]
-            if not isinstance(d, (list, tuple)) or len(d) != 5:
-                raise ValidationError("demand must be [min_cores, max_cores, mem_mb, gpu_mem_mb, service]")
-            demand = Demand(*d)
+            demand = _demand_from_wire(w["d"])
             if kind == "sandbox":
                 check_sandbox_cores(demand.min_cores)
         hint = _opt_num(w, "h", "duration_hint")

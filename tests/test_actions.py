@@ -50,6 +50,24 @@ def test_invalid_specs_are_rejected_with_a_reason(wire, message):
         ActionSpec.from_wire(wire)
 
 
+def test_demands_from_the_wire_are_shared_by_value_and_still_checked():
+    a = ActionSpec.from_wire({"i": "a", "k": "function", "d": [0, 0, 0, 0, None]})
+    b = ActionSpec.from_wire({"i": "b", "k": "function", "d": (0, 0, 0, 0, None)})
+    c = ActionSpec.from_wire({"i": "c", "k": "reward", "d": [1, 1, 0, 1000, "judge"]})
+    assert a.demand is b.demand and a.demand == Demand(0, 0) and c.demand == Demand(1, 1, 0, 1000, "judge")
+    assert ActionSpec.from_wire({"i": "d", "k": "reward", "d": [1, 1, 0, 1000, "judge"]}).demand is c.demand
+    # equal as Python values, refused as demands: a shared valid one must not stand in for them
+    ActionSpec.from_wire({"i": "e", "k": "function", "d": [1, 1, 0, 0, None]})
+    for bad in ([True, 1, 0, 0, None], [1.0, 1, 0, 0, None], [1, 1, 0, 0, {"svc": 1}], [1, 1, 0, 0, ["x"]]):
+        with pytest.raises(ValidationError):
+            ActionSpec.from_wire({"i": "f", "k": "function", "d": bad})
+    # a client sending ever new demands does not grow the table without bound
+    from tangram_hpc import actions
+    for i in range(3 * actions.WIRE_DEMANDS_KEPT):
+        assert ActionSpec.from_wire({"i": "g", "k": "function", "d": [1, 1, i, 0, None]}).demand.mem_mb == i
+    assert 0 < len(actions._wire_demands) <= actions.WIRE_DEMANDS_KEPT
+
+
 def test_a_sandbox_cannot_be_a_zero_core_action():
     with pytest.raises(ValidationError, match="at least one core"):
         sandbox("true", cores=0)
