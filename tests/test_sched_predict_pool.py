@@ -255,6 +255,27 @@ def test_unlabelled_commands_are_learned_per_program():
     assert p.predict(ActionSpec("sandbox", {"cmd": "ls"})) == pytest.approx(0.1)
 
 
+def test_classes_from_clients_are_bounded_and_the_overflow_learns_under_its_kind():
+    p = Predictor(max_classes=4)
+    for label in ("a", "b", "c"):
+        p.observe(ActionSpec("sandbox", label=label), 10.0, 1)
+    p.observe(ActionSpec("sandbox", {"cmd": "make all"}), 20.0, 1)       # the fourth: full now
+    for i in range(500):      # a client sending ever new labels, programs and services
+        p.observe(ActionSpec("sandbox", label=f"new{i}"), 2.0, 1)
+        p.observe(ActionSpec("sandbox", {"cmd": f"prog{i} -x"}), 2.0, 1)
+        p.observe(ActionSpec("reward", demand=Demand(1, 1, 0, 10, f"svc{i}")), 3.0, 1)
+        p.observe(ActionSpec("reward", label="same", demand=Demand(1, 1, 0, 10, f"svc{i}")), 3.0, 1)
+    # the classes seen first keep learning as their own; each kind adds one class for the rest
+    assert set(p._classes) == {"sandbox:a", "sandbox:b", "sandbox:c", "sandbox:make", "sandbox", "reward"}
+    assert len(p._by_ck) <= 2 * p.max_classes
+    assert p.predict(ActionSpec("sandbox", label="a")) == pytest.approx(10.0)
+    assert p.predict(ActionSpec("sandbox", {"cmd": "make -j8"})) == pytest.approx(20.0)
+    assert p.predict(ActionSpec("sandbox", label="never-seen")) == pytest.approx(2.0)     # its kind's figure
+    assert p.predict(ActionSpec("reward", demand=Demand(1, 1, 0, 10, "other"))) == pytest.approx(3.0)
+    st = p.class_stats(ActionSpec("sandbox", label="zzz"))
+    assert st is p.stats("sandbox") and st.n == 1000
+
+
 def test_class_stats_kept_by_the_caller_learn_the_same_as_looked_up_each_time():
     # a labelled multi-core class, an unlabelled one keyed by its program, and a service's calls,
     # young (running ones counted) and then fitted: passing the kept stats changes nothing

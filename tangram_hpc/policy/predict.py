@@ -187,11 +187,16 @@ class Predictor:
     learn_parallel: fit ``p`` at all (False: the prior stands).
     default_load_time: seconds a GPU service is assumed to take to load before
         one has been measured.
+    max_classes: classes learned at most.  Labels and programs come from clients,
+        who may send any number: past this, an action of a new class is learned
+        and predicted under its kind (``sandbox``, ``reward`` ...), which every
+        kind may still add.
     """
 
     def __init__(self, *, alpha: float = 0.2, default_duration: float = 1.0,
                  prior_parallel: float = 0.7, prior_parallel_sd: float = 0.12, min_fit_runs: int = 20,
-                 warm_runs: int = 30, learn_parallel: bool = True, default_load_time: float = 30.0):
+                 warm_runs: int = 30, learn_parallel: bool = True, default_load_time: float = 30.0,
+                 max_classes: int = 4096):
         if not 0.0 < alpha <= 1.0:
             raise ValueError("alpha must be in (0, 1]")
         self.alpha = alpha
@@ -202,9 +207,10 @@ class Predictor:
         self.warm_runs = warm_runs
         self.learn_parallel = learn_parallel
         self.default_load_time = default_load_time
+        self.max_classes = max_classes
         self._classes: dict[str, ClassStats] = {}
-        self._keys: dict[tuple, str] = {}
-        self._by_ck: dict[tuple, ClassStats] = {}   # (kind, label, service) -> its class's stats, once they exist
+        # (kind, label, service) -> its class's stats, once they exist (a labelled class found without its key string)
+        self._by_ck: dict[tuple, ClassStats] = {}
         self._load: dict[str, float] = {}
 
     # -- reading -------------------------------------------------------------
@@ -212,13 +218,11 @@ class Predictor:
         return self._classes.get(key)
 
     def _key(self, spec: ActionSpec) -> str:
-        if spec.label or spec.demand.service:        # the common case: no need to look at the payload
-            ck = (spec.kind, spec.label, spec.demand.service)
-            key = self._keys.get(ck)
-            if key is None:
-                key = self._keys[ck] = feature_key(spec)
+        """The class ``spec`` learns under: its feature key, unless that is new and the classes are full."""
+        key = feature_key(spec)
+        if len(self._classes) < self.max_classes or key in self._classes:
             return key
-        return feature_key(spec)
+        return spec.kind
 
     def _stats_of(self, spec: ActionSpec) -> ClassStats | None:
         if spec.label or spec.demand.service:       # three look-ups per action: skip the key string
@@ -310,7 +314,8 @@ class Predictor:
         st = self._classes.get(key)
         if st is None:
             st = self._classes[key] = ClassStats()
-        if labelled:
+        if labelled and key != spec.kind and len(self._by_ck) < 2 * self.max_classes:
+            # (one label under many services is still one class: the short cut is bounded too)
             self._by_ck[(spec.kind, spec.label, spec.demand.service)] = st
         return st
 
