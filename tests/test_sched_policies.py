@@ -589,6 +589,33 @@ def test_a_service_call_no_worker_could_ever_host_is_unplaceable(policy):
 
 
 @pytest.mark.parametrize("policy", [ElasticScheduler, FifoPolicy])
+def test_refused_calls_of_services_named_by_clients_leave_nothing_behind(policy):
+    """Every refused name once kept a size, a step, a pending count and a rate: clients may name any."""
+    p = policy()
+    p.set_shapes([WorkerShape(8), WorkerShape(1, gpu_mem_mb=2000)], hosted=["judge"])
+    p.submit(ActionSpec("reward", id="j", demand=Demand(service="judge")), 0)
+
+    def per_service_state():
+        tables = [p._services, p._svc_step, p.tally.service_pending, getattr(p, "_rates", {})]
+        return sorted(set().union(*map(set, tables)))
+
+    for i in range(2000):
+        p.submit(ActionSpec("reward", id=f"x{i}", demand=Demand(service=f"made-up-{i}")), 1)
+        assert [x for x, _ in p.unplaceable(1)] == [f"x{i}"]
+        assert p.cancel(f"x{i}")
+    assert per_service_state() == ["judge"]
+    # a call refused until the pool's shapes change is placed then, and its service known as any other
+    p.submit(ActionSpec("reward", id="late", demand=Demand(service="late")), 2)
+    p.set_shapes([WorkerShape(8), WorkerShape(1, gpu_mem_mb=2000)], hosted=["judge", "late"])
+    assert p.unplaceable(2) == [] and "late" in per_service_state()
+    p.add_worker(WorkerInfo("g", 1, gpu_mem_mb=2000, kinds=GPU, services=frozenset({"late"})), 3)
+    assert [a.action_id for a in p.schedule(3)] == ["late"]
+    p.finished("late", 4)
+    p.cancel("j")
+    assert per_service_state() == ["judge", "late"] and p.tally.service_pending == {}
+
+
+@pytest.mark.parametrize("policy", [ElasticScheduler, FifoPolicy])
 def test_a_service_larger_than_every_service_worker_is_unplaceable(policy):
     p = policy(services={"huge": ServiceInfo(100_000), "small": ServiceInfo(100)})
     p.set_shapes([WorkerShape(1, gpu_mem_mb=2000)], hosted=["huge", "small"])

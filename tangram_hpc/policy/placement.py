@@ -329,7 +329,12 @@ class Tally:
             self.light_pending -= 1
         svc = rec.service
         if svc:
-            self.service_pending[svc] -= 1
+            sp = self.service_pending
+            n = sp[svc] - 1
+            if n:
+                sp[svc] = n
+            else:           # the names come from clients: keep only those waited for
+                del sp[svc]
 
     def started(self, rec: ActionRecord, w: WorkerRecord) -> None:
         self._unpend(rec)
@@ -464,6 +469,8 @@ class PlacementPolicy(SchedulingPolicy):
                 self._set_aside(rec, why)
             elif not why and aid in self._unplaceable:
                 del self._unplaceable[aid]
+                if rec.service:
+                    self._note_service(rec)
                 self._route(rec)
 
     def set_services(self, services: Mapping[str, ServiceInfo]) -> None:
@@ -805,24 +812,32 @@ class PlacementPolicy(SchedulingPolicy):
             self._step_seen = True
             if step > self._step:
                 self._step = step
-        if rec.service:
-            known = self._services.get(rec.service)
-            if known is None:
-                self._services[rec.service] = ServiceInfo(rec.gpu_mem_mb)
-            elif rec.gpu_mem_mb > known.gpu_mem_mb and rec.service not in self._declared:
-                # an undeclared service is as large as its calls say; a declared one keeps its size
-                # (a call claiming more is refused alone, by the fit check)
-                self._services[rec.service] = replace(known, gpu_mem_mb=rec.gpu_mem_mb)
-                self._fit_memo.clear()
-            self._svc_step[rec.service] = self._step if step is None else step
+        why = self._too_big(action)
+        if rec.service and (why is None or rec.service in self._services):
+            # a refused call of a service nobody knows leaves nothing behind: clients may name any
+            self._note_service(rec)
             self._arrived(rec.service, now)
         self.tally.submitted(rec)
         self._count_offered(rec, now)
-        why = self._too_big(action)
         if why:
             self._unplaceable[aid] = (rec, why)
             return
         self._route(rec)
+
+    def _note_service(self, rec: ActionRecord) -> None:
+        """``rec`` calls its service: learn the size of an undeclared one, and the step it was last called in."""
+        svc = rec.service
+        assert svc is not None
+        known = self._services.get(svc)
+        if known is None:
+            self._services[svc] = ServiceInfo(rec.gpu_mem_mb)
+        elif rec.gpu_mem_mb > known.gpu_mem_mb and svc not in self._declared:
+            # an undeclared service is as large as its calls say; a declared one keeps its size
+            # (a call claiming more is refused alone, by the fit check)
+            self._services[svc] = replace(known, gpu_mem_mb=rec.gpu_mem_mb)
+            self._fit_memo.clear()
+        step = rec.spec.step
+        self._svc_step[svc] = self._step if step is None else step
 
     def _arrived(self, service: str, now: float) -> None:
         """A request for ``service`` arrived (subclasses track arrival rates)."""
