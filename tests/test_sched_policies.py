@@ -616,6 +616,62 @@ def test_refused_calls_of_services_named_by_clients_leave_nothing_behind(policy)
 
 
 @pytest.mark.parametrize("policy", [ElasticScheduler, FifoPolicy])
+def test_services_named_freely_where_the_pool_declares_none_stay_bounded(policy):
+    """With no list of hosted services every name is taken as loadable; the idle ones past
+    MAX_UNDECLARED_SERVICES are forgotten, never one in use, a resident one or a declared one."""
+    p = policy(services={"judge": ServiceInfo(500, load_s=5.0)})
+    p.set_shapes([WorkerShape(8), WorkerShape(1, gpu_mem_mb=2000)])
+    p.add_worker(WorkerInfo("g", 1, gpu_mem_mb=2000, kinds=GPU), 0)      # hosts any service
+    p.update_worker("g", services=frozenset({"resident"}), now=0)
+    p.submit(ActionSpec("reward", id="w", demand=Demand(service="waiting", gpu_mem_mb=300)), 0)
+
+    def per_service_state():
+        tables = [p._services, p._svc_step, p.tally.service_pending, getattr(p, "_rates", {}),
+                  p._svc_replicas, p.predictor._load]
+        return set().union(*map(set, tables))
+
+    cap = p.MAX_UNDECLARED_SERVICES
+    for i in range(3 * cap):
+        p.submit(ActionSpec("reward", id=f"x{i}", demand=Demand(service=f"made-up-{i}")), 1)
+        assert p.cancel(f"x{i}")
+        assert len(per_service_state()) <= cap + 3
+    kept = per_service_state()
+    assert {"judge", "resident", "waiting"} <= kept and "made-up-0" not in kept
+    assert p._services["waiting"].gpu_mem_mb == 300          # its learned size too
+    # a forgotten name is a service like any other when it is called again
+    p.submit(ActionSpec("reward", id="again", demand=Demand(service="made-up-0")), 2)
+    assert p.cancel("w")
+    assert [a.action_id for a in p.schedule(2)] == ["again"]
+    assert "made-up-0" in per_service_state()
+
+
+@pytest.mark.parametrize("policy", [ElasticScheduler, FifoPolicy])
+def test_a_queue_nothing_waits_in_is_dropped(policy):
+    """Clients may send any number of distinct demands: each had a queue kept for good."""
+    p = policy()
+    p.set_shapes([WorkerShape(2, 64000)])
+    p.add_worker(WorkerInfo("w", 2, 64000, kinds=CPU), 0)
+    t = 0.0
+    for i in range(500):
+        p.submit(ActionSpec("sandbox", id=f"a{i}", demand=Demand(1, 1, 100 + i)), t)
+        assert [a.action_id for a in p.schedule(t)] == [f"a{i}"]
+        p.finished(f"a{i}", t + 0.1, run_time=0.1)
+        t += 0.2
+    assert len(p._queues) == 0
+    # a queue emptied by a cancel while its (stale) entry is still in its heap, then asked for again
+    p.submit(ActionSpec("sandbox", id="big", demand=Demand(2, 2)), t)
+    assert [a.action_id for a in p.schedule(t)] == ["big"]
+    p.submit(ActionSpec("sandbox", id="c1", demand=Demand(1, 1, 7)), t)
+    assert p.schedule(t) == [] and p.cancel("c1") and len(p._queues) == 0
+    p.submit(ActionSpec("sandbox", id="c2", demand=Demand(1, 1, 7)), t)
+    p.submit(ActionSpec("sandbox", id="c3", demand=Demand(1, 1, 7)), t)
+    assert len(p._queues) == 1 and p.schedule(t) == []
+    p.finished("big", t + 1, run_time=1.0)
+    assert sorted(a.action_id for a in p.schedule(t + 1)) == ["c2", "c3"]
+    assert p.pending_count == 0 and len(p._queues) == 0
+
+
+@pytest.mark.parametrize("policy", [ElasticScheduler, FifoPolicy])
 def test_a_service_larger_than_every_service_worker_is_unplaceable(policy):
     p = policy(services={"huge": ServiceInfo(100_000), "small": ServiceInfo(100)})
     p.set_shapes([WorkerShape(1, gpu_mem_mb=2000)], hosted=["huge", "small"])

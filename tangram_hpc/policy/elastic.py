@@ -337,6 +337,10 @@ class ElasticScheduler(PlacementPolicy):
         r[0] = r[0] * math.exp(-(now - r[1]) / self.rate_window_s) + 1.0 / self.rate_window_s
         r[1] = now
 
+    def _forget_service(self, svc: str) -> None:
+        self._rates.pop(svc, None)
+        super()._forget_service(svc)
+
     def arrival_rate(self, service: str, now: float) -> float:
         """Requests per second for ``service`` lately (exponentially decaying count)."""
         r = self._rates.get(service)

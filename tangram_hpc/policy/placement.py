@@ -231,13 +231,18 @@ class WorkerRecord:
 
 
 class PlacementQueue:
-    """Waiting actions that need the same thing; ``live`` of its heap entries are current."""
+    """Waiting actions that need the same thing; ``live`` of its heap entries are current.
 
-    __slots__ = ("idx", "heap", "kind", "service", "min_cores", "mem", "gpu_mem", "worker", "live", "work")
+    A shared queue (``worker`` None) is kept under ``key`` in the policy's table while
+    anything waits in it.
+    """
+
+    __slots__ = ("idx", "heap", "kind", "service", "min_cores", "mem", "gpu_mem", "worker", "live", "work", "key")
 
     def __init__(self, idx: int, kind: str, service: str | None, min_cores: int, mem: int,
-                 gpu_mem: int, worker: WorkerRecord | None = None):
+                 gpu_mem: int, worker: WorkerRecord | None = None, key: tuple = ()):
         self.idx = idx
+        self.key = key
         self.heap: list = []
         self.kind = kind
         self.service = service
@@ -383,6 +388,9 @@ class PlacementPolicy(SchedulingPolicy):
 
     #: Core-bound actions whose class is learned to take less than this run pipelined (see submit).
     PIPELINE_BELOW_S: ClassVar[float] = 0.001
+    #: Services the run did not declare whose numbers are kept while idle; past this many the idle
+    #: ones are forgotten (see _forget_idle_services).
+    MAX_UNDECLARED_SERVICES: ClassVar[int] = 1024
     #: An environment leaves a crowded worker only for one with at least this many more free cores.
     REBALANCE_MARGIN_CORES: ClassVar[int] = 8
     #: ... and, while its agent thinks, only if fewer than this share of the next actions would come
@@ -424,6 +432,8 @@ class PlacementPolicy(SchedulingPolicy):
         self._envs: dict[str, EnvState] = {}     # environments with a host, a live action or a known idle time
         self._services: dict[str, ServiceInfo] = {}
         self._declared: set[str] = set()              # services whose size the run declared (it stays)
+        self._undeclared: dict[str, None] = {}        # the others the policy knows of (see _note_service)
+        self._undeclared_cap = self.MAX_UNDECLARED_SERVICES
         self._svc_replicas: dict[str, dict[str, WorkerRecord]] = {}
         self._svc_step: dict[str, int] = {}          # service -> last RL step that called it
         self._step = 0                                # highest RL step seen
@@ -482,6 +492,8 @@ class PlacementPolicy(SchedulingPolicy):
         """
         self._services.update(services)
         self._declared.update(services)
+        for name in services:
+            self._undeclared.pop(name, None)
         self._fit_memo.clear()          # a service's size decides where its calls fit
         for name, s in services.items():
             if s.load_s is not None:
@@ -613,9 +625,7 @@ class PlacementPolicy(SchedulingPolicy):
             for k in w.kinds:
                 self._kind(k).capacity -= w.cores
         for svc in w.services:
-            reps = self._svc_replicas.get(svc)
-            if reps is not None:
-                reps.pop(w.id, None)
+            self._drop_replica(svc, w)
         for env in w.envs:
             es = self._envs.get(env)
             if es is not None and es.host is w:
@@ -763,9 +773,14 @@ class PlacementPolicy(SchedulingPolicy):
     def _evict(self, w: WorkerRecord, svc: str) -> None:
         st = w.services.pop(svc)
         w.gpu_used -= st.mem
+        self._drop_replica(svc, w)
+
+    def _drop_replica(self, svc: str, w: WorkerRecord) -> None:
         reps = self._svc_replicas.get(svc)
         if reps is not None:
             reps.pop(w.id, None)
+            if not reps:            # a service no worker holds keeps no entry (see _forget_idle_services)
+                del self._svc_replicas[svc]
 
     def _victims(self, w: WorkerRecord, need: int, now: float) -> list[str] | None:
         """What the worker's service manager would evict to fit ``need`` MB (the shared rule)."""
@@ -830,7 +845,10 @@ class PlacementPolicy(SchedulingPolicy):
         assert svc is not None
         known = self._services.get(svc)
         if known is None:
+            if len(self._undeclared) >= self._undeclared_cap:
+                self._forget_idle_services()
             self._services[svc] = ServiceInfo(rec.gpu_mem_mb)
+            self._undeclared[svc] = None
         elif rec.gpu_mem_mb > known.gpu_mem_mb and svc not in self._declared:
             # an undeclared service is as large as its calls say; a declared one keeps its size
             # (a call claiming more is refused alone, by the fit check)
@@ -838,6 +856,24 @@ class PlacementPolicy(SchedulingPolicy):
             self._fit_memo.clear()
         step = rec.spec.step
         self._svc_step[svc] = self._step if step is None else step
+
+    def _forget_idle_services(self) -> None:
+        """Forget the undeclared services nothing waits for and no worker holds (their size, last
+        step and what subclasses and the predictor keep per service): where the pool declares no
+        list of services, clients may name any number of them.  A later call learns one again."""
+        pending = self.tally.service_pending
+        for svc in [s for s in self._undeclared if not pending.get(s) and s not in self._svc_replicas]:
+            del self._undeclared[svc]
+            self._services.pop(svc, None)
+            self._svc_step.pop(svc, None)
+            self._forget_service(svc)
+        # twice what is still in use: a table full of busy services is not scanned at every call
+        self._undeclared_cap = max(self.MAX_UNDECLARED_SERVICES, 2 * len(self._undeclared))
+        self._fit_memo.clear()          # a forgotten service's learned size decided where its calls fit
+
+    def _forget_service(self, svc: str) -> None:
+        """``svc`` is forgotten (an idle undeclared one): drop what is kept for it."""
+        self.predictor.forget_service(svc)
 
     def _arrived(self, service: str, now: float) -> None:
         """A request for ``service`` arrived (subclasses track arrival rates)."""
@@ -897,7 +933,7 @@ class PlacementPolicy(SchedulingPolicy):
         if q is None:
             self._qseq += 1
             q = self._queues[qk] = PlacementQueue(self._qseq, rec.kind, rec.service, rec.min_cores,
-                                                  rec.mem_mb, gpu)
+                                                  rec.mem_mb, gpu, key=qk)
         self._push(q, rec)
 
     def _push(self, q: PlacementQueue, rec: ActionRecord) -> None:
@@ -927,7 +963,11 @@ class PlacementPolicy(SchedulingPolicy):
         q.work -= rec.work
         if q.worker is None:
             if q.live == 0:
+                # nothing waits in it: forget it, as clients may send any number of distinct
+                # demands (its stale heap entries are skipped by whoever still holds it)
                 del self._shared[q.kind][q.idx]
+                if self._queues.get(q.key) is q:
+                    del self._queues[q.key]
             if not rec.light:
                 rec.load.queued -= 1
                 rec.load.queued_work -= rec.work

@@ -447,6 +447,10 @@ class Predictor:
         if service not in self._load and load_time >= 0:
             self._load[service] = float(load_time)
 
+    def forget_service(self, service: str) -> None:
+        """Drop ``service``'s load time (the policy forgot the service: see its ``_forget_idle_services``)."""
+        self._load.pop(service, None)
+
     def observe_load(self, service: str, load_time: float) -> None:
         """Learn how long loading ``service`` onto a GPU took."""
         if load_time < 0 or math.isinf(load_time):
