@@ -431,9 +431,8 @@ class PlacementPolicy(SchedulingPolicy):
         self._kind_index: dict[str, list[list]] = {}    # kind -> the heaps of the workers serving it
         self._envs: dict[str, EnvState] = {}     # environments with a host, a live action or a known idle time
         self._services: dict[str, ServiceInfo] = {}
-        self._declared: set[str] = set()              # services whose size the run declared (it stays)
-        self._undeclared: dict[str, None] = {}        # the others the policy knows of (see _note_service)
-        self._undeclared_cap = self.MAX_UNDECLARED_SERVICES
+        self._declared: set[str] = set()              # the run declared their size (it stays; all are in _services)
+        self._undeclared_cap = self.MAX_UNDECLARED_SERVICES   # see _forget_idle_services
         self._svc_replicas: dict[str, dict[str, WorkerRecord]] = {}
         self._svc_step: dict[str, int] = {}          # service -> last RL step that called it
         self._step = 0                                # highest RL step seen
@@ -492,8 +491,6 @@ class PlacementPolicy(SchedulingPolicy):
         """
         self._services.update(services)
         self._declared.update(services)
-        for name in services:
-            self._undeclared.pop(name, None)
         self._fit_memo.clear()          # a service's size decides where its calls fit
         for name, s in services.items():
             if s.load_s is not None:
@@ -845,10 +842,9 @@ class PlacementPolicy(SchedulingPolicy):
         assert svc is not None
         known = self._services.get(svc)
         if known is None:
-            if len(self._undeclared) >= self._undeclared_cap:
+            if len(self._services) - len(self._declared) >= self._undeclared_cap:
                 self._forget_idle_services()
             self._services[svc] = ServiceInfo(rec.gpu_mem_mb)
-            self._undeclared[svc] = None
         elif rec.gpu_mem_mb > known.gpu_mem_mb and svc not in self._declared:
             # an undeclared service is as large as its calls say; a declared one keeps its size
             # (a call claiming more is refused alone, by the fit check)
@@ -861,14 +857,14 @@ class PlacementPolicy(SchedulingPolicy):
         """Forget the undeclared services nothing waits for and no worker holds (their size, last
         step and what subclasses and the predictor keep per service): where the pool declares no
         list of services, clients may name any number of them.  A later call learns one again."""
-        pending = self.tally.service_pending
-        for svc in [s for s in self._undeclared if not pending.get(s) and s not in self._svc_replicas]:
-            del self._undeclared[svc]
-            self._services.pop(svc, None)
+        pending, declared = self.tally.service_pending, self._declared
+        for svc in [s for s in self._services
+                    if s not in declared and not pending.get(s) and s not in self._svc_replicas]:
+            del self._services[svc]
             self._svc_step.pop(svc, None)
             self._forget_service(svc)
         # twice what is still in use: a table full of busy services is not scanned at every call
-        self._undeclared_cap = max(self.MAX_UNDECLARED_SERVICES, 2 * len(self._undeclared))
+        self._undeclared_cap = max(self.MAX_UNDECLARED_SERVICES, 2 * (len(self._services) - len(declared)))
         self._fit_memo.clear()          # a forgotten service's learned size decided where its calls fit
 
     def _forget_service(self, svc: str) -> None:
