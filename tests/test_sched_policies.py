@@ -630,6 +630,9 @@ def test_services_named_freely_where_the_pool_declares_none_stay_bounded(policy)
                   p._svc_replicas, p.predictor._load]
         return set().union(*map(set, tables))
 
+    p.predictor.observe_load("made-up-0", 3.0)     # a load time learned for a name later forgotten
+    p.predictor.observe_load("judge", 4.0)
+    judge_load = p.predictor.load_time("judge")
     cap = p.MAX_UNDECLARED_SERVICES
     for i in range(3 * cap):
         p.submit(ActionSpec("reward", id=f"x{i}", demand=Demand(service=f"made-up-{i}")), 1)
@@ -638,6 +641,8 @@ def test_services_named_freely_where_the_pool_declares_none_stay_bounded(policy)
     kept = per_service_state()
     assert {"judge", "resident", "waiting"} <= kept and "made-up-0" not in kept
     assert p._services["waiting"].gpu_mem_mb == 300          # its learned size too
+    assert p.predictor.load_time("made-up-0") == p.predictor.default_load_time
+    assert p.predictor.load_time("judge") == judge_load != p.predictor.default_load_time
     # a forgotten name is a service like any other when it is called again
     p.submit(ActionSpec("reward", id="again", demand=Demand(service="made-up-0")), 2)
     assert p.cancel("w")

@@ -94,6 +94,10 @@ __all__ = ["ActionState", "ActionRecord", "ServiceReplica", "WorkerRecord", "Pla
            "KindLoad", "Tally", "PlacementPolicy", "water_level"]
 
 _INF: Final = float("inf")
+# A free-capacity index entry is one int, (-free cores) << _SEQ_BITS | worker seq: the heap
+# compares ints, not tuples, and an int is no object the cyclic collector tracks.
+_SEQ_BITS: Final = 32
+_SEQ_MASK: Final = (1 << _SEQ_BITS) - 1
 
 
 class ActionState(Enum):
@@ -426,9 +430,10 @@ class PlacementPolicy(SchedulingPolicy):
         self._armed: dict[int, PlacementQueue] = {}     # queues whose head may be placeable now
         self._shared: dict[str, dict[int, PlacementQueue]] = {}   # kind -> its non-env queues with live entries
         self._kinds: dict[str, KindLoad] = {}
-        # free-capacity index: per set of kinds served, a max-heap of (-free cores, seq, worker)
-        self._index: dict[frozenset[str], list] = {}
-        self._kind_index: dict[str, list[list]] = {}    # kind -> the heaps of the workers serving it
+        # free-capacity index: per set of kinds served, a heap of entries (see _SEQ_BITS): most free first
+        self._index: dict[frozenset[str], list[int]] = {}
+        self._kind_index: dict[str, list[list[int]]] = {}    # kind -> the heaps of the workers serving it
+        self._by_seq: dict[int, WorkerRecord] = {}          # the registered workers by seq
         self._envs: dict[str, EnvState] = {}     # environments with a host, a live action or a known idle time
         self._services: dict[str, ServiceInfo] = {}
         self._declared: set[str] = set()              # the run declared their size (it stays; all are in _services)
@@ -598,6 +603,7 @@ class PlacementPolicy(SchedulingPolicy):
         self._wseq += 1
         w = WorkerRecord(info, self._wseq)
         self._workers[w.id] = w
+        self._by_seq[w.seq] = w
         self._fit_memo.clear()          # a worker larger than the shapes makes more fit
         self.tally.free_cores += w.free_cores
         for k in w.kinds:
@@ -611,6 +617,7 @@ class PlacementPolicy(SchedulingPolicy):
         w = self._workers.pop(worker_id, None)
         if w is None:
             return []
+        del self._by_seq[w.seq]
         self._fit_memo.clear()
         lost = list(w.running)
         for rec in w.running.values():
@@ -749,10 +756,10 @@ class PlacementPolicy(SchedulingPolicy):
                 if o.kinds == w.kinds:
                     o.listed.clear()
                     if not o.draining and o is not w:
-                        heap.append((-o.free_cores, o.seq, o))
+                        heap.append(-(o.free_cores << _SEQ_BITS) | o.seq)
                         o.listed.add(o.free_cores)
             heapq.heapify(heap)
-        heapq.heappush(heap, (-free, w.seq, w))
+        heapq.heappush(heap, -(free << _SEQ_BITS) | w.seq)
         w.listed.add(free)
 
     # -- residency ---------------------------------------------------------------
@@ -1190,26 +1197,28 @@ class PlacementPolicy(SchedulingPolicy):
                 best = w
         return best
 
-    def _top_fit(self, heap: list, d: Need) -> WorkerRecord | None:
-        skipped = []
+    def _top_fit(self, heap: list[int], d: Need) -> WorkerRecord | None:
+        skipped: list[int] = []
         found: WorkerRecord | None = None
-        w: WorkerRecord
-        workers = self._workers
+        by_seq = self._by_seq
         while heap:
-            negfree, seq, w = heap[0]
-            if w.draining or workers.get(w.id) is not w:
+            e = heap[0]
+            listed = -(e >> _SEQ_BITS)
+            w = by_seq.get(e & _SEQ_MASK)
+            if w is None or w.draining:
                 heapq.heappop(heap)
-                w.listed.discard(-negfree)
+                if w is not None:
+                    w.listed.discard(listed)
                 continue
             free = w.free_cores
-            if -negfree != free:
+            if listed != free:
                 heapq.heappop(heap)
-                w.listed.discard(-negfree)
+                w.listed.discard(listed)
                 if free not in w.listed:
-                    heapq.heappush(heap, (-free, w.seq, w))   # refresh a fallen one
+                    heapq.heappush(heap, -(free << _SEQ_BITS) | w.seq)   # refresh a fallen one
                     w.listed.add(free)
                 continue
-            if d.min_cores and -negfree < d.min_cores:
+            if d.min_cores and listed < d.min_cores:
                 break            # nothing below has the cores either
             if self._fits(w, d):
                 found = w
