@@ -1524,7 +1524,9 @@ class PlacementPolicy(SchedulingPolicy):
             return
         w.envs.discard(env)
         q = w.env_queue
-        if q is not None and q.live:
+        # (live > busy: some of its actions wait; an ended trajectory's have not, so its worker's
+        # queue, where other environments' actions may wait, is not scanned)
+        if q is not None and q.live and es.live > es.busy:
             for rec in [e[2] for e in q.heap if e[2].queue is q and e[2].envst is es]:
                 self._unqueue(rec)
                 self._route(rec)

@@ -100,7 +100,7 @@ class ClassStats:
     seq: int = 0
     fed: int = 0                                    # runs counted for the speed-up
     cohort: dict = field(default_factory=dict)      # action id -> start number, while it runs
-    order: deque = field(default_factory=deque)     # (start number, action id) in start order
+    order: deque = field(default_factory=deque)     # action ids in start order: numbers seq - len + 1 .. seq
     ended: dict = field(default_factory=dict)       # start number -> (run time, cores), not yet counted
 
     def median(self) -> float:
@@ -123,7 +123,7 @@ def _log_amdahl(cores: int) -> tuple[float, ...]:
     return tuple(math.log((1.0 - p) + p / cores) for p in _P_GRID)
 
 
-def fit_parallel_fraction(by_cores: dict, prior: float, noise_var: float, prior_sd: float) -> float:
+def fit_parallel_fraction(by_cores: dict[int, list[float]], prior: float, noise_var: float, prior_sd: float) -> float:
     """Posterior mode of Amdahl's p given the mean log run time at each core count.
 
     Each bucket's mean has variance ``noise_var / weight``; the unknown
@@ -131,16 +131,28 @@ def fit_parallel_fraction(by_cores: dict, prior: float, noise_var: float, prior_
     standard deviation ``prior_sd``.
     """
     best, best_cost = prior, float("inf")
-    ws = [wm[0] for wm in by_cores.values()]
-    means = [wm[1] for wm in by_cores.values()]
+    ws: list[float] = []
+    means: list[float] = []
+    logs: list[tuple[float, ...]] = []      # per bucket, its log Amdahl factor at every grid point
+    for c, wm in by_cores.items():
+        ws.append(wm[0])
+        means.append(wm[1])
+        logs.append(_log_amdahl(c))
     wsum = sum(ws)
     inv_noise = 1.0 / max(noise_var, 0.01)
     inv_prior = 1.0 / (prior_sd * prior_sd)
-    # per grid point, the log Amdahl factor of every bucket (the buckets' columns of the table)
-    for p, logs in zip(_P_GRID, zip(*[_log_amdahl(c) for c in by_cores])):
-        res = [m - lg for m, lg in zip(means, logs)]
-        mean = sum([w * r for w, r in zip(ws, res)]) / wsum
-        cost = inv_noise * sum([w * (r - mean) ** 2 for w, r in zip(ws, res)]) + inv_prior * (p - prior) ** 2
+    k = len(ws)
+    # plain loops over floats, no list per grid point: a refit every 32 runs of a class adds up
+    for j in range(len(_P_GRID)):
+        p = _P_GRID[j]
+        total = 0.0
+        for i in range(k):
+            total += ws[i] * (means[i] - logs[i][j])
+        mean = total / wsum
+        spread = 0.0
+        for i in range(k):
+            spread += ws[i] * (means[i] - logs[i][j] - mean) ** 2
+        cost = inv_noise * spread + inv_prior * (p - prior) ** 2
         if cost < best_cost:
             best, best_cost = p, cost
     return best
@@ -328,7 +340,7 @@ class Predictor:
         if spec.demand.max_cores > 1 and self.learn_parallel:
             st.seq += 1
             st.cohort[spec.id] = st.seq
-            st.order.append((st.seq, spec.id))
+            st.order.append(spec.id)
 
     def observe(self, spec: ActionSpec, run_time: float | None, cores: int, now: float | None = None,
                 stats: ClassStats | None = None) -> None:
@@ -388,8 +400,9 @@ class Predictor:
         if run_time is not None:
             st.ended[seq] = (run_time, cores)
         order, cohort, ended = st.order, st.cohort, st.ended
-        while order and order[0][1] not in cohort:
-            s0, _ = order.popleft()
+        while order and order[0] not in cohort:
+            s0 = st.seq - len(order) + 1        # its start number (starts are numbered one by one)
+            order.popleft()
             r = ended.pop(s0, None)
             if r is not None:
                 self._observe_speedup(st, r[0], r[1])
