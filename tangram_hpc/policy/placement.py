@@ -94,10 +94,15 @@ __all__ = ["ActionState", "ActionRecord", "ServiceReplica", "WorkerRecord", "Pla
            "KindLoad", "Tally", "PlacementPolicy", "water_level"]
 
 _INF: Final = float("inf")
-# A free-capacity index entry is one int, (-free cores) << _SEQ_BITS | worker seq: the heap
-# compares ints, not tuples, and an int is no object the cyclic collector tracks.
 _SEQ_BITS: Final = 32
 _SEQ_MASK: Final = (1 << _SEQ_BITS) - 1
+
+
+def _index_entry(free: int, seq: int) -> int:
+    """A free-capacity index entry: most free cores first, then the older worker.  One int, not a
+    tuple: the heap compares ints, and an int is no object the cyclic collector tracks.  Read back
+    as ``-(e >> _SEQ_BITS)`` (free cores) and ``e & _SEQ_MASK`` (the worker's seq)."""
+    return -(free << _SEQ_BITS) | seq
 
 
 class ActionState(Enum):
@@ -430,7 +435,7 @@ class PlacementPolicy(SchedulingPolicy):
         self._armed: dict[int, PlacementQueue] = {}     # queues whose head may be placeable now
         self._shared: dict[str, dict[int, PlacementQueue]] = {}   # kind -> its non-env queues with live entries
         self._kinds: dict[str, KindLoad] = {}
-        # free-capacity index: per set of kinds served, a heap of entries (see _SEQ_BITS): most free first
+        # free-capacity index: per set of kinds served, a heap of entries (_index_entry)
         self._index: dict[frozenset[str], list[int]] = {}
         self._kind_index: dict[str, list[list[int]]] = {}    # kind -> the heaps of the workers serving it
         self._by_seq: dict[int, WorkerRecord] = {}          # the registered workers by seq
@@ -756,10 +761,10 @@ class PlacementPolicy(SchedulingPolicy):
                 if o.kinds == w.kinds:
                     o.listed.clear()
                     if not o.draining and o is not w:
-                        heap.append(-(o.free_cores << _SEQ_BITS) | o.seq)
+                        heap.append(_index_entry(o.free_cores, o.seq))
                         o.listed.add(o.free_cores)
             heapq.heapify(heap)
-        heapq.heappush(heap, -(free << _SEQ_BITS) | w.seq)
+        heapq.heappush(heap, _index_entry(free, w.seq))
         w.listed.add(free)
 
     # -- residency ---------------------------------------------------------------
@@ -1215,7 +1220,7 @@ class PlacementPolicy(SchedulingPolicy):
                 heapq.heappop(heap)
                 w.listed.discard(listed)
                 if free not in w.listed:
-                    heapq.heappush(heap, -(free << _SEQ_BITS) | w.seq)   # refresh a fallen one
+                    heapq.heappush(heap, _index_entry(free, w.seq))   # refresh a fallen one
                     w.listed.add(free)
                 continue
             if d.min_cores and listed < d.min_cores:
