@@ -238,26 +238,33 @@ def test_an_environment_leaves_a_worker_that_cannot_give_the_widest_grant_while_
     assert run(wide_cores=4) == []           # w1 can still give the widest grant: E stays
 
 
-def test_a_worker_keeps_a_core_out_of_elastic_grants_for_its_environments_commands():
-    def grant(commands: int, idle_s: float = 0.0, cores: int = 16) -> int:
-        p = ElasticScheduler(Predictor(prior_parallel=0.95))
+def test_a_worker_keeps_cores_out_of_elastic_grants_for_its_environments_commands():
+    def grant(commands: int, idle_s: float = 0.0, cores: int = 16, at_once: int = 1) -> int:
+        p = ElasticScheduler(Predictor(prior_parallel=0.95), min_gain=0.0)    # every core is worth having
         p.add_worker(WorkerInfo("w", cores, kinds=CPU), 0)
         t = 0.0
-        for i in range(commands):     # one-core commands of E, back to back: a core in use
-            p.submit(ActionSpec("sandbox", id=f"s{i}", env="E", duration_hint=10.0), t)
-            assert len(p.schedule(t)) == 1
+        for i in range(commands):     # one-core commands of E0.., at_once at a time: that many cores in use
+            for k in range(at_once):
+                p.submit(ActionSpec("sandbox", id=f"s{i}-{k}", env=f"E{k}", duration_hint=10.0), t)
+            assert len(p.schedule(t)) == at_once
             t += 10.0
-            p.finished(f"s{i}", t, run_time=10.0)
+            for k in range(at_once):
+                p.finished(f"s{i}-{k}", t, run_time=10.0)
         t += idle_s
         p.submit(ActionSpec("sandbox", id="wide", env="F", demand=Demand(1, cores), duration_hint=100.0,
                             label="suite"), t)
         [a] = p.schedule(t)
         return a.cores
 
-    assert grant(0) == 16               # nothing of the kind ran on it: everything
+    assert grant(0) == 16 and grant(0, cores=64) == 64   # nothing of the kind ran on it: everything
     assert grant(12) == 15              # E's next command finds a free core
     assert grant(12, idle_s=300.0) == 16   # the commands stopped long ago: nothing held back
     assert grant(12, cores=4) == 4      # a core of four is too much to hold back
+    # 16 commands at a time on 64 cores: their count swings by about 4 (its square root), and
+    # so many are held back; the whole average (16) would starve the wide action
+    assert grant(30, cores=64, at_once=16) == 60
+    assert grant(30, cores=64, at_once=4) == 62
+    assert grant(30, cores=16, at_once=16) == 14   # at most an eighth of the worker
 
 
 def _burst_at_a_barrier(barriers: bool, straggler: str) -> tuple[float, dict[str, int]]:

@@ -84,7 +84,7 @@ Barriers (``barriers=True``, for synchronous rollout loops).
     turn's straggler (``BARRIER_TAIL_Z`` standard deviations of the class's
     log durations above the median); the elastic starts of one
     :meth:`schedule` call on a worker each get the cores they were judged worth
-    (the core kept for commands included) before the rest is shared -- rather
+    (the cores kept for commands included) before the rest is shared -- rather
     than splitting a worker's free cores evenly among, say, three long actions
     of one size; and an action without a hint ranks no earlier than one of
     its class waiting in the same queue submitted before it (predicted sizes
@@ -297,7 +297,7 @@ class ElasticScheduler(PlacementPolicy):
 
     def _grow_grants(self) -> None:
         if self.barriers:
-            # each elastic start first gets the cores it waited for (the core kept for commands
+            # each elastic start first gets the cores it waited for (the cores kept for commands
             # too: it was judged worth them), then the rest is shared as without barriers
             self._promised.clear()
             for rec, on in self._grow:

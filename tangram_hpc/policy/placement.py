@@ -409,7 +409,8 @@ class PlacementPolicy(SchedulingPolicy):
     THINK_PRIOR_VAR: ClassVar[float] = 0.5
     #: Time constant (seconds) of a worker's average of the cores its environments' fixed-size actions use.
     RIGID_WINDOW_S: ClassVar[float] = 60.0
-    #: Cores a worker keeps out of elastic grants for its environments' fixed-size actions (see _reserve).
+    #: The fewest cores a worker keeps out of elastic grants for its environments' fixed-size actions,
+    #: once they use any (see _reserve).
     RIGID_RESERVE_CORES: ClassVar[int] = 1
 
     def __init__(self, predictor: Predictor | None = None, *, shapes: Sequence[WorkerShape] = (),
@@ -734,16 +735,23 @@ class PlacementPolicy(SchedulingPolicy):
         its whole run; a one-core command of an environment ``w`` hosts that then
         finds no free core waits for one, or for its environment to move.  So a
         worker whose environments' fixed-size actions kept half a core or more
-        busy lately keeps one out of elastic grants: that costs a wide action a few
-        per cent of its run, while the command it spares a wait is often
-        shorter than the wait.  (Holding back their whole average use starves
-        the parallel actions of a worker crowded with short commands.)  A small
-        worker keeps none: a core of eight or fewer is too large a share.
+        busy lately keeps some out of elastic grants: that costs a wide action a
+        few per cent of its run, while the command it spares a wait is often
+        shorter than the wait.  How many: the commands come at random, so the
+        cores they use swing around their average by about its square root
+        (a Poisson count's spread), and that is the margin kept, one core at
+        least.  (Holding back their whole average use starves the parallel
+        actions of a worker crowded with short commands; one core alone is
+        taken by the first of a burst of commands on such a worker, and the
+        next waits.)  At most an eighth of the worker: a small one keeps none.
         """
         if w.cores < 8 * cls.RIGID_RESERVE_CORES:
             return 0
         cls._rigid_change(w, 0, now)        # the average brought up to now
-        return cls.RIGID_RESERVE_CORES if w.rigid_avg >= 0.5 else 0
+        avg = w.rigid_avg
+        if avg < 0.5:
+            return 0
+        return min(w.cores >> 3, max(cls.RIGID_RESERVE_CORES, int(math.sqrt(avg) + 0.5)))
 
     def _list(self, w: WorkerRecord) -> None:
         """Index the worker's current free cores under the kinds it serves (unless an entry has them)."""
