@@ -745,13 +745,14 @@ class PlacementPolicy(SchedulingPolicy):
         taken by the first of a burst of commands on such a worker, and the
         next waits.)  At most an eighth of the worker: a small one keeps none.
         """
-        if w.cores < 8 * cls.RIGID_RESERVE_CORES:
+        most = w.cores >> 3
+        if most < cls.RIGID_RESERVE_CORES:
             return 0
         cls._rigid_change(w, 0, now)        # the average brought up to now
         avg = w.rigid_avg
         if avg < 0.5:
             return 0
-        return min(w.cores >> 3, max(cls.RIGID_RESERVE_CORES, int(math.sqrt(avg) + 0.5)))
+        return min(most, max(cls.RIGID_RESERVE_CORES, int(math.sqrt(avg) + 0.5)))
 
     def _list(self, w: WorkerRecord) -> None:
         """Index the worker's current free cores under the kinds it serves (unless an entry has them)."""
