@@ -8,15 +8,16 @@ the residency and eviction logic runs (and is tested) on any machine.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import sys
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Any, Mapping
 
 from ..resources import GPU_MEMORY_SHARE
 
-__all__ = ["Device", "discover_devices", "visible_gpu_ids", "DEFAULT_CPU_BUDGET_MB", "CPU_BUDGET_ENV"]
+__all__ = ["Device", "DeviceOps", "discover_devices", "visible_gpu_ids", "DEFAULT_CPU_BUDGET_MB", "CPU_BUDGET_ENV"]
 
 #: Budget of the CPU stand-in device when none is configured.
 DEFAULT_CPU_BUDGET_MB = 4096
@@ -30,12 +31,16 @@ class Device:
 
     ``name`` is what the model's ``to()`` is called with (``"cuda:0"``,
     ``"cpu"``); ``memory_mb`` the budget services may occupy on it;
-    ``physical_id`` the GPU id from the allocation, for reports.
+    ``physical_id`` the GPU id from the allocation, for reports;
+    ``headroom_mb`` what must stay free on the card beside the services
+    (activations, the CUDA context): a load fits only where the card's free
+    memory, re-read before it, leaves that much.
     """
 
     name: str
     memory_mb: float
     physical_id: str | None = None
+    headroom_mb: float = 0.0
 
     @property
     def is_gpu(self) -> bool:
@@ -46,7 +51,7 @@ class Device:
         return int(self.name.split(":", 1)[1]) if self.is_gpu else None
 
     def with_budget(self, memory_mb: float) -> "Device":
-        return Device(self.name, memory_mb, self.physical_id)
+        return Device(self.name, memory_mb, self.physical_id, self.headroom_mb)
 
 
 def visible_gpu_ids(env: Mapping[str, str] | None = None) -> list[str] | None:
@@ -121,22 +126,106 @@ def _torch_gpus(ids: list[str] | None, memory_budget_mb: float | None) -> list[D
         budget = total_mb * GPU_MEMORY_SHARE
         if memory_budget_mb is not None:
             budget = min(budget, memory_budget_mb)
-        devices.append(Device(f"cuda:{i}", budget, ids[i] if ids and i < len(ids) else str(i)))
+        devices.append(Device(f"cuda:{i}", budget, ids[i] if ids and i < len(ids) else str(i),
+                              headroom_mb=total_mb * (1 - GPU_MEMORY_SHARE)))
     return devices
 
 
-def release_device_cache(device: Device) -> None:
-    """Give freed blocks back to the driver after an eviction so the budget stays honest."""
-    if device.is_gpu:
-        torch = sys.modules.get("torch")
-        if torch is not None:
-            torch.cuda.empty_cache()
+def _torch() -> Any:
+    torch = sys.modules.get("torch")
+    if torch is None:
+        import torch
+    return torch
 
 
-def bind_thread(device: Device) -> None:
-    """Make ``device`` the current CUDA device of the calling (scoring) thread."""
-    if device.is_gpu:
+class DeviceOps:
+    """The memory calls the service manager makes on its devices, and nothing else.
+
+    Thin on purpose: all decisions (budgets, eviction, retry, fallback) are the
+    manager's, so a test can give it a fake with the same methods and exercise
+    them without a GPU.  On the ``cpu`` stand-in the calls are plain copies and
+    the memory queries answer None ("only the budget counts").
+    """
+
+    def bind_thread(self, device: Device) -> None:
+        """Make ``device`` the current CUDA device of the calling (scoring or loading) thread."""
+        if device.is_gpu:
+            _torch().cuda.set_device(device.index)
+
+    def can_pin(self) -> bool:
+        """Whether pinning host memory means anything here (a CUDA device exists)."""
         torch = sys.modules.get("torch")
-        if torch is None:
-            import torch
-        torch.cuda.set_device(device.index)
+        return bool(torch is not None and torch.cuda.is_available())
+
+    def pin(self, tensor: Any) -> Any:
+        """``tensor`` page-locked: registered in place where CUDA allows, else a pinned copy.
+
+        Registering avoids a second host copy and the pinned allocator's
+        rounding of every size up to a power of two (a 33 GB service would take 64 GB).
+        """
+        torch = _torch()
+        cudart = torch.cuda.cudart()
+        register = getattr(cudart, "cudaHostRegister", None)
+        if register is not None and tensor.numel():
+            err = int(register(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0))
+            if err == 0:
+                return tensor
+            if err != _CUDA_HOST_MEMORY_ALREADY_REGISTERED:
+                raise RuntimeError(f"cudaHostRegister failed with CUDA error {err}")
+            return tensor
+        return tensor.pin_memory()
+
+    def empty_like(self, tensor: Any, device: Device) -> Any:
+        return _torch().empty_like(tensor, device=device.name)
+
+    def load_stream(self, device: Device) -> Any:
+        """The stream loads to ``device`` are copied on (one per device; None on the CPU)."""
+        if not device.is_gpu:
+            return None
+        streams = self.__dict__.setdefault("_streams", {})
+        stream = streams.get(device.name)
+        if stream is None:
+            stream = streams[device.name] = _torch().cuda.Stream(device=device.name)
+        return stream
+
+    def on_stream(self, stream: Any) -> Any:
+        return contextlib.nullcontext() if stream is None else _torch().cuda.stream(stream)
+
+    def synchronize(self, stream: Any) -> None:
+        if stream is not None:
+            stream.synchronize()
+
+    def wait_for_current(self, stream: Any) -> None:
+        """``stream`` starts its next work after what the current stream has queued (scoring)."""
+        if stream is not None:
+            stream.wait_stream(_torch().cuda.current_stream(stream.device))
+
+    def free_mb(self, device: Device) -> float | None:
+        """Memory this process could allocate on ``device`` now: free on the card plus its own cache.
+
+        None for the CPU stand-in (only the budget counts there).
+        """
+        if not device.is_gpu:
+            return None
+        torch = _torch()
+        free, _total = torch.cuda.mem_get_info(device.index)
+        cached = torch.cuda.memory_reserved(device.index) - torch.cuda.memory_allocated(device.index)
+        return (free + cached) / 2**20
+
+    def allocated_mb(self, device: Device) -> float | None:
+        if not device.is_gpu:
+            return None
+        return _torch().cuda.memory_allocated(device.index) / 2**20
+
+    def release_cache(self, device: Device) -> None:
+        """Give this process's cached free blocks back to the driver (for other processes, or a large block)."""
+        if device.is_gpu:
+            _torch().cuda.empty_cache()
+
+    def is_out_of_memory(self, exc: BaseException) -> bool:
+        torch = sys.modules.get("torch")
+        oom = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
+        return (oom is not None and isinstance(exc, oom)) or "out of memory" in str(exc).lower()
+
+
+_CUDA_HOST_MEMORY_ALREADY_REGISTERED = 712

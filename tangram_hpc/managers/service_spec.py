@@ -30,7 +30,7 @@ __all__ = ["ServiceSpec", "ServiceSpecError", "load_service_specs", "parse_servi
 
 DEFAULT_MAX_BATCH = 32
 DEFAULT_MAX_WAIT_MS = 5.0
-_SPEC_KEYS = ("name", "loader", "memory_mb", "max_batch", "max_wait_ms", "kwargs")
+_SPEC_KEYS = ("name", "loader", "memory_mb", "max_batch", "max_wait_ms", "whole_device", "kwargs")
 
 
 class ServiceSpecError(ConfigError):
@@ -47,7 +47,9 @@ class ServiceSpec:
     ``max_batch``: most inputs scored in one ``score`` call (an action with
     more inputs than that is scored alone in one call).  ``max_wait_ms``: how
     long the first waiting request may wait for more to fill the batch.
-    ``kwargs``: passed to the loader.
+    ``whole_device``: the service is placed alone on a device and every
+    other service there is evicted first (a model whose activations need the
+    card's whole memory).  ``kwargs``: passed to the loader.
     """
 
     name: str
@@ -56,6 +58,7 @@ class ServiceSpec:
     max_batch: int = DEFAULT_MAX_BATCH
     max_wait_ms: float = DEFAULT_MAX_WAIT_MS
     kwargs: dict = field(default_factory=dict)
+    whole_device: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not 0 < len(self.name) <= 128:
@@ -71,6 +74,8 @@ class ServiceSpec:
             raise ServiceSpecError(f"service {self.name}: max_batch must be a positive integer")
         if _bad_number(self.max_wait_ms) or self.max_wait_ms < 0:
             raise ServiceSpecError(f"service {self.name}: max_wait_ms must be a finite non-negative number")
+        if not isinstance(self.whole_device, bool):
+            raise ServiceSpecError(f"service {self.name}: whole_device must be true or false")
         if not isinstance(self.kwargs, dict):
             raise ServiceSpecError(f"service {self.name}: kwargs must be a table")
 
@@ -159,8 +164,8 @@ def _check_unique(specs: list[ServiceSpec], source: str) -> None:
 def parse_service_option(text: str) -> ServiceSpec:
     """Parse a worker CLI ``--service`` value.
 
-    ``name=module:callable[,key=value...]``: ``memory_mb``, ``max_batch`` and
-    ``max_wait_ms`` set the spec; any other key is a loader keyword argument.
+    ``name=module:callable[,key=value...]``: ``memory_mb``, ``max_batch``,
+    ``max_wait_ms`` and ``whole_device`` set the spec; any other key is a loader keyword argument.
     Values are read as int, float, true/false, or else kept as strings.
     """
     head, *rest = text.split(",")
@@ -174,7 +179,7 @@ def parse_service_option(text: str) -> ServiceSpec:
         if not sep or not key:
             raise ServiceSpecError(f"--service {text!r}: {item!r} is not key=value")
         value = _scalar(raw)
-        if key in ("memory_mb", "max_batch", "max_wait_ms"):
+        if key in ("memory_mb", "max_batch", "max_wait_ms", "whole_device"):
             fields[key] = value
         else:
             kwargs[key] = value

@@ -1,117 +1,39 @@
-"""Reward-model services on a GPU worker: host-RAM cache, device residency, dynamic batching.
+"""Reward-model services on a GPU worker: host copies, device residency, dynamic batching.
 
 The worker's event loop calls :meth:`ServiceManager.submit` (never blocks)
 and gets each action's outcome through its ``done_callback``, called from a
-scoring thread.  There is one scoring thread per device; it picks the next
-batch, makes its service resident (evicting others when the device is full),
-scores the batch in one ``score`` call and hands each action its own slice.
+scoring thread.  Each device has two threads: a *scoring* thread that picks
+the next batch of a resident service and scores it in one ``score`` call, and
+a *loading* thread that makes services resident (evicting others when the
+device is full), so that resident services keep scoring while another loads.
 
-Lifecycle of a service:  not loaded -> (loader) host RAM -> (``to(device)``)
-resident on one device -> (``to("cpu")``, under memory pressure) host RAM ->
-resident again when next needed.  Loaded weights are never dropped from host
-RAM, so a restore costs one host-to-device copy, not a reload from disk.
+Lifecycle of a service:  not loaded -> (loader) host RAM, where a torch
+service's weights become a :class:`~tangram_hpc.managers.weights.HostCopy`,
+pinned where the worker's pinned cap allows -> (chunked copies on the
+device's load stream) resident on one device -> (eviction: the device tensors
+are dropped; nothing is copied back) host RAM -> resident again when next
+needed.  Loaded weights are never dropped from host RAM, so a restore costs
+one host-to-device copy, not a reload from disk.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
-import math
 import threading
 import time
-from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 from ..actions import Status
-from .devices import HOST, Device, bind_thread, discover_devices, release_device_cache
-from ..policy.residency import Resident, choose_victims
+from ..policy.residency import choose_victims
+from .devices import HOST, Device, DeviceOps, discover_devices
 from .service_spec import ServiceSpec, ServiceSpecError
+from .service_state import (DoneCallback, Job, Request, Service, Slot, call_score, deliver,
+                            describe)
+from .weights import HostCopy, PinnedBudget, torch_weights
 
 __all__ = ["ServiceManager", "DoneCallback"]
 
 _log = logging.getLogger(__name__)
-
-#: ``done_callback(action_id, status, output, error, stats)``; ``output`` is
-#: the list of scores for the action's inputs (status ok), ``error`` a message
-#: otherwise; ``stats`` a small dict about the batch that scored it.
-DoneCallback = Callable[[str, str, Any, "str | None", dict], None]
-
-
-@dataclass(slots=True)
-class _Request:
-    action_id: str
-    inputs: list
-    callback: DoneCallback
-    submitted: float
-
-
-@dataclass(slots=True)
-class _Counters:
-    cold_loads: int = 0
-    cold_load_s: float = 0.0
-    loads: int = 0
-    load_s: float = 0.0
-    evictions: int = 0
-    evict_s: float = 0.0
-    batches: int = 0
-    items: int = 0
-    actions: int = 0
-    failed_batches: int = 0
-    failed_actions: int = 0
-    device_mb_measured: float | None = None
-
-
-@dataclass(slots=True, eq=False)
-class _Slot:
-    """A device and the bookkeeping of what occupies it (guarded by the manager lock)."""
-
-    device: Device
-    used_mb: float = 0.0
-    idle: bool = False
-    error: str | None = None
-
-    @property
-    def free_mb(self) -> float:
-        return self.device.memory_mb - self.used_mb
-
-
-@dataclass(slots=True, eq=False)
-class _Service:
-    spec: ServiceSpec
-    model: Any = None
-    memory_mb: float | None = None
-    slot: _Slot | None = None      # device reserved for / holding the service
-    resident: bool = False         # weights are on ``slot`` now
-    busy: bool = False             # a scoring thread is loading, moving or scoring it
-    preload: bool = False
-    queue: deque = field(default_factory=deque)
-    queued_items: int = 0
-    last_used: float = 0.0
-    counters: _Counters = field(default_factory=_Counters)
-
-    def load_estimate_s(self) -> float | None:
-        """Expected seconds to make the service resident now (None: never measured)."""
-        c = self.counters
-        if self.resident:
-            return 0.0
-        move = c.load_s / c.loads if c.loads else None
-        if self.model is not None:
-            return move
-        cold = c.cold_load_s / c.cold_loads if c.cold_loads else None
-        if cold is None:
-            return None
-        return cold + (move or 0.0)
-
-    def evict_estimate_s(self) -> float:
-        c = self.counters
-        return c.evict_s / c.evictions if c.evictions else 0.0
-
-
-@dataclass(slots=True)
-class _Job:
-    kind: str                      # "host_load" | "place" | "score"
-    service: _Service
-    victims: list[_Service] = field(default_factory=list)
-    batch: list[_Request] = field(default_factory=list)
 
 
 class ServiceManager:
@@ -120,33 +42,38 @@ class ServiceManager:
     ``devices``: from :func:`discover_devices` (default: discovered now).
     ``memory_budget_mb``: caps every device's budget (e.g. to share a GPU).
     ``max_batch`` / ``max_wait_s``: override every spec's batching settings
-    when given.
+    when given.  ``pinned_mb``: most pinned host memory the services' host
+    copies may take (None: no cap); those beyond stay pageable.  ``ops``: the
+    device memory calls (a fake in tests).
     """
 
     def __init__(self, specs: Iterable[ServiceSpec], devices: list[Device] | None = None, *,
                  memory_budget_mb: float | None = None, max_batch: int | None = None,
-                 max_wait_s: float | None = None) -> None:
-        self._services: dict[str, _Service] = {}
+                 max_wait_s: float | None = None, pinned_mb: float | None = None,
+                 ops: DeviceOps | None = None) -> None:
+        self._services: dict[str, Service] = {}
         for spec in specs:
             if spec.name in self._services:
                 raise ServiceSpecError(f"service {spec.name!r} declared twice")
             if max_batch is not None or max_wait_s is not None:
-                spec = ServiceSpec(spec.name, spec.loader, spec.memory_mb,
-                                   max_batch if max_batch is not None else spec.max_batch,
-                                   max_wait_s * 1e3 if max_wait_s is not None else spec.max_wait_ms,
-                                   spec.kwargs)
-            self._services[spec.name] = _Service(spec, memory_mb=spec.memory_mb)
+                spec = dataclasses.replace(
+                    spec, max_batch=max_batch if max_batch is not None else spec.max_batch,
+                    max_wait_ms=max_wait_s * 1e3 if max_wait_s is not None else spec.max_wait_ms)
+            self._services[spec.name] = Service(spec, memory_mb=spec.memory_mb)
         devices = list(devices) if devices is not None else discover_devices()
         if not devices:
             raise ValueError("ServiceManager needs at least one device")
         if memory_budget_mb is not None:
             devices = [d.with_budget(min(d.memory_mb, memory_budget_mb)) for d in devices]
-        self._slots = [_Slot(d) for d in devices]
+        self._ops = ops if ops is not None else DeviceOps()
+        self._pin = self._ops.can_pin()
+        self._pinned = PinnedBudget(pinned_mb)
+        self._slots = [Slot(d) for d in devices]
         self._cv = threading.Condition(threading.Lock())
         self._closing = False
-        self._threads = [threading.Thread(target=self._run_slot, args=(slot,), daemon=True,
-                                          name=f"tangram-service-{slot.device.name}")
-                         for slot in self._slots]
+        self._threads = [threading.Thread(target=self._run_slot, args=(slot, loading), daemon=True,
+                                          name=f"tangram-{'loader' if loading else 'service'}-{slot.device.name}")
+                         for slot in self._slots for loading in (False, True)]
         for t in self._threads:
             t.start()
 
@@ -179,9 +106,9 @@ class ServiceManager:
             error = f"unknown service {service_name!r}; this worker serves {sorted(self._services) or 'none'}"
         elif not isinstance(inputs, (list, tuple)):
             error = f"service {service_name}: inputs must be a list, got {type(inputs).__name__}"
-        req = _Request(action_id, list(inputs) if error is None else [], done_callback, time.monotonic())
+        req = Request(action_id, list(inputs) if error is None else [], done_callback, time.monotonic())
         if error is None and not inputs:
-            _deliver(req, Status.OK, [], None, {"service": service_name, "batch_items": 0})
+            deliver(req, Status.OK, [], None, {"service": service_name, "batch_items": 0})
             return
         if error is None:
             with self._cv:
@@ -192,7 +119,7 @@ class ServiceManager:
                     svc.queued_items += len(inputs)
                     self._cv.notify_all()
                     return
-        _deliver(req, Status.ERROR, None, error, {"service": service_name})
+        deliver(req, Status.ERROR, None, error, {"service": service_name})
 
     def cancel(self, action_id: str) -> bool:
         """Drop a queued action (no callback follows); False when it is being scored or unknown."""
@@ -206,7 +133,13 @@ class ServiceManager:
         return False
 
     def preload(self, names: Iterable[str] | None = None) -> None:
-        """Ask for services to be loaded and made resident in the background (never blocks)."""
+        """Ask for services to be loaded and made resident in the background (never blocks).
+
+        The prefetch hook: told what comes next (calls queued elsewhere, a burst
+        of final calls predicted), the loading thread starts the copy before
+        the calls arrive.  A preload evicts only services with nothing queued,
+        and never waits for or stops a batch being scored.
+        """
         with self._cv:
             for name in (self._services if names is None else names):
                 if name not in self._services:
@@ -242,7 +175,13 @@ class ServiceManager:
                     "load_s_mean": c.load_s / c.loads if c.loads else None,
                     "evictions": c.evictions,
                     "evict_s_mean": c.evict_s / c.evictions if c.evictions else None,
-                    "load_estimate_s": s.load_estimate_s(),
+                    "load_estimate_s": s.load_estimate_s(s.slot or self._slots[0]),
+                    "load_bytes": c.load_bytes,
+                    "load_gbps": c.load_bytes / c.load_s / 1e9 if c.load_s > 0 else None,
+                    "oom_retries": c.oom_retries,
+                    "host_memory": None if s.host is None else ("pinned" if s.host.pinned else "pageable"),
+                    "host_note": s.host_note,
+                    "whole_device": s.spec.whole_device,
                     "batches": c.batches,
                     "actions": c.actions,
                     "items": c.items,
@@ -255,14 +194,24 @@ class ServiceManager:
             return out
 
     def device_stats(self) -> list[dict]:
+        """Per device: budget, memory the services hold, memory really free now, resident services."""
         with self._cv:
-            return [{"device": s.device.name, "physical_id": s.device.physical_id,
-                     "budget_mb": s.device.memory_mb, "used_mb": s.used_mb, "error": s.error,
-                     "resident": sorted(n for n, v in self._services.items() if v.resident and v.slot is s)}
-                    for s in self._slots]
+            out = []
+            for s in self._slots:
+                bw = s.bandwidth()
+                out.append({"device": s.device.name, "physical_id": s.device.physical_id,
+                            "budget_mb": s.device.memory_mb, "used_mb": s.used_mb,
+                            "free_mb": self._ops.free_mb(s.device), "headroom_mb": s.device.headroom_mb,
+                            "load_gbps": bw / 1e9 if bw else None, "error": s.error,
+                            "resident": sorted(n for n, v in self._services.items() if v.resident and v.slot is s)})
+            return out
+
+    def pinned_mb(self) -> float:
+        """Pinned host memory the services' host copies hold."""
+        return self._pinned.used_bytes / 2**20
 
     def close(self, timeout: float | None = 30.0) -> None:
-        """Stop the scoring threads (a batch being scored finishes); queued actions are cancelled."""
+        """Stop the threads (a batch being scored finishes); queued actions are cancelled."""
         with self._cv:
             if self._closing:
                 return
@@ -276,7 +225,7 @@ class ServiceManager:
                 s.queue.clear()
                 s.queued_items = 0
         for r in dropped:
-            _deliver(r, Status.CANCELLED, None, "service manager closed", {})
+            deliver(r, Status.CANCELLED, None, "service manager closed", {})
 
     def __enter__(self) -> "ServiceManager":
         return self
@@ -284,149 +233,178 @@ class ServiceManager:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    # -- scoring threads ------------------------------------------------------
-    def _run_slot(self, slot: _Slot) -> None:
+    # -- scoring and loading threads -----------------------------------------
+    def _run_slot(self, slot: Slot, loading: bool) -> None:
         try:
-            bind_thread(slot.device)
+            self._ops.bind_thread(slot.device)
         except Exception as e:  # the device is unusable: serve nothing from it
             with self._cv:
                 slot.device = slot.device.with_budget(0.0)
-                slot.error = f"cannot use {slot.device.name}: {_describe(e)}"
+                slot.error = f"cannot use {slot.device.name}: {describe(e)}"
                 self._cv.notify_all()
             return
+        pick = self._pick_load if loading else self._pick_score
         while True:
             with self._cv:
                 while True:
                     if self._closing:
                         return
-                    job, wait_s, rejected = self._pick(slot)
-                    if job is not None:
-                        slot.idle = False
+                    job, wait_s, rejected = pick(slot)
+                    if job is not None or rejected:
                         break
-                    if rejected:
-                        break
-                    slot.idle = True
                     self._cv.wait(wait_s)
             for req, msg in rejected:
-                _deliver(req, Status.ERROR, None, msg, {"service": None})
+                deliver(req, Status.ERROR, None, msg, {"service": None})
             if job is None:
                 continue
             try:
                 if job.kind == "host_load":
                     self._host_load(job.service)
+                elif job.kind == "place":
+                    self._place(slot, job)
                 else:
-                    self._place_and_score(slot, job)
+                    self._score(slot, job)
             except Exception as e:  # a bug here must not leave callers waiting forever
                 self._recover(job, e)
 
-    def _recover(self, job: _Job, exc: Exception) -> None:
+    def _recover(self, job: Job, exc: Exception) -> None:
         _log.exception("service manager: unexpected error on %s", job.service.spec.name)
         with self._cv:
             for svc in (job.service, *job.victims):
                 svc.busy = False
             self._cv.notify_all()
-        msg = f"service {job.service.spec.name}: internal error: {_describe(exc)}"
+        msg = f"service {job.service.spec.name}: internal error: {describe(exc)}"
         for r in job.batch:
-            _deliver(r, Status.ERROR, None, msg, {"service": job.service.spec.name})
+            deliver(r, Status.ERROR, None, msg, {"service": job.service.spec.name})
 
-    def _pick(self, slot: _Slot) -> tuple[_Job | None, float | None, list]:
-        """Choose this device's next job (lock held).  Returns (job, seconds to wait, rejected)."""
+    def _pick_score(self, slot: Slot) -> tuple[Job | None, float | None, list]:
+        """The scoring thread's next batch (lock held): the resident service whose oldest request is oldest."""
         now = time.monotonic()
         wait_s: float | None = None
-        ready: list[tuple[float, _Service]] = []
+        best: Service | None = None
         for svc in self._services.values():
-            if svc.busy or (svc.slot is not None and svc.slot is not slot):
-                continue
-            if not svc.queue:
-                if svc.preload and not svc.resident:
-                    ready.append((float("-inf"), svc))
+            if not svc.resident or svc.slot is not slot or svc.busy or svc.doomed or not svc.queue:
                 continue
             head = svc.queue[0].submitted
             due = head + svc.spec.max_wait_ms / 1e3
             if svc.queued_items >= svc.spec.max_batch or now >= due:
-                # A service that must be loaded first ranks as if its requests
-                # came later by its load time: its queue grows meanwhile, so
-                # each swap serves a larger batch and two services that cannot
-                # share a device do not trade places on every request.
-                penalty = 0.0 if svc.resident else (svc.load_estimate_s() or 0.0)
-                ready.append((head + penalty, svc))
+                if best is None or head < best.queue[0].submitted:
+                    best = svc
             else:
                 wait_s = due - now if wait_s is None else min(wait_s, due - now)
-        ready.sort(key=lambda t: t[0])
-        rejected: list[tuple[_Request, str]] = []
+        if best is None:
+            return None, wait_s, []
+        load_s, best.last_load_s = best.last_load_s, 0.0
+        return Job("score", best, batch=best.claim_batch(), load_s=load_s), wait_s, []
+
+    def _pick_load(self, slot: Slot) -> tuple[Job | None, float | None, list]:
+        """The loading thread's next load (lock held): a service with requests or a preload, not resident.
+
+        Placed on the device with the most room where it fits without eviction;
+        where none has room, on this device by evicting the least valuable
+        residents (the shared rule, :func:`~tangram_hpc.policy.residency.choose_victims`).
+        A resident is evicted only once its running batch has ended, and only
+        if its own oldest request came after the newcomer's (rank).
+        """
+        now = time.monotonic()
+        for svc in self._services.values():
+            if svc.slot is slot:
+                svc.doomed = False          # chosen afresh on every pass
+        waiting = sorted((s for s in self._services.values()
+                          if not s.busy and not s.resident and s.slot is None and (s.queue or s.preload)),
+                         key=Service.rank)
+        rejected: list[tuple[Request, str]] = []
         largest = max(s.device.memory_mb for s in self._slots)
-        for _, svc in ready:
-            if svc.resident:
-                return self._claim_batch(svc), wait_s, rejected
+        for svc in waiting:
             if svc.model is None and svc.memory_mb is None:
                 svc.busy = True
-                return _Job("host_load", svc), wait_s, rejected
+                return Job("host_load", svc), None, rejected
             need = svc.memory_mb or 0.0
             if need > largest:
-                msg = (f"service {svc.spec.name} needs {need:.0f} MB but the largest device budget "
-                       f"is {largest:.0f} MB")
-                rejected.extend((r, msg) for r in svc.queue)
-                svc.queue.clear()
-                svc.queued_items = 0
-                svc.preload = False
+                self._reject(svc, rejected, f"service {svc.spec.name} needs {need:.0f} MB but the largest "
+                                            f"device budget is {largest:.0f} MB")
                 continue
+            if svc.spec.whole_device:
+                need = slot.device.memory_mb
             if need > slot.device.memory_mb:
                 continue
-            if slot.free_mb >= need:
-                victims: list[str] | None = []
-            elif any(o is not slot and o.idle and o.free_mb >= need for o in self._slots):
-                continue  # an idle device has room without evicting anything
+            room = self._room(slot)
+            on_slot = [s for s in self._services.values() if s.resident and s.slot is slot]
+            if room >= need and not (svc.spec.whole_device and on_slot):
+                victims: list[Service] = []
+            elif not svc.spec.whole_device and any(
+                    o is not slot and self._room(o) >= need for o in self._slots):
+                continue  # another device has room without evicting anything: its loading thread takes it
             else:
-                victims = choose_victims(self._evictable(slot, now), need, slot.free_mb)
-                if victims is None:
-                    continue  # residents in use hold the memory; retry when they finish
-            evicted = [self._services[n] for n in victims]
-            for v in evicted:
+                rank = svc.rank()
+                movable = [s for s in on_slot if not s.queue or s.queue[0].submitted > rank]
+                if svc.spec.whole_device:
+                    names = [s.spec.name for s in movable] if len(movable) == len(on_slot) else None
+                else:
+                    names = choose_victims([s.as_resident(now) for s in movable], need, room)
+                if names is None:
+                    held = sum(s.held_mb for s in on_slot)
+                    if room + held < need:
+                        self._reject(svc, rejected, self._no_room(svc, slot, need, room, held))
+                    continue  # residents in demand hold the memory; retry when that changes
+                victims = [self._services[n] for n in names]
+                if any(v.busy for v in victims):
+                    for v in victims:
+                        v.doomed = True     # no new batch for them: evicted once the running one ends
+                    return None, None, rejected
+            for v in victims:
                 v.busy = True
-                slot.used_mb -= v.memory_mb or 0.0
+                slot.used_mb -= v.held_mb
+            svc.held_mb = need
             slot.used_mb += need
             svc.slot = slot
             svc.busy = True
-            return _Job("place", svc, victims=evicted), wait_s, rejected
-        return None, wait_s, rejected
+            return Job("place", svc, victims=victims), None, rejected
+        return None, None, rejected
 
-    def _evictable(self, slot: _Slot, now: float) -> list[Resident]:
-        return [Resident(s.spec.name, s.memory_mb or 0.0, s.queued_items, now - s.last_used,
-                         _move_estimate(s), s.evict_estimate_s())
-                for s in self._services.values() if s.resident and s.slot is slot and not s.busy]
+    def _room(self, slot: Slot) -> float:
+        """Memory a load may take on ``slot`` now without evicting: the budget left, and no more than
+        the card has free beside its headroom (other processes' memory is re-read, never assumed)."""
+        free = self._ops.free_mb(slot.device)
+        if free is None:
+            return slot.free_mb
+        return min(slot.free_mb, free - slot.device.headroom_mb)
 
-    def _claim_batch(self, svc: _Service) -> _Job:
-        batch: list[_Request] = []
-        items = 0
-        while svc.queue and (not batch or items + len(svc.queue[0].inputs) <= svc.spec.max_batch):
-            req = svc.queue.popleft()
-            batch.append(req)
-            items += len(req.inputs)
-        svc.queued_items -= items
-        svc.busy = True
-        return _Job("score", svc, batch=batch)
+    def _no_room(self, svc: Service, slot: Slot, need: float, room: float, held: float) -> str:
+        free = self._ops.free_mb(slot.device)
+        others = "" if free is None else (f"; the card has {free:.0f} MB free beside {held:.0f} MB held by this "
+                                          f"worker's services and {slot.device.headroom_mb:.0f} MB of headroom, "
+                                          f"the rest is held by other processes")
+        return (f"service {svc.spec.name} needs {need:.0f} MB on {slot.device.name} but at most "
+                f"{max(0.0, room + held):.0f} MB can be made free there{others}")
 
-    def _host_load(self, svc: _Service) -> None:
+    def _reject(self, svc: Service, rejected: list, msg: str) -> None:
+        rejected.extend((r, msg) for r in svc.take_queue())
+        if svc.preload:
+            _log.warning("%s (preload given up)", msg)
+        svc.preload = False
+
+    def _host_load(self, svc: Service) -> None:
         """Load a service whose size is not declared, to learn its size."""
         error = None
         try:
             self._cold_load(svc)
         except Exception as e:
-            error = f"service {svc.spec.name} failed to load: {_describe(e)}"
+            error = f"service {svc.spec.name} failed to load: {describe(e)}"
             _log.warning("%s (the next request for it tries again)", error)
         with self._cv:
             svc.busy = False
             if error:
                 svc.preload = False     # tried once: a request retries it, not this thread in a loop
-            failed = self._fail_queue(svc) if error else []
+            failed = svc.take_queue() if error else []
             self._cv.notify_all()
         for r in failed:
-            _deliver(r, Status.ERROR, None, error, {"service": svc.spec.name})
+            deliver(r, Status.ERROR, None, error, {"service": svc.spec.name})
 
-    def _cold_load(self, svc: _Service) -> None:
+    def _cold_load(self, svc: Service) -> None:
+        """Call the loader, then keep a torch model's weights as a host copy (pinned when allowed)."""
         t0 = time.perf_counter()
         model = svc.spec.load()
-        dt = time.perf_counter() - t0
         memory = svc.memory_mb
         if memory is None:
             reported = getattr(model, "memory_mb", None)
@@ -434,101 +412,158 @@ class ServiceManager:
             if memory is None or memory != memory or memory < 0:
                 raise ServiceSpecError(
                     f"service {svc.spec.name}: declare memory_mb (its model has no memory_mb())")
+        module = torch_weights(model)
+        host = None if module is None else HostCopy(module, self._ops, self._pinned, pin=self._pin)
+        if host is not None and host.note and self._pin:
+            _log.warning("service %s: its host copy is %s", svc.spec.name, host.note)
+        dt = time.perf_counter() - t0
         with self._cv:
             svc.model = model
+            svc.host = host
+            svc.host_note = host.note if host is not None else None
             svc.memory_mb = memory
             svc.counters.cold_loads += 1
             svc.counters.cold_load_s += dt
 
-    def _place_and_score(self, slot: _Slot, job: _Job) -> None:
+    def _place(self, slot: Slot, job: Job) -> None:
+        """Evict the victims, make the service resident; after an out-of-memory error, evict by the
+        shared rule what the card's free memory says is missing and try once more."""
         svc = job.service
-        load_s = 0.0
-        if job.kind == "place":
-            t0 = time.perf_counter()
-            for victim in job.victims:
-                self._evict(slot, victim)
-            error = None
+        t0 = time.perf_counter()
+        for victim in job.victims:
+            self._evict(slot, victim)
+        error = None
+        try:
+            if svc.model is None:
+                self._cold_load(svc)
+            oom = False
             try:
-                if svc.model is None:
-                    self._cold_load(svc)
                 self._move(slot, svc)
             except Exception as e:
-                error = f"service {svc.spec.name} could not be made resident on {slot.device.name}: {_describe(e)}"
-                _log.warning("%s (the next request for it tries again)", error)
-            load_s = time.perf_counter() - t0
-            with self._cv:
-                if error is not None:
-                    slot.used_mb -= svc.memory_mb or 0.0
-                    svc.slot = None
-                    svc.busy = False
-                    svc.preload = False
-                    failed = self._fail_queue(svc)
-                    self._cv.notify_all()
-                else:
-                    svc.resident = True
-                    svc.preload = False
-                    svc.last_used = time.monotonic()
-                    if not svc.queue:
-                        svc.busy = False
-                        self._cv.notify_all()
-                        return
-                    job = self._claim_batch(svc)
-            if error is not None:
-                for r in failed:
-                    _deliver(r, Status.ERROR, None, error, {"service": svc.spec.name})
-                return
-        self._score(slot, svc, job.batch, load_s)
-
-    def _move(self, slot: _Slot, svc: _Service) -> None:
-        to = getattr(svc.model, "to", None)
-        before = _allocated_mb(slot.device)
-        t0 = time.perf_counter()
-        if callable(to):
-            moved = to(slot.device.name)
-            # torch modules return themselves; a wrapper may return a new object.
-            if moved is not None and callable(getattr(moved, "score", None)):
-                svc.model = moved
-        dt = time.perf_counter() - t0
-        after = _allocated_mb(slot.device)
+                if not self._ops.is_out_of_memory(e):
+                    raise
+                oom = True
+            # Retried outside the handler: its traceback would keep the partial copy's tensors alive.
+            if oom:
+                self._evict_after_oom(slot, svc)
+                self._move(slot, svc)
+        except Exception as e:
+            error = f"service {svc.spec.name} could not be made resident on {slot.device.name}: {describe(e)}"
+            _log.warning("%s (the next request for it tries again)", error)
+        load_s = time.perf_counter() - t0
         with self._cv:
-            svc.counters.loads += 1
-            svc.counters.load_s += dt
-            if before is not None and after is not None:
-                svc.counters.device_mb_measured = after - before
+            svc.busy = False
+            if error is not None:
+                slot.used_mb -= svc.held_mb
+                svc.held_mb = 0.0
+                svc.slot = None
+                svc.preload = False
+                failed = svc.take_queue()
+            else:
+                svc.resident = True
+                svc.preload = False
+                svc.last_used = time.monotonic()
+                svc.last_load_s = load_s if svc.queue else 0.0   # a preload made no call wait
+                failed = []
+            self._cv.notify_all()
+        for r in failed:
+            deliver(r, Status.ERROR, None, error, {"service": svc.spec.name})
 
-    def _evict(self, slot: _Slot, victim: _Service) -> None:
+    def _evict_after_oom(self, slot: Slot, svc: Service) -> None:
+        """Free what the failed load of ``svc`` lacked, by the card's free memory read again."""
+        self._ops.release_cache(slot.device)
+        with self._cv:
+            svc.counters.oom_retries += 1
+            free = self._ops.free_mb(slot.device)
+            if free is None:
+                free = slot.free_mb + svc.held_mb
+            idle = [s for s in self._services.values()
+                    if s.resident and s.slot is slot and not s.busy and not s.doomed]
+            names = choose_victims([s.as_resident(time.monotonic()) for s in idle], svc.held_mb, free)
+            if names is None:   # even all of them would not do: evict them all for the one retry
+                names = [s.spec.name for s in idle]
+            victims = [self._services[n] for n in names]
+            for v in victims:
+                v.busy = True
+                slot.used_mb -= v.held_mb
+        for v in victims:
+            self._evict(slot, v)
+        _log.warning("service %s: out of memory on %s; evicted %s and tried once more", svc.spec.name,
+                     slot.device.name, ", ".join(names) or "nothing")
+
+    def _move(self, slot: Slot, svc: Service) -> None:
+        device = slot.device
+        before = self._ops.allocated_mb(device)
         t0 = time.perf_counter()
-        to = getattr(victim.model, "to", None)
+        if svc.host is not None:
+            svc.host.load(device)
+            nbytes = svc.host.nbytes
+        else:
+            to = getattr(svc.model, "to", None)
+            if callable(to):
+                moved = to(device.name)
+                # torch modules return themselves; a wrapper may return a new object.
+                if moved is not None and callable(getattr(moved, "score", None)):
+                    svc.model = moved
+            nbytes = int((svc.memory_mb or 0.0) * 2**20)
+        dt = time.perf_counter() - t0
+        after = self._ops.allocated_mb(device)
+        with self._cv:
+            c = svc.counters
+            c.loads += 1
+            c.load_s += dt
+            c.load_bytes += nbytes
+            slot.load_bytes += nbytes
+            slot.load_s += dt
+            if before is not None and after is not None:
+                c.device_mb_measured = after - before
+
+    def _evict(self, slot: Slot, victim: Service) -> None:
+        """Take ``victim`` off ``slot``: drop its device tensors (a host copy keeps its weights), or
+        move a model without one back with ``to("cpu")``."""
+        t0 = time.perf_counter()
         broken = False
         try:
-            if callable(to):
-                moved = to(HOST)
-                if moved is not None and callable(getattr(moved, "score", None)):
-                    victim.model = moved
-            release_device_cache(slot.device)
+            if victim.host is not None:
+                victim.host.drop(copy_back=getattr(victim.model, "mutable_state", False) is True)
+            else:
+                to = getattr(victim.model, "to", None)
+                if callable(to):
+                    moved = to(HOST)
+                    if moved is not None and callable(getattr(moved, "score", None)):
+                        victim.model = moved
+                self._ops.release_cache(slot.device)
         except Exception:
             # Its weights are in an unknown state: forget them, the next use reloads.
+            _log.exception("service %s: eviction from %s failed; it will be loaded again",
+                           victim.spec.name, slot.device.name)
             broken = True
         finally:
             dt = time.perf_counter() - t0
             with self._cv:
                 if broken:
+                    if victim.host is not None:
+                        victim.host.release()
                     victim.model = None
+                    victim.host = None
                 victim.resident = False
                 victim.slot = None
+                victim.held_mb = 0.0
                 victim.busy = False
+                victim.doomed = False
                 victim.counters.evictions += 1
                 victim.counters.evict_s += dt
                 self._cv.notify_all()
 
-    def _score(self, slot: _Slot, svc: _Service, batch: list[_Request], load_s: float) -> None:
+    def _score(self, slot: Slot, job: Job) -> None:
+        svc, batch, load_s = job.service, job.batch, job.load_s
         inputs = [x for r in batch for x in r.inputs]
         started = time.monotonic()
-        outputs, error = _call_score(svc, inputs)
+        outputs, error = call_score(svc, inputs)
         alone = None
         if error is not None and len(batch) > 1:
             # One caller's malformed input must not fail the others: each action is scored alone.
-            alone = [_call_score(svc, r.inputs) for r in batch]
+            alone = [call_score(svc, r.inputs) for r in batch]
         finished = time.monotonic()
         if alone is None:
             failed_actions = len(batch) if error else 0
@@ -554,85 +589,13 @@ class ServiceManager:
             if alone is not None:
                 out, err = alone[k]
                 if err is None:
-                    _deliver(r, Status.OK, out, None, stats)
+                    deliver(r, Status.OK, out, None, stats)
                 else:
-                    _deliver(r, Status.FAILED, None, f"service {svc.spec.name}: score failed on this action's {n} "
+                    deliver(r, Status.FAILED, None, f"service {svc.spec.name}: score failed on this action's {n} "
                              f"inputs, scored alone after its batch of {len(inputs)} failed: {err}", stats)
             elif error:
-                _deliver(r, Status.FAILED, None,
+                deliver(r, Status.FAILED, None,
                          f"service {svc.spec.name}: score failed on a batch of {len(inputs)}: {error}", stats)
             else:
-                _deliver(r, Status.OK, outputs[pos:pos + n], None, stats)
+                deliver(r, Status.OK, outputs[pos:pos + n], None, stats)
             pos += n
-
-    def _fail_queue(self, svc: _Service) -> list[_Request]:
-        failed = list(svc.queue)
-        svc.queue.clear()
-        svc.queued_items = 0
-        return failed
-
-
-def _call_score(svc: _Service, inputs: list) -> tuple[list, str | None]:
-    """``score(inputs)`` as a list of one plain result per input, or why it is not one."""
-    try:
-        outputs = _as_list(svc.model.score(inputs))
-        if len(outputs) != len(inputs):
-            raise ValueError(f"score() returned {len(outputs)} results for {len(inputs)} inputs")
-        return outputs, None
-    except Exception as e:
-        return [], _describe(e)
-
-
-def _move_estimate(svc: _Service) -> float:
-    c = svc.counters
-    return c.load_s / c.loads if c.loads else 0.0
-
-
-def _as_list(out: Any) -> list:
-    """Scores as plain Python values (msgpack-ready): numpy/torch arrays become lists.
-
-    Raises ValueError for what is not one result per input: a string, bytes, a map or a set
-    (``list()`` would split a string into letters and a map into its keys), or a NaN or
-    infinite score, which would poison a training step without a word.
-    """
-    if hasattr(out, "tolist") and not isinstance(out, list):
-        out = out.tolist()
-    if isinstance(out, (str, bytes, dict, set, frozenset)) or not hasattr(out, "__iter__"):
-        raise ValueError(f"score() must return a list of one result per input, not {type(out).__name__}")
-    out = [x.item() if hasattr(x, "item") and not isinstance(x, (str, bytes, dict, list)) else x for x in out]
-    for i, x in enumerate(out):
-        if isinstance(x, float) and not math.isfinite(x):
-            raise ValueError(f"score() returned {x} for input {i}")
-    return out
-
-
-def _describe(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}"
-
-
-def _deliver(req: _Request, status: str, output: Any, error: str | None, stats: dict) -> None:
-    # A broken callback must not kill the scoring thread serving everyone else, nor lose the
-    # outcome in silence: it is logged, and the caller gets an error outcome in its place.
-    try:
-        req.callback(req.action_id, status, output, error, stats)
-        return
-    except Exception as e:
-        _log.exception("service manager: the result callback of action %s raised on its %s outcome",
-                       req.action_id, status)
-        why = f"the result callback raised {_describe(e)} on the {status} outcome"
-    try:
-        req.callback(req.action_id, Status.ERROR, None, why, stats)
-    except Exception:
-        _log.exception("service manager: the result callback of action %s raised again; its outcome is lost",
-                       req.action_id)
-
-
-def _allocated_mb(device: Device) -> float | None:
-    if not device.is_gpu:
-        return None
-    import sys
-
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return None
-    return torch.cuda.memory_allocated(device.index) / 2**20
