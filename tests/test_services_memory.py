@@ -8,6 +8,7 @@ errors, several GPUs), so all of it runs without a GPU.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import weakref
@@ -25,6 +26,12 @@ from tangram_hpc.managers.services import ServiceManager  # noqa: E402
 from test_services import WAIT_S, Results  # noqa: E402
 
 MB = 2**20
+#: The device the tests with real torch models use: ``cuda`` where scripts/gpu-check.sh runs them.
+ON_CUDA = os.environ.get("TANGRAM_TEST_DEVICE", "cpu") == "cuda"
+
+
+def real_device(budget_mb: float) -> Device:
+    return Device("cuda:0", budget_mb, "0") if ON_CUDA else Device("cpu", budget_mb)
 
 
 class Linear(torch.nn.Module):
@@ -150,7 +157,7 @@ def test_eviction_drops_the_device_copy_and_a_restore_copies_the_kept_host_copy(
     monkeypatch.setattr(weights, "CHUNK_BYTES", 256 * 1024)
     results = Results()
     expected = Linear(3, seed=1).score([1, 2, 3])
-    with ServiceManager([spec("a", 3, seed=1), spec("b", 3, seed=2)], [Device("cpu", 4)]) as mgr:
+    with ServiceManager([spec("a", 3, seed=1), spec("b", 3, seed=2)], [real_device(4)]) as mgr:
         first = score(mgr, results, "a1", "a")
         model = mgr._services["a"].model
         host_ptr = mgr._services["a"].host.host[0].data_ptr()
@@ -163,14 +170,18 @@ def test_eviction_drops_the_device_copy_and_a_restore_copies_the_kept_host_copy(
     assert first[:3] == again[:3] == (Status.OK, expected, None)
     assert stats["loads"] == 2 and stats["evictions"] == 1 and stats["cold_loads"] == 1
     assert stats["load_bytes"] == 2 * 3 * MB + 2 * 4          # the weights and the 1-float buffer, twice
-    assert stats["host_memory"] == "pageable" and "no CUDA" in stats["host_note"]
+    if ON_CUDA:
+        assert stats["host_memory"] == "pinned" and model.w.is_cuda
+        assert stats["device_mb_measured"] == pytest.approx(3, abs=0.01)
+    else:
+        assert stats["host_memory"] == "pageable" and "no CUDA" in stats["host_note"]
     # The device state it changed (a call counter) was not copied back: it declared none.
     assert float(model.calls) == 1
 
 
 def test_a_service_with_mutable_device_state_is_copied_back_at_eviction():
     results = Results()
-    with ServiceManager([spec("m", 3, mutable=True), spec("b", 3)], [Device("cpu", 4)]) as mgr:
+    with ServiceManager([spec("m", 3, mutable=True), spec("b", 3)], [real_device(4)]) as mgr:
         score(mgr, results, "m1", "m")
         score(mgr, results, "b1", "b")
         score(mgr, results, "m2", "m")
@@ -286,7 +297,7 @@ def test_an_eviction_waits_for_the_running_batch_of_its_victim():
         return load
 
     specs = [ServiceSpec(n, loader(n), memory_mb=3, max_batch=8, max_wait_ms=1) for n in "ab"]
-    with ServiceManager(specs, [Device("cpu", 4)]) as mgr:
+    with ServiceManager(specs, [real_device(4)]) as mgr:
         assert score(mgr, results, "a1", "a")[0] == Status.OK
         models["a"].release = threading.Event()
         models["a"].entered.clear()

