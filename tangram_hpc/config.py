@@ -192,6 +192,11 @@ class ServicesSettings:
                            "in for it when services run on the CPU", flag="--service-budget-mb", env=CPU_BUDGET_ENV,
                            minimum=0)
     preload: bool = key(True, "load services into host RAM at start (off: on first use)", flag="--no-preload")
+    gpu_budget_mb: float = key(0.0, "memory services may take on each GPU (0: 90% of it)",
+                               flag="--service-gpu-budget-mb", minimum=0)
+    pinned_mb: float = key(0.0, "pinned host memory the services' kept host copies may take on a worker "
+                           "(0: no cap); services beyond it stay in pageable memory", flag="--service-pinned-mb",
+                           minimum=0)
 
 
 @dataclass

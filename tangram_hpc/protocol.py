@@ -23,7 +23,8 @@ POOL          C->K       ``{"op": "pause" | "resume"}`` (worker launches); reply
                          the status map after it, ``"pool_op"`` saying what was done
 HEARTBEAT     any        ``{"coordinator": id}`` from K; ``{}`` from C;
                          ``{"running": n, "services": [...], "envs": [...],
-                         "service_counts": {service: [loads, evictions, queued]}}`` from W, which
+                         "service_counts": {service: [loads, evictions, queued]},
+                         "service_costs": {service: [load s, evict s]}}`` from W, which
                          adds ``"leaving": reason`` while it leaves, then ``"left": reason,
                          "interrupted": [[action id, attempt], ...]`` as its last message
 ERROR         K->any     ``{"code": str, "message": str}``

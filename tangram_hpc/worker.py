@@ -610,8 +610,12 @@ class Worker:
         if self.services is not None:
             body["services"] = sorted(self.services.resident())
             queued = self.services.pending()
+            stats = self.services.stats()
             body["service_counts"] = {name: [s["loads"], s["evictions"], queued.get(name, 0)]
-                                      for name, s in self.services.stats().items()}
+                                      for name, s in stats.items()}
+            # Measured seconds to load and evict each service, for the scheduler's load decisions.
+            body["service_costs"] = {name: [s["load_s_mean"], s["evict_s_mean"] or 0.0]
+                                     for name, s in stats.items() if s["load_s_mean"] is not None}
         if self.sandboxes is not None:
             body["envs"] = sorted(self.sandboxes.environments())
             now = time.monotonic()
@@ -968,7 +972,10 @@ def config_from_settings(settings: Settings) -> WorkerConfig:
         from .managers.devices import discover_devices
         from .managers.service_spec import specs_from_cli
         from .managers.services import ServiceManager
-        services = ServiceManager(specs_from_cli(sv.file, sv.service), discover_devices(cpu_budget_mb=sv.budget_mb))
+        services = ServiceManager(specs_from_cli(sv.file, sv.service),
+                                  discover_devices(cpu_budget_mb=sv.budget_mb,
+                                                   memory_budget_mb=sv.gpu_budget_mb or None),
+                                  pinned_mb=sv.pinned_mb or None)
         if sv.preload:
             services.preload()
         gpus = gpus or sum(d.name != "cpu" for d in services.devices)

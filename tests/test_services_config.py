@@ -156,3 +156,27 @@ def test_verl_compute_score_as_a_function_action():
     assert resolve_loader(fn)(*args, **kwargs) == 1.0
     assert run_compute_score("tangram_hpc.managers.rewards:exact_match_score", "gsm8k", "41", "42") == 0.0
     assert exact_match_score("x", "", "42") == 0.0
+
+
+def test_load_seconds_a_worker_measured_teach_the_policy_its_load_time():
+    from tangram_hpc.config import CoordinatorSettings
+    from tangram_hpc.coordinator import ActionLedger
+    from tangram_hpc.policy.elastic import ElasticScheduler
+    from tangram_hpc.resources import WorkerInfo
+
+    policy = ElasticScheduler()
+    ledger = ActionLedger(CoordinatorSettings(), policy)
+    ledger.add_worker(WorkerInfo(id="w1", cores=1, gpus=1, gpu_mem_mb=1000, services=frozenset({"judge"})),
+                      b"w1", 0.0)
+    default = policy.predictor.load_time("judge")
+    ledger.worker_report("w1", {"service_counts": {"judge": [1, 0, 0]}, "service_costs": {"judge": [0.5, 0.01]}},
+                         1.0)
+    assert policy.predictor.load_time("judge") == pytest.approx(0.5)
+    assert default != pytest.approx(0.5)
+    # The same report again (no new load) teaches nothing more; malformed entries are ignored.
+    ledger.worker_report("w1", {"service_counts": {"judge": [1, 0, 0]}, "service_costs": {"judge": [9.0, 0.0]}},
+                         2.0)
+    ledger.worker_report("w1", {"service_counts": {"judge": [2, 1, 0]},
+                                "service_costs": {"judge": [float("nan"), 0.0], "other": [1.0, 1.0]}}, 3.0)
+    assert policy.predictor.load_time("judge") == pytest.approx(0.5)
+    assert ledger.workers.by_id["w1"].service_costs == {}

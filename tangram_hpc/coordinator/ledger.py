@@ -368,9 +368,17 @@ class ActionLedger:
         was fenced off), so only the services reach the policy.
         """
         w = self.workers.by_id.get(worker_id)
-        if w is not None and self.workers.report(w, body, now):
+        if w is None:
+            return
+        loads_before = {name: c[0] for name, c in w.service_counts.items()}
+        if self.workers.report(w, body, now):
             self.policy.update_worker(worker_id, services=w.services, now=now)
             self.dirty = True
+        predictor = getattr(self.policy, "predictor", None)
+        for name, (load_s, _evict_s) in w.service_costs.items():
+            # A load the worker measured itself (no queueing in it) teaches the policy's load time.
+            if predictor is not None and w.service_counts.get(name, (0,))[0] > loads_before.get(name, 0):
+                predictor.observe_load(name, load_s)
 
     def drain(self, worker_id: str, reason: str, now: float) -> None:
         """Give a worker no new actions and move its environments off; the pool driver reclaims it once

@@ -36,7 +36,7 @@ class WorkerRecord:
 
     __slots__ = ("info", "ident", "last_seen", "running", "busy_cores", "zombies", "state", "drain_reason",
                  "idle_since", "services", "envs", "registered_at", "launched_shape", "launched_at",
-                 "service_counts", "leaving")
+                 "service_counts", "service_costs", "leaving")
 
     def __init__(self, info: WorkerInfo, ident: bytes, now: float):
         self.info = info
@@ -55,6 +55,8 @@ class WorkerRecord:
         self.launched_at: float | None = None            # ... and when it asked the backend for it
         # service -> (loads onto the device, evictions, queued inputs), as the worker last reported
         self.service_counts: dict[str, tuple[int, int, int]] = {}
+        # service -> (mean seconds to load it onto the device, to evict it), as the worker measured
+        self.service_costs: dict[str, tuple[float, float]] = {}
         self.leaving = ""                                # why, once it said it is leaving
 
     @property
@@ -132,6 +134,9 @@ class WorkerRegistry:
         counts = body.get("service_counts")
         if isinstance(counts, dict):
             w.service_counts = _service_counts(counts, w.info.services)
+        costs = body.get("service_costs")
+        if isinstance(costs, dict):
+            w.service_costs = _service_costs(costs, w.info.services)
         return changed
 
     def mark_draining(self, w: WorkerRecord, reason: str, now: float) -> None:
@@ -151,4 +156,15 @@ def _service_counts(counts: dict, hosted: frozenset[str]) -> dict[str, tuple[int
         if name in hosted and isinstance(v, (list, tuple)) and len(v) == 3 and \
                 all(type(x) is int and x >= 0 for x in v):
             out[name] = (v[0], v[1], v[2])
+    return out
+
+
+def _service_costs(costs: dict, hosted: frozenset[str]) -> dict[str, tuple[float, float]]:
+    """A heartbeat's ``service_costs`` ({service: [load seconds, evict seconds]}), keeping only
+    well-formed, finite, non-negative entries of services the worker registered."""
+    out = {}
+    for name, v in costs.items():
+        if name in hosted and isinstance(v, (list, tuple)) and len(v) == 2 and \
+                all(type(x) in (int, float) and 0 <= x < float("inf") for x in v):
+            out[name] = (float(v[0]), float(v[1]))
     return out
