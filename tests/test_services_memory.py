@@ -87,6 +87,9 @@ class FakeGPU(DeviceOps):
         self.pinned.append(tensor.numel() * tensor.element_size())
         return tensor
 
+    def unpin(self, tensor):
+        self.pinned.remove(tensor.numel() * tensor.element_size())
+
     def empty_like(self, tensor, device):
         self.loading.set()
         if self.gate is not None:
@@ -199,11 +202,13 @@ def test_pinned_memory_is_capped_per_worker_and_beyond_it_services_stay_pageable
         assert score(mgr, results, "b", "b")[0] == Status.OK
         stats = mgr.stats()
         assert mgr.pinned_mb() == pytest.approx(3, abs=0.01)
+        assert sum(ops.pinned) == pytest.approx(3 * MB, abs=8)
     assert stats["a"]["host_memory"] == "pinned" and stats["a"]["host_note"] is None
     assert stats["b"]["host_memory"] == "pageable"
     assert "pinned cap of 4 MB" in stats["b"]["host_note"]
     assert "service b: its host copy is pageable" in caplog.text
-    assert sum(ops.pinned) == pytest.approx(3 * MB, abs=8)
+    # Closing the manager unpins what it pinned.
+    assert mgr.pinned_mb() == 0 and ops.pinned == []
 
 
 def test_a_failed_pin_falls_back_to_pageable_and_says_so():

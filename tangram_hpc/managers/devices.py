@@ -168,12 +168,15 @@ class DeviceOps:
         register = getattr(cudart, "cudaHostRegister", None)
         if register is not None and tensor.numel():
             err = int(register(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0))
-            if err == 0:
-                return tensor
-            if err != _CUDA_HOST_MEMORY_ALREADY_REGISTERED:
+            if err not in (0, _CUDA_HOST_MEMORY_ALREADY_REGISTERED):
                 raise RuntimeError(f"cudaHostRegister failed with CUDA error {err}")
             return tensor
         return tensor.pin_memory()
+
+    def unpin(self, tensor: Any) -> None:
+        """Undo :meth:`pin` of a tensor registered in place (before its memory is freed)."""
+        if tensor.numel():
+            int(_torch().cuda.cudart().cudaHostUnregister(tensor.data_ptr()))
 
     def empty_like(self, tensor: Any, device: Device) -> Any:
         return _torch().empty_like(tensor, device=device.name)

@@ -224,6 +224,8 @@ class ServiceManager:
             for s in self._services.values():
                 s.queue.clear()
                 s.queued_items = 0
+                if s.host is not None and not s.busy:
+                    s.host.release()    # page-locked memory goes back to the node with the manager
         for r in dropped:
             deliver(r, Status.CANCELLED, None, "service manager closed", {})
 

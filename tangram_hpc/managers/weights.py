@@ -115,17 +115,31 @@ class HostCopy:
             self.note = (f"pageable: pinning {self.nbytes / 2**20:.0f} MB would pass the worker's pinned "
                          f"cap of {cap / 2**20:.0f} MB ({self._budget.used_bytes / 2**20:.0f} MB pinned)")
             return
+        pinned: list[Any] = []
         try:
-            self.host = [self.ops.pin(t) for t in self.host]
+            for t in self.host:
+                pinned.append(self.ops.pin(t))
         except Exception as e:  # pinning is an optimisation: a service stays usable without it
+            self._unpin(pinned)
             self._budget.give(self.nbytes)
             self.note = f"pageable: pinning failed: {type(e).__name__}: {e}"
             return
+        self.host = pinned
         self.pinned = True
 
+    def _unpin(self, pinned: list[Any]) -> None:
+        # Tensors pinned in place are unregistered; pinned copies free themselves.
+        for original, p in zip(self.host, pinned):
+            if p is original:
+                try:
+                    self.ops.unpin(p)
+                except Exception:
+                    _log.exception("unpinning a host tensor failed")
+
     def release(self) -> None:
-        """Give back the pinned accounting (the service is forgotten)."""
+        """Unpin the host copy and give back its accounting (the service is forgotten)."""
         if self.pinned:
+            self._unpin(self.host)
             self._budget.give(self.nbytes)
             self.pinned = False
 
