@@ -168,9 +168,8 @@ class DeviceOps:
         register = getattr(cudart, "cudaHostRegister", None)
         if register is not None and tensor.numel():
             err = int(register(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0))
-            if err not in (0, _CUDA_HOST_MEMORY_ALREADY_REGISTERED):
-                raise RuntimeError(f"cudaHostRegister failed with CUDA error {err}")
-            return tensor
+            if err in (0, _CUDA_HOST_MEMORY_ALREADY_REGISTERED):
+                return tensor
         return tensor.pin_memory()
 
     def unpin(self, tensor: Any) -> None:

