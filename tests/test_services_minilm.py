@@ -55,7 +55,7 @@ def test_minilm_service_scores_matching_pairs_higher():
     assert all(isinstance(s, float) and -1.0 <= s <= 1.0 for s in scores)
     # Alone or in a batch with others, a pair gets the same reward.
     assert results["one"][1][0] == pytest.approx(matching, abs=1e-4)
-    # Its size comes from the weights (about 87 MB of float32, 43 MB for the fp16 copy gpu-carry makes).
-    assert 30 < stats["memory_mb"] < 120
+    # Its size comes from the weights (about 87 MB of float32, also from the fp16 copy gpu-carry makes).
+    assert 60 < stats["memory_mb"] < 120
     assert stats["cold_loads"] == 1
     assert stats["device"] == device.name and stats["host_memory"] == ("pinned" if on_cuda else "pageable")

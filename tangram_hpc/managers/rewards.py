@@ -160,6 +160,8 @@ def sentence_similarity(path: str, encode_batch_size: int = 64) -> SentenceSimil
 
     transformers_logging.disable_progress_bar()
     model = SentenceTransformer(str(path), device=HOST, local_files_only=True)
+    # float32 whatever the file holds (an fp16 copy travels lighter): the same scores on every device.
+    model.float()
     model.eval()
     return SentenceSimilarity(model, encode_batch_size=encode_batch_size)
 
