@@ -8,7 +8,8 @@ Prints, and writes as JSON with ``--json PATH``:
 * a rotation of services whose total exceeds the budget: each call's ACT
   (submit to result, a swap included) against bytes / pinned bandwidth + its
   compute, the accounting error against ``torch.cuda.memory_allocated``,
-  out-of-memory errors;
+  out-of-memory errors, and the measured load times as a simulated workload's
+  services (``sim_services``);
 * the batching speed-up (a burst with batching against ``max_batch=1``);
 * the MiniLM reward on the device;
 * reward ACT through the coordinator (``LocalCluster``, one reward worker)
@@ -231,6 +232,9 @@ def rotation(device: Device, args, ref_bw: float) -> dict:
             "evictions": sum(s["evictions"] for s in st.values()),
             "oom_retries": sum(s["oom_retries"] for s in st.values()), "errors": errors,
             "score_mismatch_max": mismatch,
+            # in the form of a simulated workload's services (sim/workload.py), with the measured load times
+            "sim_services": [{"name": n, "gpu_mem_mb": round(s["memory_mb"]), "load_s": s["load_s_mean"]}
+                             for n, s in st.items() if s["load_s_mean"] is not None],
             "accounting_error_mb_max": acc_err if device.is_gpu else None}
 
 
