@@ -24,7 +24,9 @@ POOL          C->K       ``{"op": "pause" | "resume"}`` (worker launches); reply
 HEARTBEAT     any        ``{"coordinator": id}`` from K; ``{}`` from C;
                          ``{"running": n, "services": [...], "envs": [...],
                          "service_counts": {service: [loads, evictions, queued]},
-                         "service_costs": {service: [load s, evict s]}}`` from W, which
+                         "service_costs": {service: [load s, evict s]},
+                         "devices": [[device, used MB, budget MB, free MB or -1, [service, ...]], ...]}``
+                         from W, which
                          adds ``"leaving": reason`` while it leaves, then ``"left": reason,
                          "interrupted": [[action id, attempt], ...]`` as its last message
 ERROR         K->any     ``{"code": str, "message": str}``

@@ -169,7 +169,7 @@ class TopView:
                 Text(w.get("id", "?")), Text(_job(w)), Text(w.get("host", "")),
                 Text(state, style="yellow" if state != "ok" else ""), busy_text,
                 str(w.get("running", 0)), _time_left(w), str(w.get("envs", 0)),
-                Text(", ".join(w.get("services") or []) or "-"))
+                Text(_services(w)))
         return table
 
     def _queues(self, st: dict):
@@ -286,6 +286,15 @@ def _bar(used: int, total: int, width: int) -> str:
         return ""
     full = min(width, round(width * used / total))
     return "\u2588" * full + "\u2591" * (width - full)
+
+
+def _services(w: dict) -> str:
+    """Resident services; per device, with the memory they hold out of the budget, for a reward worker."""
+    devices = w.get("devices") or []
+    if not devices:
+        return ", ".join(w.get("services") or []) or "-"
+    return "; ".join(f"{d['device']} {d['used_mb'] / 1024:.1f}/{d['budget_mb'] / 1024:.1f} GB: "
+                     f"{', '.join(d['resident']) or '-'}" for d in devices)
 
 
 def _job(w: dict) -> str:

@@ -616,6 +616,10 @@ class Worker:
             # Measured seconds to load and evict each service, for the scheduler's load decisions.
             body["service_costs"] = {name: [s["load_s_mean"], s["evict_s_mean"] or 0.0]
                                      for name, s in stats.items() if s["load_s_mean"] is not None}
+            # Per device: memory the services hold, the budget, what is really free (-1: not known).
+            body["devices"] = [[d["device"], d["used_mb"], d["budget_mb"],
+                                -1.0 if d["free_mb"] is None else d["free_mb"], d["resident"]]
+                               for d in self.services.device_stats()]
         if self.sandboxes is not None:
             body["envs"] = sorted(self.sandboxes.environments())
             now = time.monotonic()

@@ -180,3 +180,28 @@ def test_load_seconds_a_worker_measured_teach_the_policy_its_load_time():
                                 "service_costs": {"judge": [float("nan"), 0.0], "other": [1.0, 1.0]}}, 3.0)
     assert policy.predictor.load_time("judge") == pytest.approx(0.5)
     assert ledger.workers.by_id["w1"].service_costs == {}
+
+
+def test_a_reward_workers_devices_reach_status_metrics_and_top():
+    from tangram_hpc.config import CoordinatorSettings
+    from tangram_hpc.coordinator import ActionLedger
+    from tangram_hpc.coordinator.metrics import CoordinatorMetrics
+    from tangram_hpc.policy.fifo import FifoPolicy
+    from tangram_hpc.resources import WorkerInfo
+    from tangram_hpc.top import _services
+
+    ledger = ActionLedger(CoordinatorSettings(), FifoPolicy())
+    ledger.add_worker(WorkerInfo(id="w1", cores=1, gpus=2, gpu_mem_mb=2048, services=frozenset({"a", "b"})),
+                      b"w1", 0.0)
+    devices = [["cuda:0", 512.0, 1024.0, 300.0, ["a", "intruder"]], ["cuda:1", 0, 1024.0, -1.0, []],
+               ["cuda:2", "x", 1, 1, []], ["cuda:3", float("nan"), 1, 1, []]]
+    ledger.worker_report("w1", {"services": ["a"], "devices": devices}, 1.0)
+    w = ledger.workers.by_id["w1"]
+    assert w.devices == [("cuda:0", 512.0, 1024.0, 300.0, ["a"]), ("cuda:1", 0.0, 1024.0, -1.0, [])]
+    fams = {f.name: f for f in CoordinatorMetrics().families(ledger, None, 2.0, coordinator="c", uptime_s=2.0)}
+    assert fams["tangram_service_device_used_mb"].value("w1", "cuda:0") == 512.0
+    assert fams["tangram_service_device_free_mb"].value("w1", "cuda:0") == 300.0
+    row = {"services": ["a"], "devices": [{"device": "cuda:0", "used_mb": 512.0, "budget_mb": 1024.0,
+                                           "free_mb": 300.0, "resident": ["a"]}]}
+    assert _services(row) == "cuda:0 0.5/1.0 GB: a"
+    assert _services({"services": ["a"]}) == "a"

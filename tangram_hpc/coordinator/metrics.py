@@ -155,6 +155,10 @@ class CoordinatorMetrics:
                            "evictions of a service from a worker's device (as the worker reports)", "service", "worker")
         queued = family("tangram_service_queued_inputs", "gauge",
                         "inputs queued at a worker's service, not yet in a batch", "service", "worker")
+        dev_used = family("tangram_service_device_used_mb", "gauge",
+                          "device memory a reward worker's resident services hold", "worker", "device")
+        dev_free = family("tangram_service_device_free_mb", "gauge",
+                          "device memory free now, as the reward worker last read it", "worker", "device")
         for w in ledger.workers:
             wid, handle = w.info.id, w.info.handle or ""
             cores.add(w.info.cores, wid, handle)
@@ -167,6 +171,10 @@ class CoordinatorMetrics:
                 loads.add(n_loads, s, wid)
                 evictions.add(n_evictions, s, wid)
                 queued.add(n_queued, s, wid)
+            for name, used, _budget, free, _resident in w.devices:
+                dev_used.add(used, wid, name)
+                if free >= 0:
+                    dev_free.add(free, wid, name)
         family("tangram_workers_lost_total", "counter",
                "workers lost (silent, exited, job ended) with their running actions retried").add(c.workers_lost)
         family("tangram_env_moves_total", "counter",

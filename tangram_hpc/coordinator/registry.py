@@ -36,7 +36,7 @@ class WorkerRecord:
 
     __slots__ = ("info", "ident", "last_seen", "running", "busy_cores", "zombies", "state", "drain_reason",
                  "idle_since", "services", "envs", "registered_at", "launched_shape", "launched_at",
-                 "service_counts", "service_costs", "leaving")
+                 "service_counts", "service_costs", "devices", "leaving")
 
     def __init__(self, info: WorkerInfo, ident: bytes, now: float):
         self.info = info
@@ -57,6 +57,8 @@ class WorkerRecord:
         self.service_counts: dict[str, tuple[int, int, int]] = {}
         # service -> (mean seconds to load it onto the device, to evict it), as the worker measured
         self.service_costs: dict[str, tuple[float, float]] = {}
+        # per device of a reward worker: (name, used MB, budget MB, free MB or -1, resident services)
+        self.devices: list[tuple[str, float, float, float, list[str]]] = []
         self.leaving = ""                                # why, once it said it is leaving
 
     @property
@@ -137,6 +139,9 @@ class WorkerRegistry:
         costs = body.get("service_costs")
         if isinstance(costs, dict):
             w.service_costs = _service_costs(costs, w.info.services)
+        devices = body.get("devices")
+        if isinstance(devices, list):
+            w.devices = _devices(devices, w.info.services)
         return changed
 
     def mark_draining(self, w: WorkerRecord, reason: str, now: float) -> None:
@@ -167,4 +172,15 @@ def _service_costs(costs: dict, hosted: frozenset[str]) -> dict[str, tuple[float
         if name in hosted and isinstance(v, (list, tuple)) and len(v) == 2 and \
                 all(type(x) in (int, float) and 0 <= x < float("inf") for x in v):
             out[name] = (float(v[0]), float(v[1]))
+    return out
+
+
+def _devices(devices: list, hosted: frozenset[str]) -> list[tuple[str, float, float, float, list[str]]]:
+    """A heartbeat's ``devices`` ([[name, used MB, budget MB, free MB or -1, [service, ...]], ...]), keeping
+    well-formed entries only, at most 64 devices, and of the residents only services the worker registered."""
+    out = []
+    for d in devices[:64]:
+        if isinstance(d, (list, tuple)) and len(d) == 5 and isinstance(d[0], str) and len(d[0]) <= 32 and \
+                all(type(x) in (int, float) and x == x and abs(x) < 1e12 for x in d[1:4]) and isinstance(d[4], list):
+            out.append((d[0], float(d[1]), float(d[2]), float(d[3]), sorted(s for s in d[4] if s in hosted)))
     return out

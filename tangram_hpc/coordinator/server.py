@@ -499,6 +499,8 @@ class Coordinator:
                  "kinds": sorted(w.info.kinds), "cores": w.info.cores, "busy_cores": w.busy_cores,
                  "zombie_cores": w.zombie_cores,
                  "running": len(w.running), "gpus": w.info.gpus, "services": sorted(w.services),
+                 "devices": [{"device": d[0], "used_mb": d[1], "budget_mb": d[2],
+                              "free_mb": None if d[3] < 0 else d[3], "resident": d[4]} for d in w.devices],
                  "envs": len(w.envs), "state": w.state, "last_seen_s": round(now - w.last_seen, 2)}
                 for w in self.workers],
         }
