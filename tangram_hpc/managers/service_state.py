@@ -69,6 +69,13 @@ class Slot:
     def bandwidth(self) -> float | None:
         return self.load_bytes / self.load_s if self.load_s > 0 and self.load_bytes else None
 
+    def report(self, free_mb: float | None, resident: list[str]) -> dict:
+        bw = self.bandwidth()
+        return {"device": self.device.name, "physical_id": self.device.physical_id,
+                "budget_mb": self.device.memory_mb, "used_mb": self.used_mb, "free_mb": free_mb,
+                "headroom_mb": self.device.headroom_mb, "load_gbps": bw / 1e9 if bw else None,
+                "error": self.error, "resident": resident}
+
 
 @dataclass(slots=True, eq=False)
 class Service:
@@ -130,6 +137,38 @@ class Service:
             return math.inf
         penalty = 0.0 if self.resident else (self.load_estimate_s() or 0.0)
         return self.queue[0].submitted + penalty
+
+    def report(self, slot: Slot) -> dict:
+        """Its figures for ``stats()`` (``slot``: where a load estimate takes the bandwidth from)."""
+        c = self.counters
+        return {
+            "resident": self.resident,
+            "device": self.slot.device.name if self.resident and self.slot else None,
+            "in_host_ram": self.model is not None,
+            "memory_mb": self.memory_mb,
+            "device_mb_measured": c.device_mb_measured,
+            "cold_loads": c.cold_loads,
+            "cold_load_s_mean": c.cold_load_s / c.cold_loads if c.cold_loads else None,
+            "loads": c.loads,
+            "load_s_mean": c.load_s / c.loads if c.loads else None,
+            "evictions": c.evictions,
+            "evict_s_mean": c.evict_s / c.evictions if c.evictions else None,
+            "load_estimate_s": self.load_estimate_s(slot),
+            "load_bytes": c.load_bytes,
+            "load_gbps": c.load_bytes / c.load_s / 1e9 if c.load_s > 0 else None,
+            "oom_retries": c.oom_retries,
+            "host_memory": None if self.host is None else ("pinned" if self.host.pinned else "pageable"),
+            "host_note": self.host_note,
+            "whole_device": self.spec.whole_device,
+            "batches": c.batches,
+            "actions": c.actions,
+            "items": c.items,
+            "mean_batch_size": c.items / c.batches if c.batches else None,
+            "mean_batch_actions": c.actions / c.batches if c.batches else None,
+            "failed_batches": c.failed_batches,
+            "failed_actions": c.failed_actions,
+            "pending": self.queued_items,
+        }
 
     def take_queue(self) -> list[Request]:
         failed = list(self.queue)

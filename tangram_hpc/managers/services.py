@@ -110,7 +110,7 @@ class ServiceManager:
         if error is None and not inputs:
             deliver(req, Status.OK, [], None, {"service": service_name, "batch_items": 0})
             return
-        if error is None:
+        if svc is not None and error is None:
             with self._cv:
                 if self._closing:
                     error = "service manager is closed"
@@ -158,53 +158,16 @@ class ServiceManager:
             return {n: s.queued_items for n, s in self._services.items() if s.queued_items}
 
     def stats(self) -> dict[str, dict]:
-        """Per service: loads, evictions, mean load/evict seconds, batches, mean batch size."""
+        """Per service: loads, evictions, mean load/evict seconds, batches, mean batch size (docs/services.md)."""
         with self._cv:
-            out = {}
-            for name, s in self._services.items():
-                c = s.counters
-                out[name] = {
-                    "resident": s.resident,
-                    "device": s.slot.device.name if s.resident and s.slot else None,
-                    "in_host_ram": s.model is not None,
-                    "memory_mb": s.memory_mb,
-                    "device_mb_measured": c.device_mb_measured,
-                    "cold_loads": c.cold_loads,
-                    "cold_load_s_mean": c.cold_load_s / c.cold_loads if c.cold_loads else None,
-                    "loads": c.loads,
-                    "load_s_mean": c.load_s / c.loads if c.loads else None,
-                    "evictions": c.evictions,
-                    "evict_s_mean": c.evict_s / c.evictions if c.evictions else None,
-                    "load_estimate_s": s.load_estimate_s(s.slot or self._slots[0]),
-                    "load_bytes": c.load_bytes,
-                    "load_gbps": c.load_bytes / c.load_s / 1e9 if c.load_s > 0 else None,
-                    "oom_retries": c.oom_retries,
-                    "host_memory": None if s.host is None else ("pinned" if s.host.pinned else "pageable"),
-                    "host_note": s.host_note,
-                    "whole_device": s.spec.whole_device,
-                    "batches": c.batches,
-                    "actions": c.actions,
-                    "items": c.items,
-                    "mean_batch_size": c.items / c.batches if c.batches else None,
-                    "mean_batch_actions": c.actions / c.batches if c.batches else None,
-                    "failed_batches": c.failed_batches,
-                    "failed_actions": c.failed_actions,
-                    "pending": s.queued_items,
-                }
-            return out
+            return {name: s.report(s.slot or self._slots[0]) for name, s in self._services.items()}
 
     def device_stats(self) -> list[dict]:
         """Per device: budget, memory the services hold, memory really free now, resident services."""
         with self._cv:
-            out = []
-            for s in self._slots:
-                bw = s.bandwidth()
-                out.append({"device": s.device.name, "physical_id": s.device.physical_id,
-                            "budget_mb": s.device.memory_mb, "used_mb": s.used_mb,
-                            "free_mb": self._ops.free_mb(s.device), "headroom_mb": s.device.headroom_mb,
-                            "load_gbps": bw / 1e9 if bw else None, "error": s.error,
-                            "resident": sorted(n for n, v in self._services.items() if v.resident and v.slot is s)})
-            return out
+            return [s.report(self._ops.free_mb(s.device),
+                             sorted(n for n, v in self._services.items() if v.resident and v.slot is s))
+                    for s in self._slots]
 
     def pinned_mb(self) -> float:
         """Pinned host memory the services' host copies hold."""
