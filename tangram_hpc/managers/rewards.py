@@ -138,8 +138,11 @@ class SentenceSimilarity:
             if ref not in ref_index:
                 ref_index[ref] = len(texts)
                 texts.append(ref)
+        # Where the manager put the weights: some sentence-transformers versions would otherwise move
+        # the model back to the device it was created on.
+        device = str(next(self.model.parameters()).device)
         emb = self.model.encode(texts, batch_size=self.encode_batch_size, convert_to_tensor=True,
-                                normalize_embeddings=True, show_progress_bar=False)
+                                normalize_embeddings=True, show_progress_bar=False, device=device)
         n = len(pairs)
         refs = emb[[ref_index[ref] for _, ref in pairs]]
         return (emb[:n] * refs).sum(dim=-1).clamp(-1.0, 1.0).tolist()

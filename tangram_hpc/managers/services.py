@@ -35,6 +35,9 @@ __all__ = ["ServiceManager", "DoneCallback"]
 
 _log = logging.getLogger(__name__)
 
+#: Seconds after which a loading thread looks again at a service it left to another device.
+_RECHECK_S = 0.05
+
 
 class ServiceManager:
     """Hosts named reward-model services on the worker's devices.
@@ -265,9 +268,9 @@ class ServiceManager:
     def _pick_load(self, slot: Slot) -> tuple[Job | None, float | None, list]:
         """The loading thread's next load (lock held): a service with requests or a preload, not resident.
 
-        Placed on the device with the most room where it fits without eviction;
-        where none has room, on this device by evicting the least valuable
-        residents (the shared rule, :func:`~tangram_hpc.policy.residency.choose_victims`).
+        Placed on a device where it fits without eviction; only where none has
+        room, on this device by evicting the least valuable residents (the
+        shared rule, :func:`~tangram_hpc.policy.residency.choose_victims`).
         A resident is evicted only once its running batch has ended, and only
         if its own oldest request came after the newcomer's (rank).
         """
@@ -279,6 +282,7 @@ class ServiceManager:
                           if not s.busy and not s.resident and s.slot is None and (s.queue or s.preload)),
                          key=Service.rank)
         rejected: list[tuple[Request, str]] = []
+        deferred: float | None = None
         largest = max(s.device.memory_mb for s in self._slots)
         for svc in waiting:
             if svc.model is None and svc.memory_mb is None:
@@ -299,7 +303,10 @@ class ServiceManager:
                 victims: list[Service] = []
             elif not svc.spec.whole_device and any(
                     o is not slot and self._room(o) >= need for o in self._slots):
-                continue  # another device has room without evicting anything: its loading thread takes it
+                # Another device has room without evicting anything: its loading thread takes it.  Looked
+                # at again soon all the same: free memory read from a card moves without notice.
+                deferred = _RECHECK_S
+                continue
             else:
                 rank = svc.rank()
                 movable = [s for s in on_slot if not s.queue or s.queue[0].submitted > rank]
@@ -325,7 +332,7 @@ class ServiceManager:
             svc.slot = slot
             svc.busy = True
             return Job("place", svc, victims=victims), None, rejected
-        return None, None, rejected
+        return None, deferred, rejected
 
     def _room(self, slot: Slot) -> float:
         """Memory a load may take on ``slot`` now without evicting: the budget left, and no more than
