@@ -19,8 +19,9 @@ if [ "${1:-}" = --cpu ]; then
     SIZES=(--device cpu)
     TEST_DEVICE=cpu
 else
-    SIZES=(--device cuda --sizes-gb 1,4,16 --rotation-gb 12,12,16,16 --budget-gb 40 --copy-gb 4
-           --small-gb 0.25 --cluster-gb 8)
+    # Host RAM bounds the sizes (128 GB on the H200 machine: every service has its host copy).
+    SIZES=(--device cuda --sizes-gb 1,4,16 --rotation-gb 8,8,12,12 --budget-gb 30 --copy-gb 4
+           --small-gb 0.25 --cluster-gb 6)
     TEST_DEVICE=cuda
 fi
 
