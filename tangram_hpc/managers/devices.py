@@ -167,8 +167,16 @@ class DeviceOps:
         cudart = torch.cuda.cudart()
         register = getattr(cudart, "cudaHostRegister", None)
         if register is not None and tensor.numel():
-            err = int(register(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0))
-            if err in (0, _CUDA_HOST_MEMORY_ALREADY_REGISTERED):
+            err = int(register(tensor.data_ptr(), tensor.numel() * tensor.element_size(),
+                               _CUDA_HOST_REGISTER_PORTABLE))
+            if err == 0:
+                return tensor
+            # A failed runtime call leaves its error to be read: clear it, or torch's next launch check
+            # would report it as its own.
+            clear = getattr(cudart, "cudaGetLastError", None)
+            if clear is not None:
+                clear()
+            if err == _CUDA_HOST_MEMORY_ALREADY_REGISTERED:
                 return tensor
         return tensor.pin_memory()
 
@@ -187,7 +195,7 @@ class DeviceOps:
         streams = self.__dict__.setdefault("_streams", {})
         stream = streams.get(device.name)
         if stream is None:
-            stream = streams[device.name] = _torch().cuda.Stream(device=device.name)
+            stream = streams[device.name] = _torch().cuda.Stream(device=device.index)
         return stream
 
     def on_stream(self, stream: Any) -> Any:
@@ -231,3 +239,5 @@ class DeviceOps:
 
 
 _CUDA_HOST_MEMORY_ALREADY_REGISTERED = 712
+#: pinned for every device of the process, not only the current one (a worker with several GPUs)
+_CUDA_HOST_REGISTER_PORTABLE = 1
