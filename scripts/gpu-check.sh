@@ -21,7 +21,7 @@ if [ "${1:-}" = --cpu ]; then
 else
     # Host RAM bounds the sizes (128 GB on the H200 machine: every service has its host copy).
     SIZES=(--device cuda --sizes-gb 1,4,16 --rotation-gb 8,8,12,12 --budget-gb 30 --copy-gb 4
-           --small-gb 0.25 --cluster-gb 6)
+           --small-gb 0.25 --cluster-gb 6 --rounds 2 --cluster-calls 12)
     TEST_DEVICE=cuda
 fi
 
