@@ -330,3 +330,25 @@ def test_preload_starts_a_load_before_any_call_and_evicts_only_services_without_
         assert stats["b"]["loads"] == 1 and stats["b"]["batches"] == 0
         status, _, _, batch = score(mgr, results, "b1", "b")
         assert status == Status.OK and batch["load_s"] == 0.0
+
+
+class OneCardHeld(FakeGPU):
+    """Two cards, the first nearly all held by another process, the second a little."""
+
+    def free_mb(self, device):
+        return super().free_mb(device) - (80 if device.name == "cuda:0" else 15)
+
+
+def test_a_service_that_fits_on_no_card_beside_others_fails_clearly_and_one_that_fits_elsewhere_waits():
+    ops = OneCardHeld(total_mb=100)
+    results = Results()
+    specs = [spec("a", 40), spec("b", 40), spec("c", 40), spec("huge", 85)]
+    with ServiceManager(specs, gpus(2), ops=ops) as mgr:
+        # cuda:0 has 10 MB for services, cuda:1 75 MB: everything goes to cuda:1, one at a time;
+        # huge is within the budget (90 MB) but fits beside the other process on neither card.
+        for name in "abc":
+            status, _, error, stats = score(mgr, results, name, name)
+            assert status == Status.OK, error
+            assert stats["device"] == "cuda:1"
+        status, _, error, _ = score(mgr, results, "h", "huge")
+        assert status == Status.ERROR and "held by other processes" in error

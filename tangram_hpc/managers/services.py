@@ -316,7 +316,7 @@ class ServiceManager:
                     names = choose_victims([s.as_resident(now) for s in movable], need, room)
                 if names is None:
                     held = sum(s.held_mb for s in on_slot)
-                    if room + held < need:
+                    if room + held < need and not self._could_fit(svc):
                         self._reject(svc, rejected, self._no_room(svc, slot, need, room, held))
                     continue  # residents in demand hold the memory; retry when that changes
                 victims = [self._services[n] for n in names]
@@ -341,6 +341,15 @@ class ServiceManager:
         if free is None:
             return slot.free_mb
         return min(slot.free_mb, free - slot.device.headroom_mb)
+
+    def _could_fit(self, svc: Service) -> bool:
+        """Whether some device could take ``svc`` by evicting all of this worker's services there."""
+        for o in self._slots:
+            need = o.device.memory_mb if svc.spec.whole_device else (svc.memory_mb or 0.0)
+            held = sum(s.held_mb for s in self._services.values() if s.resident and s.slot is o)
+            if need <= o.device.memory_mb and self._room(o) + held >= need:
+                return True
+        return False
 
     def _no_room(self, svc: Service, slot: Slot, need: float, room: float, held: float) -> str:
         free = self._ops.free_mb(slot.device)
