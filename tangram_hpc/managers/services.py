@@ -69,7 +69,6 @@ class ServiceManager:
         if memory_budget_mb is not None:
             devices = [d.with_budget(min(d.memory_mb, memory_budget_mb)) for d in devices]
         self._ops = ops if ops is not None else DeviceOps()
-        self._pin = self._ops.can_pin()
         self._pinned = PinnedBudget(pinned_mb)
         self._slots = [Slot(d) for d in devices]
         self._cv = threading.Condition(threading.Lock())
@@ -394,8 +393,10 @@ class ServiceManager:
                 raise ServiceSpecError(
                     f"service {svc.spec.name}: declare memory_mb (its model has no memory_mb())")
         module = torch_weights(model)
-        host = None if module is None else HostCopy(module, self._ops, self._pinned, pin=self._pin)
-        if host is not None and host.note and self._pin:
+        # Asked now, not at start: torch may have been imported by this very loader.
+        pin = module is not None and any(s.device.is_gpu for s in self._slots) and self._ops.can_pin()
+        host = None if module is None else HostCopy(module, self._ops, self._pinned, pin=pin)
+        if host is not None and host.note and pin:
             _log.warning("service %s: its host copy is %s", svc.spec.name, host.note)
         dt = time.perf_counter() - t0
         with self._cv:
