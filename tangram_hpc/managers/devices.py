@@ -229,8 +229,9 @@ class DeviceOps:
 
     def release_cache(self, device: Device) -> None:
         """Give this process's cached free blocks back to the driver (for other processes, or a large block)."""
-        if device.is_gpu:
-            _torch().cuda.empty_cache()
+        torch = sys.modules.get("torch")
+        if device.is_gpu and torch is not None:     # without torch, nothing of torch's to give back
+            torch.cuda.empty_cache()
 
     def is_out_of_memory(self, exc: BaseException) -> bool:
         torch = sys.modules.get("torch")
