@@ -437,12 +437,12 @@ def checks(r: dict, device: Device) -> dict:
     mini = r.get("minilm") or {}
     ooms = sum(x.get("oom_retries", 0) for x in le) + (rot.get("oom_retries") or 0)
     return {
-        "loads_at_0.8x_pinned": bool(le) and min(x["load_ratio_to_pinned"] for x in le) >= 0.8,
-        "evictions_under_50ms": bool(le) and max(x["evict_s"] for x in le) <= 0.05,
-        "swap_act_within_1.3x": rot.get("act_ratio_max") is not None and rot["act_ratio_max"] <= 1.3,
-        "no_oom": ooms == 0 and not rot.get("errors"),
-        "accounting_within_64mb": None if not device.is_gpu else (rot.get("accounting_error_mb_max") or 0) <= 64,
         # None: not measured in this run (a section skipped, or no GPU for it)
+        "loads_at_0.8x_pinned": None if not le else min(x["load_ratio_to_pinned"] for x in le) >= 0.8,
+        "evictions_under_50ms": None if not le else max(x["evict_s"] for x in le) <= 0.05,
+        "swap_act_within_1.3x": None if rot.get("act_ratio_max") is None else rot["act_ratio_max"] <= 1.3,
+        "no_oom": None if not le and not rot else ooms == 0 and not rot.get("errors"),
+        "accounting_within_64mb": None if not device.is_gpu else (rot.get("accounting_error_mb_max") or 0) <= 64,
         "minilm_on_device": None if "device" not in mini else mini["device"].startswith(device.name.split(":")[0]),
         "pressure_ok_or_clear": None if not other or "skipped" in other else bool(other.get("all_ok_or_clear")),
         "worker_never_lost": None if "worker_lost" not in coord else coord["worker_lost"] is False,
