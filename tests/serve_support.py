@@ -13,7 +13,8 @@ from contextlib import contextmanager
 
 @contextmanager
 def running_serve(connection_file, *extra: str, timeout: float = 30.0):
-    """``tangram-hpc serve --port 0`` beside a coordinator; yields ``(process, base_url)``."""
+    """``tangram-hpc serve --port 0`` beside a coordinator; yields ``(process, base_url)``, the URL
+    carrying the service's token (unless ``--no-auth`` is among ``extra``)."""
     cmd = [sys.executable, "-m", "tangram_hpc.cli", "serve", "--connection-file", str(connection_file),
            "--port", "0", *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -43,7 +44,14 @@ def _read_url(proc: subprocess.Popen, timeout: float) -> str:
         if sel.select(timeout=0.2):
             line = proc.stdout.readline()
             if " at http://" in line:
-                return line.split(" at ", 1)[1].split()[0]
+                url = line.split(" at ", 1)[1].split()[0]
+                source = line.rsplit("token: ", 1)[-1].rstrip(")\n") if "token: " in line else "none"
+                if source.startswith("none"):
+                    return url
+                token = os.environ["TANGRAM_SERVE_TOKEN"] if source == "$TANGRAM_SERVE_TOKEN" else \
+                    open(source).read().strip()
+                # the token as the URL's password: requests, aiohttp and the sandbox-fusion SDK send it
+                return url.replace("http://", f"http://tangram:{token}@", 1)
             if not line and proc.poll() is not None:
                 break
     proc.kill()

@@ -128,4 +128,4 @@ def test_openrlhf_remote_reward_endpoint(cluster):
         assert reply["scores"] == reply["rewards"] and reply["extra_logs"] == {}
     assert batch["rewards"] == pytest.approx([expected(r, g) for r, g in SAMPLES[:5]], abs=1e-5)
     assert invalid[0] == 422 and invalid[1]["detail"][0]["loc"] == ["body", "labels"]
-    assert unknown[0] == 502 and "cannot be placed: service 'nope' is hosted by no worker" in unknown[1]["detail"]
+    assert unknown[0] == 404 and "cannot be placed: service 'nope' is hosted by no worker" in unknown[1]["detail"]

@@ -120,10 +120,17 @@ class CoordinatorMetrics:
         oldest = family("tangram_queue_oldest_wait_seconds", "gauge",
                         "how long the oldest waiting action of a placement class has waited",
                         "kind", "service", "min_cores", "mem_mb", "gpu_mem_mb")
+        # Memory demands are the clients' numbers: as labels they are rounded up to a power of two,
+        # so that no client can make a new series per action.
+        classes: dict[tuple, list] = {}
         for q in queue_classes(ledger, now):
-            labels = (q["kind"], q["service"], q["min_cores"], q["mem_mb"], q["gpu_mem_mb"])
-            pend.add(q["pending"], *labels)
-            oldest.add(q["oldest_s"], *labels)
+            labels = (q["kind"], q["service"], q["min_cores"], mem_label(q["mem_mb"]), mem_label(q["gpu_mem_mb"]))
+            agg = classes.setdefault(labels, [0, 0.0])
+            agg[0] += q["pending"]
+            agg[1] = max(agg[1], q["oldest_s"])
+        for labels, (pending, oldest_s) in classes.items():
+            pend.add(pending, *labels)
+            oldest.add(oldest_s, *labels)
         act = family("tangram_action_completion_seconds", "histogram",
                      "action completion time (ACT): submitted to final result", "kind")
         for kind, h in sorted(self.act.items()):
@@ -185,6 +192,11 @@ class CoordinatorMetrics:
         family("tangram_worker_launch_failures_total", "counter",
                "launches the backend refused or whose worker never joined").add(c.launch_failures)
         return fams
+
+
+def mem_label(mb: int) -> int:
+    """A memory demand as a metric label: the next power of two (0 stays 0), at most 41 values."""
+    return 0 if mb <= 0 else 1 << (int(mb) - 1).bit_length()
 
 
 def queue_classes(ledger: ActionLedger, now: float) -> list[dict[str, Any]]:

@@ -110,6 +110,18 @@ class CgroupScope:
         text = _read(self.memory_dir / name).strip()
         return int(text) // 1024 if text.isdigit() else None
 
+    def cpu_seconds(self) -> float | None:
+        """User+system CPU seconds of every process that ran in the scope (cgroup v2's
+        ``cpu.stat``, present whatever the controllers; None under v1, which has it only
+        in a cpuacct hierarchy not used here)."""
+        if self.version != 2:
+            return None
+        for d in (self.memory_dir, self.pids_dir):
+            if d is not None:
+                usec = _kv(_read(d / "cpu.stat"), "usage_usec")
+                return usec / 1e6 if usec > 0 else None
+        return None
+
     def pids_hit(self) -> bool:
         if self.pids_dir is None:
             return False

@@ -43,7 +43,7 @@ class ProcResult:
     stdout_dropped: int
     stderr_dropped: int
     wall_s: float
-    cpu_time: float       # user + system seconds of the child and every descendant it reaped
+    cpu_time: float | None  # user + system seconds of the child and every descendant it reaped (None: unknown)
     max_rss_kb: int
     timed_out: bool = False
     flooded: bool = False

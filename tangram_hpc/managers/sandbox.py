@@ -53,7 +53,7 @@ from .bwrap import SANDBOX_DIR, BwrapLayout, BwrapUnavailable, probe_bwrap
 from . import seccomp
 from .cgroups import Cgroups, CgroupScope
 from .diskquota import QuotaWatch
-from .environments import EnvError, EnvStore, Environment, is_plain_dir, read_inside
+from .environments import EnvError, EnvStore, Environment, UnknownTemplate, is_plain_dir, read_inside
 from .limits import WRAPPER_ENVIRON, Limits, LimitsError, wrapper_argv
 from .process import ProcResult, run_bounded
 
@@ -258,7 +258,8 @@ class SandboxManager:
         res = ran.res
         out = {
             "returncode": res.returncode, "stdout": res.text("stdout"), "stderr": res.text("stderr"),
-            "truncated": res.truncated, "wall_s": round(res.wall_s, 6), "cpu_time": round(res.cpu_time, 6),
+            "truncated": res.truncated, "wall_s": round(res.wall_s, 6),
+            "cpu_time": None if res.cpu_time is None else round(res.cpu_time, 6),
             "max_rss_kb": res.max_rss_kb, "disk_used_mb": ran.disk_used_mb, "enforced": ran.enforced,
         }
         if res.cancelled:
@@ -378,9 +379,10 @@ class SandboxManager:
                     and status.exit_code is not None:
                 res.returncode = status.exit_code     # the command ended; bubblewrap was signalled after
             note = None
-            peak = None
+            peak = cpu = None
             if scope is not None:
                 peak = scope.memory_peak_kb()
+                cpu = scope.cpu_seconds()
                 if res.returncode != 0 and scope.oom_killed():
                     note = (f"memory limit exceeded: {limits.memory_mb} MiB (cgroup); "
                             f"killed by the OOM killer")
@@ -406,6 +408,12 @@ class SandboxManager:
             res.max_rss_kb = None
         if note is None and res.returncode != 0 and not res.timed_out:
             note = _hint(res, limits, mem_in_cgroup)
+        # wait4 counts a descendant only once its parent reaped it: a tree killed at a limit is
+        # not reaped inside the sandbox, and wait4 then reports bubblewrap's own few milliseconds.
+        if cpu is not None:
+            res.cpu_time = cpu
+        elif res.timed_out or res.flooded or res.cancelled:
+            res.cpu_time = None
         enforced = {
             "isolation": self.isolation,
             "memory": None if not limits.memory_mb else ("cgroup" if mem_in_cgroup else "rlimit_as"),
@@ -438,6 +446,8 @@ class SandboxManager:
         base = self._limits(spec, {"memory_mb": req.memory_mb} if req.memory_mb else None)
         try:
             env = self.envs.acquire(spec.env, req.template)
+        except UnknownTemplate as exc:
+            raise sf.RunCodeError("template", str(exc), req.template) from None  # the request's mistake
         except EnvError as exc:
             return SandboxOutcome(Status.ERROR, sf.response(None, None, {}, str(exc)), str(exc))
         compile_result = run_result = None

@@ -31,8 +31,10 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from .environments import EnvError, _parts as relative_parts  # the rule the worker writes files by
+
 __all__ = ["RunCodeRequest", "RunCodeError", "LANGUAGES", "RUN_CODE_FIELDS", "MAX_TIMEOUT_S",
-           "parse_run_code", "is_run_code", "command_result", "response"]
+           "parse_run_code", "is_run_code", "command_result", "response", "utf8"]
 
 CODE_DIR = ".run_code"
 
@@ -147,15 +149,17 @@ def parse_run_code(p: Mapping[str, Any], *, check_tools: bool = True) -> RunCode
         needs = LANGUAGES[lang].needs
         if needs and shutil.which(needs, path=SANDBOX_TOOL_PATH) is None:
             raise RunCodeError("language", f"language {lang!r} needs {needs!r}, which is not installed in "
-                                           f"the system directories this worker's sandboxes see", lang)
+                                           f"the system directories this worker's sandboxes see (as root, "
+                                           f"scripts/setup-env.sh --languages installs the toolchains)", lang)
     if "code" not in p:
         raise RunCodeError("code", "field required", kind="missing")
     code = p["code"]
     if not isinstance(code, str):
         raise RunCodeError("code", f"must be a string, got {_type(code)}", code)
+    utf8("code", code)
     stdin = p.get("stdin")
     if isinstance(stdin, str):
-        stdin = stdin.encode()
+        stdin = utf8("stdin", stdin)
     elif isinstance(stdin, (bytes, bytearray)):  # msgpack callers may send bytes
         stdin = bytes(stdin)
     elif stdin is not None:
@@ -163,10 +167,12 @@ def parse_run_code(p: Mapping[str, Any], *, check_tools: bool = True) -> RunCode
     template = p.get("template")
     if template is not None and (not isinstance(template, str) or not template):
         raise RunCodeError("template", f"must be a template name, got {_type(template)}", template)
+    if template is not None:
+        utf8("template", template)
     mem = _memory_mb(p.get("memory_limit_MB", -1))
     return RunCodeRequest(
         language=lang, code=code, stdin=stdin or None, files=_files(p.get("files")),
-        fetch_files=_strings(p, "fetch_files"),
+        fetch_files=[_inside("fetch_files", name) for name in _strings(p, "fetch_files")],
         compile_timeout=_timeout(p, "compile_timeout"), run_timeout=_timeout(p, "run_timeout"),
         memory_mb=mem, args=_strings(p, "args"), template=template,
     )
@@ -201,7 +207,28 @@ def _strings(p: Mapping[str, Any], name: str) -> list[str]:
         return []
     if not isinstance(v, (list, tuple)) or not all(isinstance(s, str) for s in v):
         raise RunCodeError(name, f"must be a list of strings, got {_type(v)}", v)
+    for s in v:
+        utf8(name, s)
     return list(v)
+
+
+def utf8(name: str, text: str) -> bytes:
+    """``text`` as UTF-8; JSON can carry lone surrogates (``"\\ud800"``), which have no encoding."""
+    try:
+        return text.encode()
+    except UnicodeEncodeError as exc:
+        raise RunCodeError(name, f"must be valid Unicode text: {exc.reason} at position {exc.start}",
+                           text[max(0, exc.start - 20):exc.end + 20]) from None
+
+
+def _inside(name: str, rel: str) -> str:
+    """``rel`` if it names a path inside the environment."""
+    utf8(name, rel)
+    try:
+        relative_parts(rel)
+    except EnvError as exc:
+        raise RunCodeError(name, str(exc), rel) from None
+    return rel
 
 
 def _files(v: Any) -> dict[str, bytes]:
@@ -213,6 +240,7 @@ def _files(v: Any) -> dict[str, bytes]:
     for name, b64 in v.items():
         if not isinstance(name, str) or not name:
             raise RunCodeError("files", f"file paths must be non-empty strings, got {name!r}")
+        _inside("files", name)
         if b64 is None:  # SandboxFusion allows null content: the file is skipped
             continue
         if not isinstance(b64, str):

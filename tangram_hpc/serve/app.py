@@ -6,6 +6,13 @@ result, so hundreds of requests are in flight at once without a thread per
 request.  The scheduler, the sandbox limits and the Slurm pool apply to them
 as to any action.
 
+Every route but ``/v1/ping`` needs the service's token (``Authorization:
+Bearer TOKEN``, or HTTP basic auth with the token as password, which is what
+a client sends for ``http://tangram:TOKEN@host:port``) unless it was started
+with ``--no-auth``; a request whose headers or body do not arrive within
+their timeouts is cut off, so idle half-sent connections cannot hold the
+service.
+
 Routes:
 
 ``POST /run_code``
@@ -30,6 +37,9 @@ Routes:
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
+import hmac
 import json
 import logging
 import time
@@ -44,7 +54,7 @@ from ..metrics import render
 from .metrics import RequestMetrics
 from ..integrations.batching import RewardBatcher, RewardError
 from .translate import (FieldError, Reply, busy_reply, invalid_reply, openrlhf_items, refused_for_load,
-                        run_code_reply, run_code_spec)
+                        run_code_reply, run_code_spec, unknown_service)
 
 __all__ = ["ServeConfig", "make_app", "serve_forever"]
 
@@ -73,6 +83,12 @@ class ServeConfig:
     reward_window_ms: float = 5.0
     #: /reward: how long a request waits for its scores, queueing included (then HTTP 502)
     reward_wait_s: float = 170.0
+    #: the token every request but /v1/ping must carry; None: no authentication (loopback only)
+    token: str | None = None
+    #: how long a connection may take to send a request's headers (and may stay idle between requests)
+    header_timeout_s: float = 15.0
+    #: how long a request may take to send its body
+    body_timeout_s: float = 60.0
 
 
 class _Service:
@@ -102,13 +118,8 @@ class _Service:
         m.started()
         reply = outcome = None
         try:
-            try:
-                body = await request.json()
-            except web.HTTPRequestEntityTooLarge as e:
-                reply = _too_large(e)
-                return _response(reply)
-            except (ValueError, UnicodeDecodeError, RecursionError) as e:
-                reply = _json_invalid(e)
+            body, reply = await self._json(request)
+            if reply is not None:
                 return _response(reply)
             try:
                 spec = run_code_spec(body)
@@ -136,16 +147,13 @@ class _Service:
         self.metrics.started()
         reply = None
         try:
+            body, reply = await self._json(request)
+            if reply is not None:
+                return _response(reply)
             try:
-                items = openrlhf_items(await request.json())
+                items = openrlhf_items(body)
             except FieldError as e:
                 reply = invalid_reply(e)
-                return _response(reply)
-            except web.HTTPRequestEntityTooLarge as e:
-                reply = _too_large(e)
-                return _response(reply)
-            except (ValueError, UnicodeDecodeError, RecursionError) as e:
-                reply = _json_invalid(e)
                 return _response(reply)
             service = request.match_info["service"]
             batcher = self.batchers.get(service)
@@ -158,6 +166,9 @@ class _Service:
             except RewardError as e:
                 if refused_for_load(e.result):
                     reply = busy_reply(503, str(e), self.config.retry_after_s)
+                elif unknown_service(e.result):
+                    self.batchers.pop(service, None)  # a name the caller chose: keep no state for it
+                    reply = Reply(404, {"detail": f"reward service {service!r}: {e.result.error}"})
                 else:
                     reply = Reply(502, {"detail": f"reward service {service!r}: {e}"})
                 return _response(reply)
@@ -166,6 +177,20 @@ class _Service:
             return _response(reply)
         finally:
             self.metrics.finished(_REWARD, reply.status if reply is not None else 500, time.perf_counter() - t0)
+
+    async def _json(self, request: web.Request) -> tuple[Any, Reply | None]:
+        """The request's JSON body, or the reply that refuses it (422, 413, 408)."""
+        try:
+            raw = await asyncio.wait_for(request.read(), self.config.body_timeout_s)
+        except web.HTTPRequestEntityTooLarge as e:
+            return None, _too_large(e)
+        except asyncio.TimeoutError:
+            return None, Reply(408, {"detail": f"the request body did not arrive within "
+                                               f"{self.config.body_timeout_s:g}s (--body-timeout)"})
+        try:
+            return json.loads(raw), None
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
+            return None, _json_invalid(e)
 
     async def run_jupyter(self, request: web.Request) -> web.Response:
         return _response(Reply(501, {"detail": "run_jupyter is not offered by tangram-hpc serve: the "
@@ -195,8 +220,38 @@ class _Service:
 
 
 def _response(reply: Reply) -> web.Response:
-    return web.Response(status=reply.status, headers=reply.headers, content_type="application/json",
+    resp = web.Response(status=reply.status, headers=reply.headers, content_type="application/json",
                         text=json.dumps(reply.body))
+    if reply.status == 408:
+        resp.force_close()  # the rest of a body that stalled is not waited for
+    return resp
+
+
+def authorized(header: str | None, token: str) -> bool:
+    """Whether an ``Authorization`` header carries ``token`` (as a bearer token or a basic-auth password)."""
+    if not header:
+        return False
+    scheme, _, value = header.strip().partition(" ")
+    scheme, value = scheme.lower(), value.strip()
+    if scheme == "basic":
+        try:
+            value = base64.b64decode(value, validate=True).decode().partition(":")[2]
+        except (binascii.Error, UnicodeDecodeError):
+            return False
+    elif scheme != "bearer":
+        return False
+    return hmac.compare_digest(value.encode(), token.encode())
+
+
+def _auth_middleware(token: str):
+    @web.middleware
+    async def check(request: web.Request, handler):
+        if request.path != "/v1/ping" and not authorized(request.headers.get("Authorization"), token):
+            return _response(Reply(401, {"detail": "this service needs its token: the header 'Authorization: "
+                                                   "Bearer TOKEN', or the URL http://tangram:TOKEN@host:port"},
+                                   {"WWW-Authenticate": 'Bearer realm="tangram-hpc serve"'}))
+        return await handler(request)
+    return check
 
 
 def make_app(client: AsyncClient, config: ServeConfig | None = None,
@@ -204,7 +259,8 @@ def make_app(client: AsyncClient, config: ServeConfig | None = None,
     """The application; ``client`` must stay open while it serves."""
     config = config or ServeConfig()
     svc = _Service(client, config, metrics or RequestMetrics())
-    app = web.Application(client_max_size=config.max_body_mb << 20)
+    middlewares = [_auth_middleware(config.token)] if config.token is not None else []
+    app = web.Application(client_max_size=config.max_body_mb << 20, middlewares=middlewares)
     app["metrics"] = svc.metrics
     app.add_routes([
         web.post(_RUN_CODE, svc.run_code),
@@ -233,7 +289,10 @@ async def serve_forever(app: web.Application, config: ServeConfig, stop: asyncio
     """Serve until ``stop`` is set, then let requests in flight finish (up to ``drain_s``)."""
     # No access log: a line per request would be a log line per action.
     # handler_cancellation: a caller that hangs up cancels its handler, and so its action
-    runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
+    # keepalive_timeout: aiohttp closes a connection that has not sent a whole request's headers
+    # within it (from its start, or from the end of its last request).
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True,
+                           keepalive_timeout=config.header_timeout_s)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port, shutdown_timeout=config.drain_s)
     await site.start()

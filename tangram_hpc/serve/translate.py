@@ -22,10 +22,10 @@ from typing import Any, Mapping
 
 from ..actions import ActionResult, ActionSpec, Demand, Status, ValidationError, check_sandbox_cores
 from ..integrations.batching import reward_item
-from ..managers.sandboxfusion import RUN_CODE_FIELDS, RunCodeError, parse_run_code
+from ..managers.sandboxfusion import RUN_CODE_FIELDS, RunCodeError, parse_run_code, utf8
 
 __all__ = ["Reply", "run_code_spec", "run_code_reply", "invalid_reply", "busy_reply", "openrlhf_items", "FieldError",
-           "refused_for_load", "EXTENSION_KEY"]
+           "refused_for_load", "unknown_service", "EXTENSION_KEY"]
 
 #: The body key of tangram's own placement fields.
 EXTENSION_KEY = "tangram"
@@ -37,6 +37,11 @@ ACTION_GRACE_S = 60.0
 # The coordinator's and the client's wording of refusals (tangram_hpc/coordinator.py, client.py).
 _LOAD_REFUSAL = "rejected: too many unfinished actions"
 _SIZE_REFUSAL = "rejected: the action is"
+# The worker's wording of a request it refuses (managers/sandbox.py, managers/environments.py) and
+# the placement's for a service no worker hosts (policy/placement.py).
+_BAD_PAYLOAD = "bad sandbox payload: "
+_UNKNOWN_TEMPLATE = "unknown template "
+_NO_SERVICE = ("is hosted by no worker", "no registered worker hosts it")
 
 
 class FieldError(ValueError):
@@ -104,6 +109,7 @@ def _extension(ext: Any) -> dict[str, Any]:
         if v is not None:
             if not isinstance(v, str) or not 0 < len(v) <= 128:
                 raise RunCodeError(f"{EXTENSION_KEY}.{name}", "must be a string of 1 to 128 characters", v)
+            utf8(f"{EXTENSION_KEY}.{name}", v)
             out[name] = v
     for name in ("priority", "step"):
         v = ext.get(name)
@@ -126,12 +132,19 @@ def refused_for_load(res: ActionResult | None) -> bool:
     return res is not None and res.status == Status.ERROR and (res.error or "").startswith(_LOAD_REFUSAL)
 
 
+def unknown_service(res: ActionResult | None) -> bool:
+    """Whether the action named a reward service that no worker of the run hosts."""
+    return res is not None and res.status == Status.ERROR and any(p in (res.error or "") for p in _NO_SERVICE)
+
+
 def run_code_reply(res: ActionResult, retry_after_s: int = 1) -> Reply:
     """The HTTP reply for a finished run_code action.
 
-    Success and Failed are HTTP 200 with the response the worker built;
-    anything the sandbox could not do is HTTP 200 with ``SandboxError`` and
-    the reason, as SandboxFusion answers its own internal errors.
+    Success and Failed are HTTP 200 with the response the worker built; a
+    request only the worker can judge (its toolchains, its templates) and
+    that it refused is HTTP 422 as if serve had; anything else the sandbox
+    could not do is HTTP 200 with ``SandboxError`` and the reason, as
+    SandboxFusion answers its own internal errors.
     """
     out = res.output
     if res.status == Status.OK and isinstance(out, dict) and "status" in out:
@@ -139,6 +152,11 @@ def run_code_reply(res: ActionResult, retry_after_s: int = 1) -> Reply:
     error = res.error or ""
     if refused_for_load(res):
         return busy_reply(503, error, retry_after_s)
+    if res.status == Status.ERROR and error.startswith(_BAD_PAYLOAD):
+        name, _, problem = error[len(_BAD_PAYLOAD):].partition(": ")
+        return invalid_reply(RunCodeError(name, problem or name))
+    if res.status == Status.ERROR and _UNKNOWN_TEMPLATE in error:
+        return invalid_reply(RunCodeError("template", error[error.index(_UNKNOWN_TEMPLATE):]))
     if res.status == Status.ERROR and error.startswith(_SIZE_REFUSAL):
         return Reply(413, {"detail": error})
     if isinstance(out, dict) and out.get("status") == "SandboxError":
