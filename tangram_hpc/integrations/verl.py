@@ -20,38 +20,29 @@ Imports are absolute so that verl may also load this file by path.
 from __future__ import annotations
 
 import asyncio
-import os
-import threading
 from collections import Counter
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Sequence
 
 from tangram_hpc.actions import Status, reward
 from tangram_hpc.client import Client
-from tangram_hpc.connection import CONNECTION_FILE_ENV, default_connection_file
+from tangram_hpc.connection import CONNECTION_FILE_ENV
+from tangram_hpc.errors import ConfigError
+from tangram_hpc.integrations.clients import shared_client
 from tangram_hpc.integrations.batching import RewardBatcher, RewardError, reward_item
 
 __all__ = ["compute_score", "compute_score_batch", "batching_stats", "RewardError"]
 
-_lock = threading.Lock()
-# One Client per process and connection file, shared by every thread and event loop (its own I/O
-# thread resolves the futures); a forked or Ray worker process gets its own.
-_clients: dict[tuple[int, str], Client] = {}
 # Per event loop (verl may run several, one per thread): the loop and its batchers.
 _loops: dict[int, tuple[asyncio.AbstractEventLoop, dict[tuple, RewardBatcher]]] = {}
 _totals: Counter = Counter()
 
 
 def _client(connection_file: str | None) -> Client:
-    path = connection_file or default_connection_file()
-    if not path:
-        raise RewardError(f"tangram reward: pass reward_kwargs.connection_file or set ${CONNECTION_FILE_ENV}")
-    key = (os.getpid(), str(path))
-    with _lock:
-        c = _clients.get(key)
-        if c is None:
-            c = _clients[key] = Client(connection_file=key[1], name=f"verl-reward-{os.getpid()}")
-        return c
+    try:
+        return shared_client(connection_file, "verl-reward")
+    except ConfigError:
+        raise RewardError(f"tangram reward: pass reward_kwargs.connection_file or set ${CONNECTION_FILE_ENV}") from None
 
 
 def _batcher(service: str, connection_file: str | None, max_batch: int, batch_window_ms: float,
