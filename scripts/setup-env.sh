@@ -45,14 +45,17 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
 fi
 
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
+if [ $demo = 1 ]; then
+    # The demo runs the Python sources: no compiler, no test tools.  The venv's own pip will do, and
+    # byte-compiling torch's thousands of modules at install (most never imported) is skipped.
+    # Pin the CPU build first: an unpinned torch would pull a multi-GB CUDA build.
+    .venv/bin/python -m pip install -q --no-compile "torch==2.13.0"
+    exec .venv/bin/python -m pip install -q --no-compile -e '.[reward]'
+fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
-if [ $demo = 1 ] || [ "${WITH_MODEL:-0}" = 1 ]; then
+if [ "${WITH_MODEL:-0}" = 1 ]; then
     # Pin the CPU build first: an unpinned torch would pull a multi-GB CUDA build.
     .venv/bin/python -m pip install -q "torch==2.13.0"
-fi
-if [ $demo = 1 ]; then
-    # The demo runs the Python sources: no compiler, no test tools.
-    exec .venv/bin/python -m pip install -q -e '.[reward]'
 fi
 if [ "${WITH_MODEL:-0}" = 1 ]; then
     .venv/bin/python -m pip install -q -e '.[test,native,reward,verl]'

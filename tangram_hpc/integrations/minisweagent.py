@@ -69,6 +69,8 @@ class TangramEnvironment:
             self.config.env_id = f"mini-{uuid.uuid4().hex[:16]}"
         self._client = shared_client(self.config.connection_file or None, "minisweagent")
         self._steps = 0
+        #: the :class:`~tangram_hpc.actions.ActionResult` of the last command (its worker, its timings)
+        self.last_result = None
 
     def execute(self, action: dict, cwd: str = "", *, timeout: int | None = None) -> dict[str, Any]:
         """Run ``action["command"]`` by ``/bin/sh`` in this agent's environment."""
@@ -85,7 +87,7 @@ class TangramEnvironment:
                        limits={**self.config.limits, "timeout_s": timeout}, timeout=timeout + _GRACE_S,
                        trajectory=self.config.env_id, step=self._steps, label="minisweagent")
         self._steps += 1
-        res = self._client.submit(spec).result(timeout + _GRACE_S + self.config.wait_s)
+        res = self.last_result = self._client.submit(spec).result(timeout + _GRACE_S + self.config.wait_s)
         out = res.output if isinstance(res.output, dict) else {}
         text = out.get("stdout", "")
         if res.status in (Status.OK, Status.FAILED) and out.get("returncode") is not None:
