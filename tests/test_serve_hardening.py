@@ -71,7 +71,7 @@ def test_the_authorization_header_is_checked_exactly():
     assert authorized("Basic " + base64.b64encode(f":{token}".encode()).decode(), token)
     for bad in (None, "", token, f"Bearer {token}x", f"Bearer {token[:-1]}", "Bearer", f"Token {token}",
                 "Basic " + base64.b64encode(token.encode()).decode(), "Basic !!!", "Basic " + "gA==",
-                f"Bearer {token}\u00e9"):
+                f"Bearer {token}\u00e9", f"Bearer {token}\udcff", f"Bearer \udcff{token[1:]}"):
         assert not authorized(bad, token), bad
 
 
@@ -94,6 +94,12 @@ def test_every_route_but_ping_needs_the_token(url):
     assert resp.status == sf.RunStatus.Success and resp.run_result.stdout == "42\n"
     with pytest.raises(Exception, match="401"):
         sf.run_code(sf.RunCodeRequest(code="print(1)", language="python"), endpoint=bare, max_attempts=1)
+    s = _connect(url)      # header bytes that are not UTF-8: refused like any wrong token
+    try:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfe\r\nConnection: close\r\n\r\n")
+        assert _read_until_closed(s).startswith(b"HTTP/1.1 401")
+    finally:
+        s.close()
 
 
 @sandboxed

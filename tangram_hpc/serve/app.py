@@ -240,7 +240,8 @@ def authorized(header: str | None, token: str) -> bool:
             return False
     elif scheme != "bearer":
         return False
-    return hmac.compare_digest(value.encode(), token.encode())
+    # aiohttp decodes header bytes that are not UTF-8 as surrogates: they must compare, not raise
+    return hmac.compare_digest(value.encode("utf-8", "surrogateescape"), token.encode())
 
 
 def _auth_middleware(token: str):
