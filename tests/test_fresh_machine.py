@@ -36,3 +36,35 @@ def test_python3_on_path_has_none_of_the_packages():
 def test_the_suite_runs_in_the_checkouts_venv():
     _bare()
     assert Path(sys.prefix).resolve() == (REPO / ".venv").resolve()
+
+
+# What only scripts/test.sh installs (the test, native, serve, metrics, top, verl and agents extras).
+_NOT_FOR_THE_DEMO = ("aiohttp", "pytest", "hypothesis", "matplotlib", "psutil", "requests", "sandbox_fusion",
+                     "prometheus_client", "rich", "mypy", "setuptools", "verl", "minisweagent", "skyrl_gym")
+
+
+@pytest.mark.sandbox
+@pytest.mark.slow
+def test_the_demo_runs_with_only_what_demo_sh_installs(tmp_path):
+    """scripts/demo.sh installs the project and its reward extra only: the demo, its coordinator and
+    its workers must not import anything else (each process refuses those imports here)."""
+    if shutil.which("bwrap") is None:
+        pytest.skip("needs bubblewrap")
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import sys\n"
+        f"_REFUSED = {_NOT_FOR_THE_DEMO!r}\n"
+        "class _Refuse:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in _REFUSED:\n"
+        "            raise ImportError(f'{name} is not installed by scripts/demo.sh')\n"
+        "sys.meta_path.insert(0, _Refuse())\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(REPO)]), "HOME": str(tmp_path),
+           "TANGRAM_NATIVE": "0"}
+    proc = subprocess.run([sys.executable, "-m", "tangram_hpc.cli", "demo", "--trajectories", "2", "--turns", "1",
+                           "--workers", "1", "--cores", "1", "--model", "hashing", "--quiet"],
+                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "RL step: 2 trajectories" in proc.stdout and "mean ACT" in proc.stdout, proc.stdout
+    assert "not installed by scripts/demo.sh" not in proc.stderr, proc.stderr[-3000:]
