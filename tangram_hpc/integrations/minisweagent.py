@@ -32,7 +32,7 @@ from typing import Any
 from minisweagent.exceptions import Submitted
 from minisweagent.utils.serialize import recursive_merge
 
-from tangram_hpc.actions import Status, sandbox
+from tangram_hpc.actions import ActionResult, Status, sandbox
 from tangram_hpc.integrations.clients import shared_client
 
 __all__ = ["TangramEnvironment", "TangramEnvironmentConfig", "SUBMIT_MARKER"]
@@ -70,7 +70,7 @@ class TangramEnvironment:
         self._client = shared_client(self.config.connection_file or None, "minisweagent")
         self._steps = 0
         #: the :class:`~tangram_hpc.actions.ActionResult` of the last command (its worker, its timings)
-        self.last_result = None
+        self.last_result: ActionResult | None = None
 
     def execute(self, action: dict, cwd: str = "", *, timeout: int | None = None) -> dict[str, Any]:
         """Run ``action["command"]`` by ``/bin/sh`` in this agent's environment."""

@@ -601,7 +601,7 @@ def _hint(res: ProcResult, limits: Limits, mem_in_cgroup: bool) -> str:
     # The kernel enforces RLIMIT_CPU on its own tick-based clock, and the rusage we get back
     # reads 10-20% lower, so a kill at well over half the limit counts as the limit.
     if limits.cpu_s and res.returncode in (-signal.SIGXCPU, 128 + signal.SIGXCPU, -9, 137) \
-            and res.cpu_time >= limits.cpu_s * 0.5:
+            and res.cpu_time is not None and res.cpu_time >= limits.cpu_s * 0.5:
         return f"{text}; CPU time limit of {limits.cpu_s}s hit"
     return text
 

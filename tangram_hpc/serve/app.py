@@ -168,7 +168,7 @@ class _Service:
                     reply = busy_reply(503, str(e), self.config.retry_after_s)
                 elif unknown_service(e.result):
                     self.batchers.pop(service, None)  # a name the caller chose: keep no state for it
-                    reply = Reply(404, {"detail": f"reward service {service!r}: {e.result.error}"})
+                    reply = Reply(404, {"detail": f"reward service {service!r}: {e}"})
                 else:
                     reply = Reply(502, {"detail": f"reward service {service!r}: {e}"})
                 return _response(reply)
