@@ -48,9 +48,8 @@ fi
 if [ $demo = 1 ]; then
     # The demo runs the Python sources: no compiler, no test tools.  The venv's own pip will do, and
     # byte-compiling torch's thousands of modules at install (most never imported) is skipped.
-    # Pin the CPU build first: an unpinned torch would pull a multi-GB CUDA build.
-    .venv/bin/python -m pip install -q --no-compile "torch==2.13.0"
-    exec .venv/bin/python -m pip install -q --no-compile -e '.[reward]'
+    # One resolution, torch pinned in it: an unpinned torch would pull a multi-GB CUDA build.
+    exec .venv/bin/python -m pip install -q --no-compile "torch==2.13.0" -e '.[reward]'
 fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 if [ "${WITH_MODEL:-0}" = 1 ]; then

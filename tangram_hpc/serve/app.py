@@ -85,8 +85,9 @@ class ServeConfig:
     reward_wait_s: float = 170.0
     #: the token every request but /v1/ping must carry; None: no authentication (loopback only)
     token: str | None = None
-    #: how long a connection may take to send a request's headers (and may stay idle between requests)
-    header_timeout_s: float = 15.0
+    #: how long a connection may take to send a request's headers (and may stay idle between requests;
+    #: above aiohttp's client keep-alive of 15 s, so a pooled connection is dropped by its client first)
+    header_timeout_s: float = 20.0
     #: how long a request may take to send its body
     body_timeout_s: float = 60.0
 

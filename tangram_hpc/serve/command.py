@@ -35,9 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-auth", action="store_true",
                    help="no token: anyone who can reach the port runs code as you. Only on a loopback address, "
                         "for a single-user machine")
-    p.add_argument("--header-timeout", type=float, default=15.0, metavar="SECONDS",
+    p.add_argument("--header-timeout", type=float, default=20.0, metavar="SECONDS",
                    help="close a connection that has not sent a request's headers within this long, from its "
-                        "start or its last request (default 15)")
+                        "start or its last request (default 20)")
     p.add_argument("--body-timeout", type=float, default=60.0, metavar="SECONDS",
                    help="answer HTTP 408 and close a connection whose request body has not arrived within "
                         "this long (default 60)")
