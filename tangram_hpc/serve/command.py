@@ -107,14 +107,19 @@ def read_token(token_file: str | None, default_dir: Path) -> tuple[str, str]:
         token, where = os.environ[TOKEN_ENV].strip(), f"${TOKEN_ENV}"
     else:
         path = Path(token_file) if token_file else default_dir / DEFAULT_TOKEN_FILE
-        if not token_file:
+        if not token_file and not path.exists():
+            # written whole, then linked in place: a serve started beside this one reads the
+            # same token, never an empty file
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_urlsafe(32) + "\n")
             try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                os.link(tmp, path)
             except FileExistsError:
                 pass
-            else:
-                with os.fdopen(fd, "w") as f:
-                    f.write(secrets.token_urlsafe(32) + "\n")
+            finally:
+                os.unlink(tmp)
         token, where = path.read_text().strip(), str(path)
     if len(token) < 16 or not token.isprintable() or ":" in token or any(c.isspace() for c in token):
         raise ValueError(f"the token in {where} must be at least 16 printable characters, without spaces or ':'")
