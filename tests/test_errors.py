@@ -1,7 +1,10 @@
 """One error hierarchy, and state enums that travel as plain strings."""
 from __future__ import annotations
 
+import importlib
+import inspect
 import json
+import pkgutil
 
 import msgpack
 import pytest
@@ -23,6 +26,38 @@ def test_every_error_is_a_tangram_error_and_keeps_its_builtin_base(name, builtin
     cls = getattr(errors, name)
     assert issubclass(cls, errors.TangramError) and issubclass(cls, builtin)
     assert tangram_hpc.TangramError is errors.TangramError
+
+
+def _public_exception_classes() -> list[type]:
+    """Every public exception class the package defines, found by importing each of its modules."""
+    found = []
+    for m in pkgutil.walk_packages(tangram_hpc.__path__, "tangram_hpc."):
+        if m.name.rsplit(".", 1)[-1] == "__main__":
+            continue        # runs the command line when imported
+        mod = importlib.import_module(m.name)
+        found += [c for n, c in vars(mod).items() if inspect.isclass(c) and issubclass(c, BaseException)
+                  and c.__module__ == mod.__name__ and not n.startswith("_")]
+    return found
+
+
+def test_every_public_exception_class_in_the_package_is_a_tangram_error():
+    found = _public_exception_classes()
+    names = {c.__name__ for c in found}
+    # the walk reaches the modules outside errors.py (or this test would pass by finding nothing)
+    assert {"ValidationError", "WorkloadError", "SimulationStalled", "EnvError", "LimitsError", "PayloadError",
+            "RunCodeError", "RewardError", "FieldError"} <= names
+    assert [f"{c.__module__}.{c.__qualname__}" for c in found if not issubclass(c, errors.TangramError)] == []
+
+
+@pytest.mark.parametrize("where, name, builtin", [
+    ("sim.workload", "WorkloadError", ValueError), ("sim.stalled", "SimulationStalled", RuntimeError),
+    ("managers.environments", "EnvError", RuntimeError), ("managers.limits", "LimitsError", ValueError),
+    ("managers.sandbox", "PayloadError", ValueError), ("managers.sandboxfusion", "RunCodeError", ValueError),
+    ("integrations.batching", "RewardError", RuntimeError), ("serve.translate", "FieldError", ValueError),
+])
+def test_errors_defined_beside_their_code_keep_their_builtin_base(where, name, builtin):
+    cls = getattr(importlib.import_module(f"tangram_hpc.{where}"), name)
+    assert issubclass(cls, errors.TangramError) and issubclass(cls, builtin)
 
 
 def test_errors_are_defined_once_and_re_exported_where_they_were():

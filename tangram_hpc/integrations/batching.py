@@ -16,11 +16,12 @@ from collections import Counter
 from typing import Any, Callable, Iterable
 
 from tangram_hpc.actions import ActionResult, ActionSpec, Status, reward
+from tangram_hpc.errors import TangramError
 
 __all__ = ["RewardBatcher", "RewardError", "reward_item"]
 
 
-class RewardError(RuntimeError):
+class RewardError(TangramError, RuntimeError):
     """A reward action did not give one score per input; ``result`` says why."""
 
     def __init__(self, message: str, result: ActionResult | None = None):

@@ -48,6 +48,7 @@ from typing import Any, Iterable, Mapping, Protocol
 
 import msgpack
 
+from ..errors import TangramError
 from .env_bases import Base, BaseRef, scan_base, settled_now, unchanged
 
 __all__ = [
@@ -81,7 +82,7 @@ _FINGERPRINT = re.compile(r"[0-9a-f]{32}")
 UID_RANGE = (0x6A000000, 0x6A000000 + (1 << 20))
 
 
-class EnvError(RuntimeError):
+class EnvError(TangramError, RuntimeError):
     """An environment could not be created, found, written, saved or restored."""
 
 

@@ -18,6 +18,8 @@ import sys
 from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping
 
+from ..errors import TangramError
+
 __all__ = ["Limits", "LimitsError", "wrapper_argv", "WRAPPER_ENVIRON"]
 
 #: The whole environment of the wrapper steps (and, as root, of bubblewrap's child before the
@@ -30,7 +32,7 @@ _MB = 1024 * 1024
 _LIMIT_MAX = 1 << 40
 
 
-class LimitsError(ValueError):
+class LimitsError(TangramError, ValueError):
     """A ``limits`` map in a payload that does not follow the schema."""
 
 

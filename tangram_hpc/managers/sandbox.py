@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any, Mapping, NamedTuple
 
 from ..actions import ActionSpec, Status
+from ..errors import TangramError
 from . import sandboxfusion as sf
 from .bwrap import SANDBOX_DIR, BwrapLayout, BwrapUnavailable, probe_bwrap
 from . import seccomp
@@ -74,7 +75,7 @@ _FETCH_LIMIT = 16 * 1024 * 1024
 _unsafe_warned = False
 
 
-class PayloadError(ValueError):
+class PayloadError(TangramError, ValueError):
     """A sandbox payload that does not follow the schema."""
 
 

@@ -31,6 +31,7 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from ..errors import TangramError
 from .environments import EnvError, _parts as relative_parts  # the rule the worker writes files by
 
 __all__ = ["RunCodeRequest", "RunCodeError", "LANGUAGES", "RUN_CODE_FIELDS", "MAX_TIMEOUT_S",
@@ -87,7 +88,7 @@ RUN_CODE_FIELDS = frozenset({"language", "code", "stdin", "files", "fetch_files"
                              "run_timeout", "memory_limit_MB", "args", "template"})
 
 
-class RunCodeError(ValueError):
+class RunCodeError(TangramError, ValueError):
     """A run_code request field that does not follow the schema; ``field`` names it."""
 
     def __init__(self, field_name: str, problem: str, value: Any = None, kind: str = "value_error"):

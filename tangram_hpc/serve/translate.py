@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ..actions import ActionResult, ActionSpec, Demand, Status, ValidationError, check_sandbox_cores
+from ..errors import TangramError
 from ..integrations.batching import reward_item
 from ..managers.sandboxfusion import RUN_CODE_FIELDS, RunCodeError, parse_run_code, utf8
 
@@ -44,7 +45,7 @@ _UNKNOWN_TEMPLATE = "unknown template "
 _NO_SERVICE = ("is hosted by no worker", "no registered worker hosts it")
 
 
-class FieldError(ValueError):
+class FieldError(TangramError, ValueError):
     """A bad field of a /reward body (run_code bodies raise :class:`RunCodeError`, alike)."""
 
     def __init__(self, field_name: str, problem: str, value: Any = None, kind: str = "value_error"):

@@ -2,8 +2,10 @@
 where a native build exists: an exception class stays a plain Python class)."""
 from __future__ import annotations
 
+from ..errors import TangramError
 
-class SimulationStalled(RuntimeError):
+
+class SimulationStalled(TangramError, RuntimeError):
     """Actions wait and nothing runs or will come: the setup cannot run the workload (an action
     that fits no worker, or sandboxes that every trajectory of a turn needs at once)."""
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import TangramError
 from ..resources import GPU_MEMORY_SHARE
 
 __all__ = ["Workload", "ActionClass", "Service", "Cluster", "Rollout", "Dist", "Turns", "Followup", "Plan",
@@ -26,7 +27,7 @@ _READABLE_VERSIONS = (1, 2)     # version 2 only adds optional fields
 PRESET_DIR = Path(__file__).parent / "presets"
 
 
-class WorkloadError(ValueError):
+class WorkloadError(TangramError, ValueError):
     """A workload file that does not follow the format."""
 
 
