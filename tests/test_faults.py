@@ -143,3 +143,59 @@ def test_a_reward_model_whose_score_never_returns_makes_its_worker_leave_for_a_f
         assert later.ok and later.output == [4.0] and later.worker != first, later
         st = c.status()
         assert first not in [w["id"] for w in st["workers"]]
+
+
+class _StuckOnDevice:
+    """A reward model that scores, but once placed cannot be moved again."""
+
+    placed = False
+
+    def score(self, inputs):
+        return [0.5 for _ in inputs]
+
+    def to(self, device):
+        if self.placed:
+            raise RuntimeError("device busy")
+        self.placed = True
+
+
+def test_a_failed_eviction_is_logged_and_the_model_reloaded_when_next_used(caplog):
+    import threading
+
+    from tangram_hpc.managers.devices import Device
+    from tangram_hpc.managers.service_spec import ServiceSpec
+    from tangram_hpc.managers.services import ServiceManager
+    done: dict = {}
+    cv = threading.Condition()
+
+    def record(aid, status, output, error, _stats=None):
+        with cv:
+            done[aid] = status
+            cv.notify_all()
+
+    specs = [ServiceSpec(n, _StuckOnDevice, memory_mb=3, max_batch=1, max_wait_ms=1) for n in ("a", "b")]
+    with caplog.at_level("ERROR", logger="tangram_hpc.managers.services"), \
+            ServiceManager(specs, [Device("cpu", 4.0)]) as mgr:     # room for one of the two
+        for i, name in enumerate("aba"):
+            mgr.submit(f"{name}{i}", name, [{"response": "x"}], record)
+            with cv:
+                assert cv.wait_for(lambda: f"{name}{i}" in done, 60)
+        stats = mgr.stats()
+    assert set(done.values()) == {Status.OK}
+    assert any("service a: eviction from cpu failed" in r.getMessage() and r.exc_info for r in caplog.records)
+    assert stats["a"]["cold_loads"] == 2      # its weights were dropped, so the loader ran again
+
+
+def test_a_torn_journal_tail_is_logged_and_the_records_before_it_kept(tmp_path, caplog):
+    import msgpack
+
+    from tangram_hpc.managers.environments import _read_journal
+    rec = ["a", 1, Status.OK, None, None, 0.0, 1.0]
+    path = tmp_path / "journal"
+    path.write_bytes(msgpack.packb(rec) + msgpack.packb(rec)[:-3])
+    with caplog.at_level("WARNING", logger="tangram_hpc.managers.environments"):
+        assert _read_journal(path) == [rec]
+    assert [r.getMessage() for r in caplog.records if "torn last record" in r.getMessage()]
+    path.write_bytes(msgpack.packb(rec) * 2)
+    caplog.clear()
+    assert _read_journal(path) == [rec, rec] and not caplog.records

@@ -804,12 +804,19 @@ def _read_journal(path: Path) -> list:
         return []
     out = []
     with f:
+        records = msgpack.Unpacker(f, raw=False)
+        why = None
         try:
-            for rec in msgpack.Unpacker(f, raw=False):
+            for rec in records:
                 if isinstance(rec, list) and len(rec) == 7 and isinstance(rec[0], str):
                     out.append(rec)
-        except (ValueError, msgpack.exceptions.UnpackException):
-            pass
+        except (ValueError, msgpack.exceptions.UnpackException) as e:
+            why = f"{type(e).__name__} {e}".rstrip()
+        size = os.fstat(f.fileno()).st_size
+        if why is None and records.tell() < size:
+            why = f"a torn last record ({size - records.tell()} bytes)"
+        if why is not None:
+            log.warning("journal %s: %s after %d records; the rest is ignored", path, why, len(out))
     return out[-JOURNAL_KEEP:]
 
 
