@@ -59,12 +59,13 @@ answers it with an ERROR frame and keeps going.
 """
 from __future__ import annotations
 
+from enum import IntEnum
 from math import isfinite
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 
-from .actions import ID_MAX, EnvState
+from .actions import ID_MAX, ActionSpec, EnvState
 from .errors import ProtocolError, ValidationError
 
 #: 2: POOL (pause/resume launches), STATUS may ask for the allocation history.
@@ -73,27 +74,32 @@ from .errors import ProtocolError, ValidationError
 #:    which a worker speaking 3 would restore without the base.
 PROTOCOL_VERSION = 4
 
-HELLO = 1
-WELCOME = 2
-SUBMIT = 3
-CANCEL = 4
-RESULT = 5
-STATUS = 6
-HEARTBEAT = 7
-ERROR = 8
-REGISTER = 9
-ASSIGN = 10
-DONE = 11
-KILL = 12
-STOP = 13
-POOL = 14
-CLOSE_ENV = 15
-ENV = 16
-OUTCOMES = 17
+class MsgType(IntEnum):
+    """The type of a message (the second element of every frame)."""
+    HELLO = 1
+    WELCOME = 2
+    SUBMIT = 3
+    CANCEL = 4
+    RESULT = 5
+    STATUS = 6
+    HEARTBEAT = 7
+    ERROR = 8
+    REGISTER = 9
+    ASSIGN = 10
+    DONE = 11
+    KILL = 12
+    STOP = 13
+    POOL = 14
+    CLOSE_ENV = 15
+    ENV = 16
+    OUTCOMES = 17
 
-NAMES = {v: k for k, v in dict(HELLO=HELLO, WELCOME=WELCOME, SUBMIT=SUBMIT, CANCEL=CANCEL, RESULT=RESULT,
-         STATUS=STATUS, HEARTBEAT=HEARTBEAT, ERROR=ERROR, REGISTER=REGISTER, ASSIGN=ASSIGN,
-         DONE=DONE, KILL=KILL, STOP=STOP, POOL=POOL, CLOSE_ENV=CLOSE_ENV, ENV=ENV, OUTCOMES=OUTCOMES).items()}
+
+(HELLO, WELCOME, SUBMIT, CANCEL, RESULT, STATUS, HEARTBEAT, ERROR, REGISTER, ASSIGN, DONE, KILL, STOP, POOL,
+ CLOSE_ENV, ENV, OUTCOMES) = MsgType
+NAMES = {t.value: t.name for t in MsgType}
+#: value -> member, so that decoding pays an index, not an enum lookup
+_BY_VALUE: tuple[MsgType | None, ...] = tuple(MsgType(v) if v in NAMES else None for v in range(max(NAMES) + 1))
 CLIENT_TYPES = frozenset({HELLO, SUBMIT, CANCEL, STATUS, HEARTBEAT, POOL, CLOSE_ENV})
 WORKER_TYPES = frozenset({REGISTER, HEARTBEAT, DONE, ENV, OUTCOMES})
 
@@ -139,8 +145,9 @@ def encode_within(mtype: int, items: list, max_bytes: int) -> list[bytes]:
     return out
 
 
-def decode(frame: bytes, allowed: frozenset[int], max_bytes: int = MAX_FRAME_BYTES) -> tuple[int, Any]:
-    """Decode one frame, checking size, version, type and outer shape."""
+def decode(frame: bytes, allowed: frozenset[int], max_bytes: int = MAX_FRAME_BYTES) -> tuple[MsgType, Any]:
+    """Decode one frame, checking size, version, type and outer shape (items are checked by the
+    ``check_*`` functions below, where the receiver takes them apart)."""
     if len(frame) > max_bytes:
         raise ProtocolError("too_large", f"frame of {len(frame)} bytes exceeds the limit of {max_bytes}")
     try:
@@ -157,7 +164,7 @@ def decode(frame: bytes, allowed: frozenset[int], max_bytes: int = MAX_FRAME_BYT
     shape = _BODY_SHAPE.get(mtype)
     if shape is not None and not isinstance(body, shape):
         raise ProtocolError("malformed", f"{NAMES[mtype]} body must be a {shape.__name__}")
-    return mtype, body
+    return _BY_VALUE[mtype], body
 
 
 _BODY_SHAPE = {
@@ -202,12 +209,96 @@ def check_register(body: dict) -> dict:
     return out
 
 
+def check_worker_heartbeat(body: dict) -> dict:
+    """A worker's HEARTBEAT: what the coordinator keeps of it (``services``, ``envs``) must be strings."""
+    for key in ("services", "envs"):
+        v = body.get(key)
+        if v is not None and not (isinstance(v, list) and all(isinstance(s, str) for s in v)):
+            raise ProtocolError("malformed", f"HEARTBEAT {key} must be a list of strings")
+    return body
+
+
 def _env_gen_pair(e: Any) -> bool:
     return (isinstance(e, list) and len(e) == 2 and isinstance(e[0], str) and 0 < len(e[0]) <= ID_MAX
             and isinstance(e[1], int) and not isinstance(e[1], bool) and 0 <= e[1] < 1 << 62)
 
 
-def check_done(item: Any) -> tuple[str, int, str, Any, str | None, float, float, str | None]:
+# -- typed items -------------------------------------------------------------------------
+# The items of the list bodies travel as msgpack arrays; a receiver turns each into one of these
+# (a NamedTuple packs as the same array, so a sender may build them too).
+
+class Grant(NamedTuple):
+    """An environment grant in an ASSIGN item: which generation of the environment the action runs in
+    and where that copy comes from (``source``: GRANT_HELD, GRANT_NEW, GRANT_RESTORE, GRANT_ADOPT)."""
+    generation: int
+    source: str
+    path: str | None
+
+
+class Assignment(NamedTuple):
+    """One ASSIGN item: the action, its attempt, the cores granted and its environment's grant."""
+    spec: ActionSpec
+    attempt: int
+    cores: int
+    grant: Grant | None
+
+
+class Outcome(NamedTuple):
+    """One DONE (or OUTCOMES) item: how an attempt of an action ended."""
+    id: str
+    attempt: int
+    status: str
+    output: Any
+    error: str | None
+    started: float
+    finished: float
+    env_state: str | None
+
+
+class EnvReport(NamedTuple):
+    """One item of a worker's ENV message."""
+    op: str             # ENV_SAVED, ENV_UNSAVED, ENV_GONE
+    env: str
+    generation: int
+    detail: str | None
+
+
+_GRANT_SOURCES = frozenset({GRANT_HELD, GRANT_NEW, GRANT_RESTORE, GRANT_ADOPT})
+_MAX_CORES = 1 << 20
+
+
+def _count(v: Any, limit: int) -> bool:
+    return type(v) is int and 0 <= v < limit
+
+
+def check_assign(item: Any) -> Assignment:
+    """An ASSIGN item ``[action wire map, attempt, cores(, grant)]``; raises ValidationError."""
+    if not isinstance(item, list) or not 3 <= len(item) <= 4:
+        raise ValidationError("ASSIGN item must be [action, attempt, cores(, grant)]")
+    spec = ActionSpec.from_wire(item[0])
+    attempt, cores = item[1], item[2]
+    if not _count(attempt, 1 << 62) or not _count(cores, _MAX_CORES):
+        raise ValidationError(f"ASSIGN item of {spec.id} has a bad attempt or core count")
+    grant = item[3] if len(item) == 4 else None
+    if grant is not None:
+        if not (isinstance(grant, list) and len(grant) == 3 and _count(grant[0], 1 << 62)
+                and grant[1] in _GRANT_SOURCES and (grant[2] is None or isinstance(grant[2], str))):
+            raise ValidationError(f"ASSIGN item of {spec.id} has a malformed environment grant")
+        grant = Grant(*grant)
+    return Assignment(spec, attempt, cores, grant)
+
+
+def assigned_attempt(item: Any) -> tuple[str, int] | None:
+    """The action id and attempt of an ASSIGN item :func:`check_assign` refused, when it still names
+    them (so that the attempt can be answered), else None."""
+    if not (isinstance(item, list) and len(item) >= 2 and isinstance(item[0], dict) and _count(item[1], 1 << 62)):
+        return None
+    aid = item[0].get("i")
+    return (aid, item[1]) if isinstance(aid, str) and 0 < len(aid) <= ID_MAX else None
+
+
+def check_done(item: Any) -> Outcome:
+    """A DONE or OUTCOMES item; raises ValidationError."""
     if not isinstance(item, list) or len(item) != 8:
         raise ValidationError("DONE item must be [id, attempt, status, output, error, started, finished, env_state]")
     aid, attempt, status, output, error, started, finished, env_state = item
@@ -220,15 +311,15 @@ def check_done(item: Any) -> tuple[str, int, str, Any, str | None, float, float,
         raise ValidationError("DONE error must be a string")
     if env_state is not None and (not isinstance(env_state, str) or env_state not in EnvState.ALL):
         raise ValidationError(f"DONE item has an unknown env_state {env_state!r}")
-    return aid, attempt, status, output, error, float(started), float(finished), env_state
+    return Outcome(aid, attempt, status, output, error, float(started), float(finished), env_state)
 
 
-def check_env_item(item: Any) -> tuple[str, str, int, str | None]:
+def check_env_item(item: Any) -> EnvReport:
     """One item of a worker's ENV message: (op, environment id, generation, detail)."""
     if not (isinstance(item, list) and len(item) == 4 and isinstance(item[0], str) and item[0] in _ENV_FROM_WORKER
             and _env_gen_pair(item[1:3]) and (item[3] is None or isinstance(item[3], str))):
         raise ValidationError("ENV item must be [saved|unsaved|gone, environment id, generation, detail]")
-    return item[0], item[1], item[2], item[3]
+    return EnvReport(*item)
 
 
 def check_ids(mtype: int, body: list) -> list[str]:

@@ -682,10 +682,9 @@ class Worker:
         gen = self._generation
         for i, item in enumerate(items):
             try:
-                wire, attempt, ncores, *grant = item
-                spec = ActionSpec.from_wire(wire)
-            except (ValueError, TypeError, ValidationError) as e:
-                log.warning("bad assignment: %s", e)
+                spec, attempt, ncores, grant = P.check_assign(item)
+            except ValidationError as e:
+                self._refuse_assignment(item, e, gen)
                 continue
             if self._leaving is not None:   # never started: the coordinator retries it once we have left
                 self._interrupted.append([spec.id, attempt])
@@ -706,7 +705,7 @@ class Worker:
                 self._followers.setdefault(earlier, []).append(key)
                 continue
             self._by_aid[spec.id] = key
-            task = (spec, attempt, slots, gen, grant[0] if grant else None)
+            task = (spec, attempt, slots, gen, grant)
             if spec.kind == "reward" and self.services is not None:
                 self._submit_reward(spec, attempt, slots, gen)
             elif self._fast.get(_target(spec), 1.0) < _FAST_S:
@@ -718,6 +717,17 @@ class Worker:
                     raise
             else:
                 (self._light if ncores == 0 else self._tasks).put(task)
+
+    def _refuse_assignment(self, item: Any, why: Exception, gen: int) -> None:
+        """An assignment this worker cannot take apart ends at once with an error outcome, so that the
+        coordinator frees its cores instead of waiting for a timeout; one naming no attempt is logged."""
+        ref = P.assigned_attempt(item)
+        if ref is None:
+            log.warning("an assignment naming no action attempt was ignored: %s", why)
+            return
+        now = time.time()
+        self._complete(ref[0], ref[1], (Status.ERROR, None, f"the worker could not read the assignment: {why}"),
+                       now, now, [], gen)
 
     def _run_inline(self, task: tuple) -> None:
         # A function seen to finish in microseconds costs less to run here than the hand-off to

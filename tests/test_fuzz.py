@@ -385,6 +385,8 @@ def test_coordinator_counted_the_fuzz_and_still_serves(live):
     cl, client, _ = live
     st_ = client.status()
     assert st_["bad_frames"] > 0 and cl.proc.poll() is None
+    # hostile frames are refused at the edge: none of them reached the ledger or the policy as a failure
+    assert st_["internal_errors"] == 0
     assert [r.output for r in client.map([function(NOOP, i) for i in range(100)], timeout=30)] == list(range(100))
 
 

@@ -7,7 +7,7 @@ import pytest
 import zmq
 
 from tangram_hpc import protocol as P
-from tangram_hpc.actions import ValidationError, function
+from tangram_hpc.actions import Status, ValidationError, function
 from tangram_hpc.connection import ConnectionInfo
 from tangram_hpc.launch import LocalCluster
 from tangram_hpc.security import CurveKeys
@@ -195,3 +195,93 @@ def test_a_batch_is_cut_into_frames_within_the_limit():
     assert P.encode_within(P.RESULT, items[:3], 20_000) == [P.encode(P.RESULT, items[:3])]  # one when it fits
     [big] = P.encode_within(P.RESULT, [["b", "y" * 50_000]], 20_000)      # one item alone stays whole
     assert len(big) > 20_000
+
+
+@pytest.fixture
+def in_process(tmp_path):
+    """A coordinator (backend none) and one function worker, both in threads of this process."""
+    import threading
+
+    from tangram_hpc.config import CoordinatorSettings
+    from tangram_hpc.coordinator.server import Coordinator
+    from tangram_hpc.launch import make_policy
+    from tangram_hpc.worker import Worker, WorkerConfig
+
+    cfg = CoordinatorSettings(run_dir=tmp_path / "run", state_dir=tmp_path / "state", insecure=True, backend="none",
+                              heartbeat_s=0.2, drain_grace_s=2.0)
+    coord = Coordinator(cfg, make_policy("elastic"))
+    info = coord.bind()
+    serving = threading.Thread(target=coord.serve, daemon=True)
+    serving.start()
+    worker = Worker(WorkerConfig(connection=info, cores=2, kinds=("function",), heartbeat_s=0.2,
+                                 run_dir=str(tmp_path / "worker"), worker_id="w-inproc"))
+    working = threading.Thread(target=worker.run, daemon=True)
+    working.start()
+    from tangram_hpc import Client
+    with Client(info.client_address) as c:
+        deadline = time.monotonic() + 30
+        while not c.status()["workers"]:
+            assert time.monotonic() < deadline, "the worker never registered"
+            time.sleep(0.05)
+        yield coord, c
+    worker.leave("test over", by_signal=False)
+    coord.stop()
+    working.join(30)
+    serving.join(30)
+
+
+def _boom(*args, **kwargs):
+    raise RuntimeError("injected policy bug")
+
+
+def test_a_policy_bug_fails_loudly_its_action_ends_with_an_error_and_the_coordinator_goes_on(in_process,
+                                                                                           monkeypatch, caplog):
+    coord, c = in_process
+    submit = coord.policy.submit
+    poisoned = function("tangram_hpc.handlers:noop", "poisoned")
+    monkeypatch.setattr(coord.policy, "submit",
+                        lambda spec, now: _boom() if spec.id == poisoned.id else submit(spec, now))
+    before = function("tangram_hpc.handlers:noop", 1)
+    after = function("tangram_hpc.handlers:noop", 2)
+    with caplog.at_level("ERROR", logger="tangram.coordinator"):
+        results = c.map([before, poisoned, after], timeout=60)
+    # the frame's call failed half way: each of its actions ends once, with the error, none is stranded
+    assert [r.id for r in results] == [before.id, poisoned.id, after.id]
+    assert all(r.status == Status.ERROR and "internal error" in r.error and "injected policy bug" in r.error
+               for r in results), results
+    failures = [r for r in caplog.records if "SUBMIT frame failed" in r.getMessage()]
+    assert failures and failures[0].exc_info is not None
+    st = c.status()
+    assert st["internal_errors"] == 1 and st["bad_frames"] == 0
+    assert c.submit(function("tangram_hpc.handlers:noop", 1)).result(60).output == 1   # it goes on
+
+    # a bug on the DONE path: the action ends with an error once, the worker stays, the next one runs
+    monkeypatch.setattr(coord.policy, "submit", submit)
+    finished = coord.policy.finished
+    broken = function("tangram_hpc.handlers:noop", "broken")
+    monkeypatch.setattr(coord.policy, "finished",
+                        lambda aid, now, **kw: _boom() if aid == broken.id else finished(aid, now, **kw))
+    r = c.submit(broken).result(60)
+    assert r.status == Status.ERROR and "while handling DONE" in r.error
+    monkeypatch.setattr(coord.policy, "finished", finished)
+    assert c.submit(function("tangram_hpc.handlers:noop", 3)).result(60).output == 3
+    st = c.status()
+    assert st["internal_errors"] == 2 and st["workers_lost"] == 0 and st["workers"][0]["busy_cores"] == 0
+
+
+def test_a_heartbeat_with_unhashable_services_is_a_bad_frame_not_an_internal_error(in_process):
+    coord, c = in_process
+    ctx = zmq.Context()
+    try:
+        s = _raw(ctx, coord.info.worker_address, identity=b"w-raw")
+        s.setsockopt(zmq.RCVTIMEO, 30_000)
+        s.send(P.encode(P.REGISTER, {"id": "w-raw", "cores": 1, "kinds": ["raw-only"]}))
+        assert P.decode(s.recv(), frozenset({P.WELCOME}))[0] == P.WELCOME
+        s.send(P.encode(P.HEARTBEAT, {"running": 0, "services": [["not", "hashable"]], "envs": []}))
+        while (reply := P.decode(s.recv(), frozenset({P.ERROR, P.HEARTBEAT})))[0] != P.ERROR:
+            pass    # the coordinator's own heartbeats
+        assert reply[1]["code"] == "malformed"
+    finally:
+        ctx.destroy(0)
+    st = c.status()
+    assert st["bad_frames"] == 1 and st["internal_errors"] == 0

@@ -31,7 +31,7 @@ class FakeCoordinator:
         self.address = f"tcp://127.0.0.1:{port}"
         self.ident: bytes | None = None
         self.heartbeats: list[tuple[float, dict]] = []
-        self.done: list[list] = []
+        self.done: list[P.Outcome] = []
 
     def pump(self, seconds: float) -> None:
         """Receive (and answer REGISTER) for ``seconds``."""
@@ -48,7 +48,7 @@ class FakeCoordinator:
                 self.heartbeats.append((time.monotonic(), body))
                 self.send(P.HEARTBEAT, {"coordinator": "fake"})
             elif mtype == P.DONE:
-                self.done.extend(body)
+                self.done.extend(P.check_done(item) for item in body)
 
     def until(self, cond, timeout: float = 15.0) -> None:
         deadline = time.monotonic() + timeout
@@ -62,8 +62,8 @@ class FakeCoordinator:
     def assign(self, *items: tuple[ActionSpec, int, int]) -> None:
         self.send(P.ASSIGN, [[spec.to_wire(), attempt, cores] for spec, attempt, cores in items])
 
-    def result(self, spec: ActionSpec) -> list | None:
-        return next((d for d in self.done if d[0] == spec.id), None)
+    def result(self, spec: ActionSpec) -> P.Outcome | None:
+        return next((d for d in self.done if d.id == spec.id), None)
 
     def close(self) -> None:
         self.ctx.destroy(0)
@@ -112,9 +112,9 @@ def test_fast_function_that_runs_long_does_not_stop_heartbeats(coord_and_worker)
     coord.assign((again, 1, 0), (noop, 1, 0))
     coord.until(lambda: coord.result(again) is not None and coord.result(noop) is not None, timeout=10)
     assert coord.result(slow) is None                    # they did not wait for it
-    assert coord.result(noop)[2:4] == ["ok", 7]
+    assert (coord.result(noop).status, coord.result(noop).output) == ("ok", 7)
     coord.until(lambda: coord.result(slow) is not None, timeout=10)
-    assert coord.result(slow)[2] == "ok"
+    assert coord.result(slow).status == "ok"
     # heartbeats never paused for the call (a bound loose enough for a loaded machine's stalls)
     assert max_heartbeat_gap(coord, t0) < 1.5
     assert worker._fast["time:sleep"] >= 200e-6          # no longer counted as fast
@@ -151,7 +151,7 @@ def test_killed_function_keeps_its_core_and_is_reported_until_it_returns(coord_a
     assert all(hb["killed_running"] == [[slow.id, 3]] and hb["busy_cores"] == 1 for hb in reported)
     assert worker._free_slots == []          # the slot stays taken while the call runs
     coord.until(lambda: coord.result(slow) is not None, timeout=10)
-    assert coord.result(slow)[:3] == [slow.id, 3, "ok"]   # the DONE that ends the attempt is sent
+    assert coord.result(slow)[:3] == (slow.id, 3, "ok")   # the DONE that ends the attempt is sent
     n = len(coord.heartbeats)
     coord.until(lambda: len(coord.heartbeats) > n + 1)
     last = coord.heartbeats[-1][1]
@@ -167,8 +167,8 @@ def test_a_killed_action_still_waiting_for_a_thread_does_not_run(coord_and_worke
     coord.pump(0.2)
     coord.send(P.KILL, [[queued.id, 1]])
     coord.until(lambda: coord.result(queued) is not None, timeout=4)
-    assert coord.result(queued)[2:5] == ["cancelled", None, "killed before it started"]
-    assert coord.result(first)[2] == "ok" and time.monotonic() - t0 < 4
+    assert coord.result(queued)[2:5] == ("cancelled", None, "killed before it started")
+    assert coord.result(first).status == "ok" and time.monotonic() - t0 < 4
 
 def test_sys_exit_and_bad_handler_outcomes_are_results_not_dead_threads(coord_and_worker):
     coord, worker = coord_and_worker
@@ -179,8 +179,8 @@ def test_sys_exit_and_bad_handler_outcomes_are_results_not_dead_threads(coord_an
     coord.assign(*[(s, 1, 1) for s in exits], (bad, 1, 1))
     coord.until(lambda: all(coord.result(s) for s in exits + [bad]))
     for s in exits:
-        assert coord.result(s)[2] == "failed" and "SystemExit" in coord.result(s)[4]
-    assert coord.result(bad)[2] == "error" and "not (status, output, error)" in coord.result(bad)[4]
+        assert coord.result(s).status == "failed" and "SystemExit" in coord.result(s).error
+    assert coord.result(bad).status == "error" and "not (status, output, error)" in coord.result(bad).error
     after = function("tangram_hpc.handlers:noop", 1)
     coord.assign((after, 1, 1))
     coord.until(lambda: coord.result(after) is not None)
@@ -207,10 +207,29 @@ def test_results_the_send_queue_cannot_take_are_kept_and_sent_later(coord_and_wo
     with caplog.at_level(logging.INFO, logger="tangram.worker"):
         coord.assign(*[(s, 1, 1) for s in specs])
         coord.until(lambda: all(coord.result(s) for s in specs))
-    assert [coord.result(s)[3] for s in specs] == list(range(5))
+    assert [coord.result(s).output for s in specs] == list(range(5))
     assert len(refusals) == 3
     text = caplog.text
     assert "kept and sent again" in text and "will be retried" not in text and "dropped" not in text
+
+
+def test_an_assignment_the_worker_cannot_read_ends_at_once_with_an_error(coord_and_worker):
+    coord, worker = coord_and_worker
+    unknown_kind = dict(function("tangram_hpc.handlers:noop", 1).to_wire(), k="no-such-kind")
+    bad_cores = function("tangram_hpc.handlers:noop", 2)
+    bad_grant = function("tangram_hpc.handlers:noop", 3)
+    good = function("tangram_hpc.handlers:noop", 4)
+    coord.send(P.ASSIGN, [[unknown_kind, 1, 1], [bad_cores.to_wire(), 1, -1], [bad_grant.to_wire(), 2, 1, "x"],
+                          42, [good.to_wire(), 1, 1]])
+    ids = [unknown_kind["i"], bad_cores.id, bad_grant.id, good.id]
+    coord.until(lambda: all(any(d.id == i for d in coord.done) for i in ids))
+    by_id = {d.id: d for d in coord.done}
+    for aid, attempt in zip(ids[:3], (1, 1, 2)):      # each answered, for the attempt it was given
+        d = by_id[aid]
+        assert (d.attempt, d.status) == (attempt, "error") and "could not read the assignment" in d.error
+    assert by_id[good.id].output == 4
+    coord.pump(3 * HB)
+    assert len(coord.done) == 4 and worker._free_slots == [0] and not worker._running   # no core held
 
 
 @pytest.mark.slow
@@ -257,7 +276,7 @@ def test_a_killed_reward_request_still_queued_ends_at_once_and_is_no_stuck_call(
         coord.pump(0.3)
         coord.send(P.KILL, [[queued.id, 1]])       # its timeout, or its caller's cancel
         coord.until(lambda: coord.result(queued) is not None)
-        assert coord.result(queued)[2] == "cancelled" and coord.result(held) is None
+        assert coord.result(queued).status == "cancelled" and coord.result(held) is None
         # the same once it follows an attempt of an earlier registration (the worker came back)
         again = reward("j", ["z"])
         coord.send(P.ASSIGN, [[again.to_wire(), 1, 0]])
@@ -268,7 +287,7 @@ def test_a_killed_reward_request_still_queued_ends_at_once_and_is_no_stuck_call(
         coord.send(P.ASSIGN, [[again.to_wire(), 2, 0]])     # follows attempt 1, still queued
         coord.pump(0.3)
         coord.send(P.KILL, [[again.id, 2]])
-        coord.until(lambda: sum(d[0] == again.id for d in coord.done) == 1)
+        coord.until(lambda: sum(d.id == again.id for d in coord.done) == 1)
         gate.set()                                  # held ends (reported as an earlier registration's)
         coord.until(lambda: not worker._running)
         coord.pump(1.5)                             # well past stuck_leave_s

@@ -827,6 +827,47 @@ class ActionLedger:
             if a is not None and self.policy.cancel(aid):
                 self._finalize(a, Status.ERROR, None, f"cannot be placed: {why}", 0.0, now)
 
+    def abort(self, ids: list, why: str, now: float, *, client: bytes | None = None,
+              ended_on: str | None = None) -> None:
+        """End with an error the actions of a call that failed half way (a bug in this ledger or the
+        policy), which may be left in any state, so that no client waits on them for ever.
+
+        ``client``: they are that client's submissions, and the ones it got no answer for yet are
+        answered even if they were never admitted; ``ended_on``: their attempts ended on that worker
+        (its DONE), so their cores are free.  Releasing resources is best effort: a policy that
+        failed once may fail again, and the result still goes out."""
+        answered = {r[0] for r in self.outbox.results.get(client, ())} if client is not None else set()
+        for aid in ids:
+            a = self._actions.get(aid) if isinstance(aid, str) else None
+            if a is None or (client is not None and a.client != client):
+                if client is not None and a is None and aid not in answered and self._recent.get(aid) is None:
+                    self._reject(client, aid, why, now)
+                continue
+            try:
+                self._release(a, now, ended_on)
+            except Exception:
+                log.exception("could not release what action %s held after an internal error", aid)
+            self._finalize(a, Status.ERROR, None, why, 0.0, now)
+        self.dirty = True
+
+    def _release(self, a: _Action, now: float, ended_on: str | None) -> None:
+        aid = a.spec.id
+        if a.held:
+            a.held = False
+        elif a.worker is None:
+            self.policy.cancel(aid)
+        elif a.worker == ended_on:
+            w = self.workers.by_id.get(ended_on)
+            if w is not None and aid in w.running:
+                w.running.discard(aid)
+                w.busy_cores -= a.cores
+            if a.in_env:
+                a.in_env = False
+                self._env_attempt_ended(a.spec.env, now)
+            self.policy.finished(aid, now, ok=False)
+        else:
+            self._kill(a, now)
+
     def _kill(self, a: _Action, now: float) -> None:
         """Send KILL for a running attempt and keep it as a zombie holding its cores."""
         wid = a.worker

@@ -47,4 +47,5 @@ class Counters:
     envs_closed: int = 0
     replayed: int = 0          # resubmitted actions answered by an outcome a worker kept, not run again
     env_moves: int = 0         # environments moved to another worker because the policy asked
+    internal_errors: int = 0   # valid frames whose handling failed (a bug in the ledger, the policy or the loop)
     by_status: dict = field(default_factory=dict)

@@ -19,7 +19,7 @@ from pathlib import Path
 import zmq
 
 from .. import protocol as P
-from ..actions import ValidationError, new_action_id
+from ..actions import new_action_id
 from ..backends.base import WorkerBackend
 from ..backends.guards import LaunchThrottle
 from ..config import CoordinatorSettings
@@ -42,6 +42,7 @@ log = logging.getLogger("tangram.coordinator")
 _BATCH = 2000          # messages drained from one socket per loop turn
 _BYE = P.encode(P.STOP, {"reason": "coordinator shutting down", "reregister": False})
 _RESULT_SLICE = 5000   # results per RESULT frame
+_FAILURE_LOG_S = 60.0  # a failure of one kind is logged with its traceback at most this often
 
 
 class Coordinator:
@@ -84,6 +85,7 @@ class Coordinator:
         self._ctx: zmq.Context | None = None
         self.info: ConnectionInfo | None = None
         self._bad_frame_logged: set[str] = set()
+        self._failure_logged: dict[tuple, float] = {}   # (message type, exception type) -> when last logged
         self._unreachable: set[str] = set()     # workers a send failed to: lost after their last frames
 
     # -- sockets -----------------------------------------------------------
@@ -195,9 +197,9 @@ class Coordinator:
                 wait = 0.0 if ledger.dirty else max(0.0, next_tick - now_m)
                 events = dict(poller.poll(int(wait * 1000) + (0 if wait == 0 else 1)))
                 if self.worker_socket in events:
-                    self._drain(self.worker_socket, self._on_worker_frame)
+                    self._drain(self.worker_socket, self._decode_worker, self._on_worker_frame)
                 if self.clients in events:
-                    self._drain(self.clients, self._on_client_frame)
+                    self._drain(self.clients, self._decode_client, self._on_client_frame)
                 if exporter is not None and exporter.fd in events:
                     exporter.answer()   # a scrape waits: build the figures now, between two turns
                 if self._unreachable:
@@ -252,7 +254,7 @@ class Coordinator:
         poller.register(self.worker_socket, zmq.POLLIN)
         while len(self.workers) and time.monotonic() < deadline:
             if poller.poll(100):
-                self._drain(self.worker_socket, self._on_worker_frame)
+                self._drain(self.worker_socket, self._decode_worker, self._on_worker_frame)
             if self._unreachable:
                 self._lose_unreachable()
             elif self.pool_driver is not None:
@@ -266,21 +268,27 @@ class Coordinator:
         except OSError as e:
             log.warning("could not write the state directory %s: %s", self.state.path, e)
 
-    def _drain(self, sock: zmq.Socket, handler) -> None:
+    def _drain(self, sock: zmq.Socket, decode, apply) -> None:
+        """Up to a batch of frames from ``sock``: each is decoded and checked by ``decode`` (a frame
+        it refuses is answered ERROR), then handled by ``apply`` (a failure there is a bug: see
+        :meth:`_failed`)."""
         for _ in range(_BATCH):
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
             except zmq.Again:
                 return
-            if len(frames) != 2:
-                self._bad_frame(sock, frames[0], P.ProtocolError("malformed", "expected exactly one frame"))
+            ident = frames[0]
+            try:
+                if len(frames) != 2:
+                    raise P.ProtocolError("malformed", "expected exactly one frame")
+                mtype, body = decode(ident, frames[1])
+            except P.ProtocolError as e:
+                self._bad_frame(sock, ident, e)
                 continue
             try:
-                handler(frames[0], frames[1])
-            except P.ProtocolError as e:
-                self._bad_frame(sock, frames[0], e)
-            except (ValidationError, TypeError, ValueError, KeyError) as e:
-                self._bad_frame(sock, frames[0], P.ProtocolError("invalid", f"{type(e).__name__}: {e}"))
+                apply(ident, mtype, body, len(frames[1]))
+            except Exception as e:
+                self._failed(sock, ident, mtype, body, e)
 
     def _bad_frame(self, sock: zmq.Socket, ident: bytes, err: P.ProtocolError) -> None:
         self.counters.bad_frames += 1
@@ -292,15 +300,61 @@ class Coordinator:
         except zmq.ZMQError:
             pass  # peer gone or queue full: dropped, and counted above
 
+    def _failed(self, sock: zmq.Socket, ident: bytes, mtype: P.MsgType, body, err: Exception) -> None:
+        """Handling a valid frame raised: a bug in the ledger, the policy or this loop.  It is logged with
+        its traceback (once a minute per kind), counted (``internal_errors``), and the actions the frame
+        names end with an error result, so that no client waits on an action in an unknown state; the
+        loop goes on."""
+        self.counters.internal_errors += 1
+        now = time.time()
+        kind = (mtype, type(err).__name__)
+        if now - self._failure_logged.get(kind, -_FAILURE_LOG_S) >= _FAILURE_LOG_S:
+            self._failure_logged[kind] = now
+            log.error("handling a %s frame failed (%d failures so far); the actions it names end with an error",
+                      mtype.name, self.counters.internal_errors, exc_info=err)
+        why = f"internal error in the coordinator while handling {mtype.name}: {type(err).__name__}: {err}"[:500]
+        try:
+            if mtype == P.SUBMIT:
+                ids = [w["i"] for w in body if isinstance(w, dict) and isinstance(w.get("i"), str)]
+                self.ledger.abort(ids, why, now, client=ident)
+            elif mtype == P.CANCEL:
+                self.ledger.abort(body, why, now)
+            elif mtype in (P.DONE, P.OUTCOMES):
+                wid = ident.decode("utf-8", "replace")
+                ended = [o.id for o in self._outcomes(body) if self.ledger.attempt_of(o.id) == (o.attempt, wid)]
+                self.ledger.abort(ended, why, now, ended_on=wid)
+        except Exception:
+            log.exception("could not end the actions of a %s frame whose handling failed", mtype.name)
+        if sock is self.clients and mtype != P.SUBMIT:   # a client waiting for a reply gets one
+            try:
+                sock.send_multipart([ident, P.error_frame("internal", why)], zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+
+    @staticmethod
+    def _outcomes(items: list) -> list[P.Outcome]:
+        out = []
+        for item in items:
+            try:
+                out.append(P.check_done(item))
+            except P.ValidationError:
+                pass
+        return out
+
     # -- frames in ---------------------------------------------------------------
-    def _on_client_frame(self, ident: bytes, frame: bytes) -> None:
+    def _decode_client(self, ident: bytes, frame: bytes) -> tuple[P.MsgType, object]:
         mtype, body = P.decode(frame, P.CLIENT_TYPES, self.config.max_frame_bytes)
+        if mtype == P.CANCEL or mtype == P.CLOSE_ENV:
+            P.check_ids(mtype, body)
+        return mtype, body
+
+    def _on_client_frame(self, ident: bytes, mtype: P.MsgType, body, size: int) -> None:
         if mtype == P.SUBMIT:
             self.ledger.submit(ident, body, time.time())
         elif mtype == P.HEARTBEAT:
             self.clients.send_multipart([ident, P.encode(P.HEARTBEAT, {"coordinator": self.id})], zmq.NOBLOCK)
         elif mtype == P.CANCEL:
-            self.ledger.cancel(P.check_ids(mtype, body), time.time())
+            self.ledger.cancel(body, time.time())
         elif mtype == P.STATUS:
             st = self.status(allocations=body.get("allocations") is True)
             self.clients.send_multipart([ident, P.encode(P.STATUS, st)], zmq.NOBLOCK)
@@ -318,20 +372,27 @@ class Coordinator:
         elif mtype == P.HELLO:
             self.clients.send_multipart([ident, P.encode(P.WELCOME, self._welcome())], zmq.NOBLOCK)
         elif mtype == P.CLOSE_ENV:
-            self.ledger.close_env(P.check_ids(mtype, body), time.time())
+            self.ledger.close_env(body, time.time())
 
     def _welcome(self) -> dict:
         c = self.config
         return {"coordinator": self.id, "limits": {
             "max_frame_bytes": c.max_frame_bytes, "max_pending_per_client": c.max_pending_per_client}}
 
-    def _on_worker_frame(self, ident: bytes, frame: bytes) -> None:
+    def _decode_worker(self, ident: bytes, frame: bytes) -> tuple[P.MsgType, object]:
         mtype, body = P.decode(frame, P.WORKER_TYPES, self.config.max_frame_bytes)
+        if mtype == P.REGISTER:
+            return mtype, self.workers.check(ident, body)     # a WorkerInfo
+        if mtype == P.HEARTBEAT:
+            P.check_worker_heartbeat(body)
+        return mtype, body
+
+    def _on_worker_frame(self, ident: bytes, mtype: P.MsgType, body, size: int) -> None:
         wid = ident.decode("utf-8", "replace")
         now = time.time()
         ledger = self.ledger
         if mtype == P.REGISTER:
-            info = self.workers.check(ident, body)
+            info = body
             w = ledger.add_worker(info, ident, now)
             if self.pool_driver is not None:
                 self.pool_driver.joined(w)
@@ -347,9 +408,7 @@ class Coordinator:
             return
         if mtype == P.ENV:
             # Fenced by generation and holder, so a worker declared lost may still hand an environment back.
-            bad = ledger.env_report(wid, body, now)
-            if bad:
-                raise P.ProtocolError("invalid", f"{bad} malformed ENV item(s) from worker {wid} ignored")
+            self._bad_items(ident, "ENV", ledger.env_report(wid, body, now))
             return
         w = self.workers.get(wid)
         if w is None:
@@ -363,9 +422,7 @@ class Coordinator:
             return
         w.last_seen = now
         if mtype == P.DONE:
-            bad = ledger.done(wid, body, now, len(frame))
-            if bad:
-                raise P.ProtocolError("invalid", f"{bad} malformed DONE item(s) from worker {wid} ignored")
+            self._bad_items(ident, "DONE", ledger.done(wid, body, now, size))
         elif mtype == P.HEARTBEAT:
             if body.get("left"):
                 ledger.worker_left(wid, now, str(body.get("left"))[:200], stopped=self._closing)
@@ -374,9 +431,13 @@ class Coordinator:
             else:
                 ledger.worker_report(wid, body, now)
         elif mtype == P.OUTCOMES:
-            bad = ledger.outcomes(wid, body, now)
-            if bad:
-                raise P.ProtocolError("invalid", f"{bad} malformed OUTCOMES item(s) from worker {wid} ignored")
+            self._bad_items(ident, "OUTCOMES", ledger.outcomes(wid, body, now))
+
+    def _bad_items(self, ident: bytes, what: str, bad: int) -> None:
+        """Items of a worker's list body that failed their check (each skipped alone, the rest handled)."""
+        if bad:
+            self._bad_frame(self.worker_socket, ident, P.ProtocolError(
+                "invalid", f"{bad} malformed {what} item(s) from worker {ident.decode('utf-8', 'replace')} ignored"))
 
     # -- frames out --------------------------------------------------------------
     def _flush(self) -> None:
@@ -484,7 +545,8 @@ class Coordinator:
             "pending": self.policy.pending_count, "running": self.policy.running_count,
             "zombie_cores": self.ledger.zombie_cores,
             "submitted": c.submitted, "completed": c.completed, "failed": c.failed, "retried": c.retried,
-            "rejected": c.rejected, "bad_frames": c.bad_frames, "stale_results": c.stale_results,
+            "rejected": c.rejected, "bad_frames": c.bad_frames, "internal_errors": c.internal_errors,
+            "stale_results": c.stale_results,
             "workers_lost": c.workers_lost, "launch_failures": c.launch_failures,
             "launches": c.launches, "reclaims": c.reclaims,
             "recent_launch_failures": [], "starting_workers": 0, "pool": "", "pool_decisions": [],
