@@ -65,7 +65,7 @@ from typing import Any, NamedTuple
 
 import msgpack
 
-from .actions import ID_MAX, ActionSpec, EnvState
+from .actions import ID_MAX, ActionSpec, EnvState, Status
 from .errors import ProtocolError, ValidationError
 
 #: 2: POOL (pause/resume launches), STATUS may ask for the allocation history.
@@ -142,6 +142,114 @@ def encode_within(mtype: int, items: list, max_bytes: int) -> list[bytes]:
     out: list[bytes] = []
     for i in range(0, len(items), step):
         out += encode_within(mtype, items[i:i + step], max_bytes)
+    return out
+
+
+# -- outcomes packed where they are made ---------------------------------------------------
+# A worker packs each action's output on the thread that ran the action, after a size check that
+# needs no packing, so the I/O thread only joins bytes: it never waits behind a user-sized result.
+
+def _packs_over(value: Any, limit: int) -> bool:
+    """Whether ``value`` packs to more than ``limit`` bytes, found without packing it: a walk adding up
+    what msgpack takes for each part, which stops once past the limit (so it takes at most about
+    ``limit`` steps, even for a huge or cyclic value).  A type msgpack does not know counts as 9
+    bytes: packing it fails anyway."""
+    budget = limit
+    stack = [value]
+    pop, push = stack.pop, stack.extend
+    while stack:
+        v = pop()
+        if isinstance(v, str):
+            n = len(v)
+            if n > budget:                          # UTF-8 takes a byte a character at least
+                return True
+            if not v.isascii():
+                n = len(v.encode("utf-8", "surrogatepass"))
+            budget -= n + (1 if n < 32 else 2 if n < 256 else 3 if n < 65536 else 5)
+        elif isinstance(v, (bytes, bytearray, memoryview)):
+            n = v.nbytes if isinstance(v, memoryview) else len(v)
+            budget -= n + (2 if n < 256 else 3 if n < 65536 else 5)
+        elif isinstance(v, (list, tuple, dict)):
+            n = len(v)
+            budget -= (1 if n < 16 else 3 if n < 65536 else 5)
+            if isinstance(v, dict):
+                if 2 * n > budget:                  # a key and a value: two bytes at least
+                    return True
+                push(v.keys())
+                push(v.values())
+            else:
+                if n > budget:
+                    return True
+                push(v)
+        elif isinstance(v, bool) or v is None:
+            budget -= 1
+        elif isinstance(v, int):
+            budget -= (1 if -32 <= v < 128 else 2 if -128 <= v < 256 else 3 if -32768 <= v < 65536
+                       else 5 if -(1 << 31) <= v < 1 << 32 else 9)
+        else:
+            budget -= 9                             # a float; anything else fails to pack below
+        if budget < 0:
+            return True
+    return False
+
+
+def pack_output(output: Any, limit: int) -> tuple[bytes | None, str | None]:
+    """``(output packed, None)``, or ``(None, why)`` when it would pack to more than ``limit`` bytes or
+    cannot be packed; a large output is refused before it is packed."""
+    if output is None:
+        return _NIL, None
+    if _packs_over(output, limit):
+        return None, f"action output exceeds max_output_bytes ({limit} bytes); nothing of it is kept"
+    try:
+        packed = msgpack.packb(output, use_bin_type=True)
+    except Exception as e:      # a type msgpack does not know, a structure too deep
+        return None, f"action output cannot be serialised: {type(e).__name__}: {e}"
+    if len(packed) > limit:     # the walk's count is exact for what msgpack packs: a safeguard
+        return None, f"action output of {len(packed)} bytes exceeds max_output_bytes ({limit} bytes)"
+    return packed, None
+
+
+_NIL = msgpack.packb(None)
+
+
+def pack_outcome(o: Outcome, limit: int) -> bytes:
+    """``o`` packed (a DONE or OUTCOMES item, for :func:`encode_packed`), or, when it would pack to more
+    than ``limit`` bytes or cannot be packed, the same outcome ``failed`` with the reason in place of its
+    output.  Meant for the thread that made the outcome: its cost grows with the output's size, up to
+    about ``limit``, never past it."""
+    out, err = o.output, o.error
+    t = type(out)
+    small = limit >> 4
+    if ((out is None or t is int or t is float or t is bool or ((t is str or t is bytes) and len(out) <= small))
+            and (err is None or len(err) <= small)):
+        try:     # the common case: no walk (a str of n characters packs to 4n + 5 bytes at most)
+            return msgpack.packb(o, use_bin_type=True)
+        except Exception:
+            pass     # an int too large for msgpack: told below
+    packed, why = pack_output(o, limit)
+    if packed is None:
+        packed = msgpack.packb(o._replace(status=Status.FAILED, output=None, error=why), use_bin_type=True)
+    return packed
+
+
+def encode_packed(mtype: int, items: list[bytes]) -> bytes:
+    """A frame of a list body whose items are packed already (as :func:`encode` would give it)."""
+    p = _packer
+    return b"".join((p.pack_array_header(3), p.pack(PROTOCOL_VERSION), p.pack(mtype),
+                     p.pack_array_header(len(items)), *items))
+
+
+def encode_packed_within(mtype: int, items: list[bytes], max_bytes: int) -> list[bytes]:
+    """Packed items as frames of at most ``max_bytes`` each (one item larger than that alone)."""
+    out: list[bytes] = []
+    start, size = 0, 0
+    for i, item in enumerate(items):
+        if size + len(item) > max_bytes - 16 and i > start:
+            out.append(encode_packed(mtype, items[start:i]))
+            start, size = i, 0
+        size += len(item)
+    if start < len(items):
+        out.append(encode_packed(mtype, items[start:]))
     return out
 
 

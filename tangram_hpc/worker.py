@@ -149,7 +149,7 @@ class Worker:
         # coordinator not have heard them (it restarted, or it declared this worker lost).
         self._sent: deque[tuple[int, float, bytes]] = deque()   # (generation, time sent, frame)
         self._sent_bytes = 0
-        self._older: list = []                       # outcome items of earlier registrations to send
+        self._older: list[bytes] = []                # packed outcomes of earlier registrations to send
         self._older_frames: list[bytes] = []         # DONE frames of the last registration, until WELCOME
         self._max_frame = P.MAX_FRAME_BYTES           # the coordinator's frame limit (its WELCOME says)
         self._last_heard_wall = time.time()
@@ -274,6 +274,10 @@ class Worker:
         except BaseException as e:
             outcome = (Status.ERROR, None, f"handler crashed: {type(e).__name__}: {e}")
         finished = time.time()
+        packed, too_large = P.pack_output(outcome[1], self._item_limit())
+        if packed is None:
+            # journaled as it is reported (a replay answers the same), never larger than a DONE may be
+            outcome = (Status.FAILED, None, too_large)
         if not self._is_interrupted((spec.id, attempt, gen), outcome[0]) and not _ended_by_job_signal(outcome):
             # Journaled before the DONE leaves: a later attempt of this action finds it.  Not a
             # command a job's signal killed half way: under load the worker may learn only later
@@ -290,7 +294,12 @@ class Worker:
 
     def _complete(self, aid: str, attempt: int, outcome, started: float, finished: float,
                   slots: list[int], gen: int, env_state: str | None = None) -> None:
-        self._done.append((aid, attempt, outcome, started, finished, slots, gen, env_state))
+        """Hand an outcome to the I/O thread, packed here (on the thread that made it) and within
+        the size limit, so that the I/O thread never waits behind a user-sized result."""
+        status, output, error = outcome
+        item = P.pack_outcome(P.Outcome(aid, attempt, status, output, error, started, finished, env_state),
+                              self._item_limit())
+        self._done.append((aid, attempt, item, slots, gen))
         self._wake()
 
     def _wake(self) -> None:
@@ -584,7 +593,7 @@ class Worker:
                 _, items = P.decode(frame, frozenset({P.DONE}), len(frame))   # our own frame
             except P.ProtocolError:
                 continue
-            self._older.extend(items)
+            self._older.extend(msgpack.packb(item, use_bin_type=True) for item in items)
         self._older_frames = []
         self._send_older()
 
@@ -592,10 +601,8 @@ class Worker:
         """Outcomes of earlier registrations, for the coordinator to match with actions still waiting."""
         if self._older and self._registered:
             older, self._older = self._older, []
-            # _packable: each item packs (or fails alone) and fits; encode_within: each frame fits
-            for i in range(0, len(older), 500):
-                for frame in P.encode_within(P.OUTCOMES, [self._packable(o) for o in older[i:i + 500]],
-                                             self._max_frame):
+            for i in range(0, len(older), 500):     # packed items, each within the limit
+                for frame in P.encode_packed_within(P.OUTCOMES, older[i:i + 500], self._max_frame):
                     self._send_frame(frame)
 
     def _heartbeat(self) -> None:
@@ -803,51 +810,48 @@ class Worker:
             os.read(self._wake_r, 4096)
         except BlockingIOError:
             pass
-        out: list = []
+        out: list[bytes] = []
         done = self._done
         free = self._free_slots
         running = self._running
         while done:
-            aid, attempt, (status, output, error), started, finished, slots, g, env_state = done.popleft()
+            aid, attempt, item, slots, g = done.popleft()
             key = (aid, attempt, g)
             if running.pop(key, None) is not None:
                 free.extend(slots)
             self._killed.pop(key, None)
             if self._by_aid.get(aid) == key:
                 del self._by_aid[aid]
-            self._route_outcome(out, key, [aid, attempt, status, output, error, started, finished, env_state])
+            self._route_outcome(out, key, item)
             if self._followers:
-                for fkey in self._followers.pop(key, ()):
-                    fslots = running.pop(fkey, None)
-                    if fslots is not None:
-                        free.extend(fslots)
-                    self._killed.pop(fkey, None)
-                    self._route_outcome(out, fkey, [aid, fkey[1], status, output, error, started, finished,
-                                                    EnvState.REPLAYED if env_state else None])
+                followers = self._followers.pop(key, ())
+                if followers:
+                    o = P.Outcome(*msgpack.unpackb(item, raw=False))    # rare: packed again for each
+                    for fkey in followers:
+                        fslots = running.pop(fkey, None)
+                        if fslots is not None:
+                            free.extend(fslots)
+                        self._killed.pop(fkey, None)
+                        self._route_outcome(out, fkey, msgpack.packb(o._replace(
+                            attempt=fkey[1], env_state=EnvState.REPLAYED if o.env_state else None)))
         if out:
-            try:
-                frames = [P.encode(P.DONE, out)]
-            except Exception:
-                frames = []
-            if not frames or len(frames[0]) > self._item_limit():
-                # rare: an output too large or that cannot be packed fails alone, and the rest go in
-                # as many frames as the coordinator's limit asks (one frame past it was refused whole)
-                frames = P.encode_within(P.DONE, [self._packable(o) for o in out], self._max_frame)
-            for frame in frames:
+            for frame in P.encode_packed_within(P.DONE, out, self._max_frame):
                 self._unsent.append(frame)
                 self._keep_sent(frame)
         if self._older:
             self._send_older()
         self._flush_unsent()
 
-    def _route_outcome(self, out: list, key: tuple, item: list) -> None:
+    def _route_outcome(self, out: list[bytes], key: tuple, item: bytes) -> None:
         """DONE for the current registration; OUTCOMES for an earlier one; nothing for an attempt the
         leaving cut short (the coordinator retries it)."""
-        if self._is_interrupted(key, item[2]):
-            log.info("attempt %d of %s interrupted by the leaving (%s: %s)", key[1], key[0], item[2], item[4])
-            if key[2] == self._generation:
-                self._interrupted.append([key[0], key[1]])
-            return
+        if self._leaving is not None:
+            o = P.Outcome(*msgpack.unpackb(item, raw=False))
+            if self._is_interrupted(key, o.status):
+                log.info("attempt %d of %s interrupted by the leaving (%s: %s)", key[1], key[0], o.status, o.error)
+                if key[2] == self._generation:
+                    self._interrupted.append([key[0], key[1]])
+                return
         if key[2] == self._generation:
             out.append(item)
         else:
@@ -879,17 +883,6 @@ class Worker:
     def _item_limit(self) -> int:
         """The largest outcome sent: ``max_output_bytes``, and within the coordinator's frame limit."""
         return min(self.cfg.max_output_bytes, self._max_frame - min(1024, self._max_frame // 4))
-
-    def _packable(self, item: list) -> list:
-        try:
-            n = len(msgpack.packb(item, use_bin_type=True))
-        except Exception as e:
-            return item[:2] + [Status.FAILED, None, f"action output cannot be serialised: {e}"] + item[5:]
-        limit = self._item_limit()
-        if n > limit:
-            return item[:2] + [Status.FAILED, None, f"action output of {n} bytes exceeds the limit of "
-                               f"{limit}"] + item[5:]
-        return item
 
     def leave(self, reason: str, *, by_signal: bool = True) -> None:
         """Leave: no new actions, the running ones get ``leave_grace_s``, the environments are handed

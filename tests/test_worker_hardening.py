@@ -232,6 +232,75 @@ def test_an_assignment_the_worker_cannot_read_ends_at_once_with_an_error(coord_a
     assert len(coord.done) == 4 and worker._free_slots == [0] and not worker._running   # no core held
 
 
+PACKED_ON: list[str] = []      # threads that packed a _SlowToPack result
+UNPACK_GATE = threading.Event()
+
+
+class _SlowToPack(dict):
+    """A result whose packing blocks until the test lets it go (msgpack asks a dict subclass for its
+    items), recording which thread packs it."""
+
+    def items(self):
+        PACKED_ON.append(threading.current_thread().name)
+        assert UNPACK_GATE.wait(60)
+        return super().items()
+
+
+def slow_to_pack(size: int = 1) -> dict:
+    return _SlowToPack({str(i): "x" * 1000 for i in range(size)})
+
+
+def test_a_result_is_packed_off_the_io_thread_and_heartbeats_never_wait_for_it(coord_and_worker):
+    coord, worker = coord_and_worker
+    PACKED_ON.clear()
+    UNPACK_GATE.clear()
+    try:
+        held = function("test_worker_hardening:slow_to_pack")
+        coord.assign((held, 1, 1))
+        coord.until(lambda: PACKED_ON)              # its packing has begun, and waits
+        n = len(coord.heartbeats)
+        noop = function("tangram_hpc.handlers:noop", 5, cores=0)
+        coord.assign((noop, 1, 0))
+        coord.until(lambda: coord.result(noop) is not None and len(coord.heartbeats) >= n + 3)
+        assert coord.result(held) is None and all(name.startswith("exec-") for name in PACKED_ON)
+    finally:
+        UNPACK_GATE.set()
+    coord.until(lambda: coord.result(held) is not None)
+    assert coord.result(held).status == "ok" and coord.result(held).output == {"0": "x" * 1000}
+
+
+def test_a_result_over_max_output_bytes_fails_once_with_the_reason_and_is_never_packed(tmp_path):
+    coord = FakeCoordinator()
+    cfg = WorkerConfig(connection=ConnectionInfo(client_address="", worker_address=coord.address), cores=2,
+                       kinds=("function",), heartbeat_s=HB, run_dir=str(tmp_path), worker_id="w-big",
+                       max_output_bytes=64 << 10)
+    worker = Worker(cfg)
+    t = threading.Thread(target=worker.run, daemon=True)
+    t.start()
+    PACKED_ON.clear()
+    UNPACK_GATE.set()
+    try:
+        coord.until(lambda: coord.ident is not None)
+        big = function("test_worker_hardening:slow_to_pack", 200)       # about 200 KB packed
+        huge = function("builtins:bytes", 256 << 20)                    # 256 MiB of zeros
+        fits = function("test_worker_hardening:slow_to_pack", 50)       # about 50 KB: within the limit
+        others = [function("tangram_hpc.handlers:noop", i) for i in range(3)]
+        coord.assign((big, 1, 1), (huge, 1, 1), (fits, 1, 1), *[(o, 1, 0) for o in others])
+        coord.until(lambda: all(coord.result(s) is not None for s in [big, huge, fits, *others]), timeout=60)
+        for s in (big, huge):
+            r = coord.result(s)
+            assert (r.status, r.output) == ("failed", None) and "exceeds max_output_bytes (65536 bytes)" in r.error
+        assert coord.result(fits).status == "ok" and len(coord.result(fits).output) == 50
+        assert [coord.result(o).output for o in others] == [0, 1, 2]
+        assert PACKED_ON == ["exec-0"] or PACKED_ON == ["exec-1"]       # only the one that fits was packed
+        coord.pump(3 * HB)
+        assert sorted(d.id for d in coord.done) == sorted(s.id for s in [big, huge, fits, *others])   # once each
+    finally:
+        worker._stop = True
+        t.join(10)
+        coord.close()
+
+
 @pytest.mark.slow
 def test_long_fast_function_keeps_the_worker_alive_end_to_end(cluster, client):
     """time:sleep(0) x50, then time:sleep(12) on workers declared lost after 6 s of silence."""
