@@ -199,13 +199,13 @@ def pack_output(output: Any, limit: int) -> tuple[bytes | None, str | None]:
     if output is None:
         return _NIL, None
     if _packs_over(output, limit):
-        return None, f"action output exceeds max_output_bytes ({limit} bytes); nothing of it is kept"
+        return None, f"action output exceeds the limit of {limit} bytes (max_output_bytes); nothing of it is kept"
     try:
         packed = msgpack.packb(output, use_bin_type=True)
     except Exception as e:      # a type msgpack does not know, a structure too deep
         return None, f"action output cannot be serialised: {type(e).__name__}: {e}"
     if len(packed) > limit:     # the walk's count is exact for what msgpack packs: a safeguard
-        return None, f"action output of {len(packed)} bytes exceeds max_output_bytes ({limit} bytes)"
+        return None, f"action output of {len(packed)} bytes exceeds the limit of {limit} (max_output_bytes)"
     return packed, None
 
 

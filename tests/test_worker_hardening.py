@@ -289,7 +289,7 @@ def test_a_result_over_max_output_bytes_fails_once_with_the_reason_and_is_never_
         coord.until(lambda: all(coord.result(s) is not None for s in [big, huge, fits, *others]), timeout=60)
         for s in (big, huge):
             r = coord.result(s)
-            assert (r.status, r.output) == ("failed", None) and "exceeds max_output_bytes (65536 bytes)" in r.error
+            assert (r.status, r.output) == ("failed", None) and "exceeds the limit of 65536 bytes (max_output_bytes)" in r.error
         assert coord.result(fits).status == "ok" and len(coord.result(fits).output) == 50
         assert [coord.result(o).output for o in others] == [0, 1, 2]
         assert PACKED_ON == ["exec-0"] or PACKED_ON == ["exec-1"]       # only the one that fits was packed
