@@ -48,11 +48,12 @@ import msgpack
 import zmq
 
 from . import protocol as P
-from .actions import BUILTIN_KINDS, ActionSpec, EnvState, Status, ValidationError
+from .actions import BUILTIN_KINDS, ActionSpec, Status
 from .config import ConfigError, Settings, WorkerSettings
 from .connection import ConnectionInfo, reread_connection
 from .daemon import tune_gc
 from .handlers import FunctionHandler, Handler, resolve
+from .worker_session import Start, WorkerSession
 
 log = logging.getLogger("tangram.worker")
 
@@ -107,17 +108,12 @@ class Worker:
             self.envs = EnvHost(self.sandboxes, self._wake)
         self.handlers.update(cfg.handlers)
         self.services = cfg.services
-        self._free_slots = list(range(self.cores))
-        # (action id, attempt, registration generation) -> core slots, until the call returns
-        self._running: dict[tuple[str, int, int], list[int]] = {}
-        self._killed: dict[tuple[str, int, int], float] = {}   # running attempts the coordinator killed
+        # what the coordinator's messages mean here: attempts, their slots, generations, outcomes' routes
+        self.session = WorkerSession(self.cores, self._item_limit)
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
-        self._done: deque = deque()
         self._stop = False
-        self._generation = 0        # bumps on re-registration: older outcomes are not reported
         self._coordinator: str | None = None
         self._registered = False
-        self._leaving: str | None = None
         self._exit_code = 0
         self._fast: dict[str, float] = {}   # function target -> recent run time (s)
         self._last_gc = time.monotonic()
@@ -139,25 +135,16 @@ class Worker:
         self._call_target: str | None = None
         self._standbys = 0
         self._main_thread: int | None = None
-        self._handoff: deque = deque()   # (assignments, generation) a thread left when it lost the role
+        self._handoff: deque = deque()   # attempts to start that a thread left when it lost the role
         self._finished = threading.Event()
-        # Exactly one run of an action here: an assignment of an action whose earlier attempt still runs
-        # waits for that attempt (a follower) and reports its outcome.
-        self._by_aid: dict[str, tuple] = {}          # action id -> key of its attempt running here
-        self._followers: dict[tuple, list] = {}      # key -> [(action id, attempt, slots, generation), ...]
         # DONE frames sent under the current registration, kept to be sent again as OUTCOMES should the
         # coordinator not have heard them (it restarted, or it declared this worker lost).
         self._sent: deque[tuple[int, float, bytes]] = deque()   # (generation, time sent, frame)
         self._sent_bytes = 0
-        self._older: list[bytes] = []                # packed outcomes of earlier registrations to send
         self._older_frames: list[bytes] = []         # DONE frames of the last registration, until WELCOME
         self._max_frame = P.MAX_FRAME_BYTES           # the coordinator's frame limit (its WELCOME says)
         self._last_heard_wall = time.time()
-        # Leaving: why, since when, and the attempts it interrupted (retried by the coordinator).
-        self._leave_deadline: float | None = None
-        self._leave_by_signal = False
-        self._leave_killed: set[tuple] = set()
-        self._interrupted: list[list] = []
+        self._leave_deadline: float | None = None   # leaving: when its next step is due
         self._handed_back: threading.Event | None = None
         self._leave_signalled = threading.Event()
 
@@ -185,7 +172,7 @@ class Worker:
                     self._cancel_fds.pop(spec.id, None)
             os.close(r)
             os.close(w)
-        if self._leaving is None and _ended_by_job_signal((o.status, o.output)):
+        if self.session.leaving is None and _ended_by_job_signal((o.status, o.output)):
             # Slurm signals every process of a job that ends (scancel, time limit) at once: the
             # command may die of it a moment before this worker learns it is leaving.
             self._leave_signalled.wait(_JOB_SIGNAL_WAIT_S)
@@ -216,8 +203,7 @@ class Worker:
         started = time.time()
         t0 = time.perf_counter()
         handler = self.handlers.get(spec.kind)
-        key = (spec.id, attempt, gen)
-        if key in self._killed or key in self._leave_killed:   # killed while it waited for a thread
+        if self.session.stopped_before_start((spec.id, attempt, gen)):   # killed while it waited for a thread
             self._complete(spec.id, attempt, (Status.CANCELLED, None, "killed before it started"),
                            started, started, slots, gen)
             return
@@ -240,66 +226,33 @@ class Worker:
         self._complete(spec.id, attempt, tuple(outcome), started, time.time(), slots, gen)
 
     def _execute_in_env(self, spec: ActionSpec, attempt: int, cpus: list[int], slots: list[int], gen: int,
-                        grant: list, started: float) -> None:
-        """A sandbox action in an environment: make the local copy the granted one, answer from the
-        environment's journal if the action ran there already, else run it and journal its outcome."""
-        self.envs.begin(spec.env)
-        try:
-            self._prepare_run_record(spec, attempt, cpus, slots, gen, grant, started)
-        finally:
-            self.envs.end(spec.env)
-
-    def _prepare_run_record(self, spec: ActionSpec, attempt: int, cpus: list[int], slots: list[int], gen: int,
-                            grant: list, started: float) -> None:
-        env_state, refused = self.envs.prepare(spec, grant)
-        if refused is not None:
-            self._complete(spec.id, attempt, refused, started, time.time(), slots, gen)
-            return
+                        grant: P.Grant, started: float) -> None:
+        """A sandbox action in an environment: its environment's host takes it from the grant to the
+        journal (EnvHost.run)."""
         key = (spec.id, attempt, gen)
-        if key in self._killed or key in self._leave_killed:   # killed while its environment was made ready
-            self._complete(spec.id, attempt, (Status.CANCELLED, None, "killed before it started"), started,
-                           time.time(), slots, gen, env_state)
-            return
-        seen = self.envs.replay(spec.env, spec.id)
-        if seen is not None:   # [id, attempt, status, output, error, started, finished]
-            self._complete(spec.id, attempt, (seen[2], seen[3], seen[4]), seen[5], seen[6], slots, gen,
-                           EnvState.REPLAYED)
-            return
-        if env_state is not EnvState.KEPT:
-            # The command's own time starts now: a restore (or a creation) is what the move or the
-            # new environment costs, which the coordinator learns apart from the command's run time.
-            started = time.time()
+        session = self.session
+        outcome, started, finished, env_state = self.envs.run(
+            spec, attempt, grant, started, lambda: self._run_bounded(spec, cpus),
+            cancelled=lambda: session.stopped_before_start(key),
+            # Not journaled: a command a job's signal killed half way (under load the worker may learn
+            # only later that it is leaving, and a retry must run it again, not replay its death).
+            keep=lambda o: not session.is_interrupted(key, o[0]) and not _ended_by_job_signal(o))
+        self._complete(spec.id, attempt, outcome, started, finished, slots, gen, env_state)
+
+    def _run_bounded(self, spec: ActionSpec, cpus: list[int]) -> tuple:
+        """A sandbox command's outcome, its output within the size limit (journaled as it is reported:
+        a replay answers the same, never larger than a DONE may be)."""
         try:
             outcome = self._run_sandbox(spec, cpus)
         except BaseException as e:
             outcome = (Status.ERROR, None, f"handler crashed: {type(e).__name__}: {e}")
-        finished = time.time()
         packed, too_large = P.pack_output(outcome[1], self._item_limit())
-        if packed is None:
-            # journaled as it is reported (a replay answers the same), never larger than a DONE may be
-            outcome = (Status.FAILED, None, too_large)
-        if not self._is_interrupted((spec.id, attempt, gen), outcome[0]) and not _ended_by_job_signal(outcome):
-            # Journaled before the DONE leaves: a later attempt of this action finds it.  Not a
-            # command a job's signal killed half way: under load the worker may learn only later
-            # that it is leaving, and a retry must run it again, not replay its death.
-            self.envs.record(spec.env, [spec.id, attempt, outcome[0], outcome[1], outcome[2], started, finished])
-        self._complete(spec.id, attempt, outcome, started, finished, slots, gen, env_state)
-
-    def _is_interrupted(self, key: tuple, status: str) -> bool:
-        """Whether an attempt that ended while this worker leaves was cut short by the leaving: killed
-        by it, or (Slurm signals every process of the job) ended badly after a signal came."""
-        if self._leaving is None or status == Status.OK:
-            return False
-        return key in self._leave_killed or self._leave_by_signal
+        return outcome if packed is not None else (Status.FAILED, None, too_large)
 
     def _complete(self, aid: str, attempt: int, outcome, started: float, finished: float,
                   slots: list[int], gen: int, env_state: str | None = None) -> None:
-        """Hand an outcome to the I/O thread, packed here (on the thread that made it) and within
-        the size limit, so that the I/O thread never waits behind a user-sized result."""
-        status, output, error = outcome
-        item = P.pack_outcome(P.Outcome(aid, attempt, status, output, error, started, finished, env_state),
-                              self._item_limit())
-        self._done.append((aid, attempt, item, slots, gen))
+        """Hand an outcome to the I/O thread (packed on this thread: see WorkerSession.complete)."""
+        self.session.complete(aid, attempt, outcome, started, finished, slots, gen, env_state)
         self._wake()
 
     def _wake(self) -> None:
@@ -358,7 +311,7 @@ class Worker:
         behind it waits) for the life of the process.  Leaving hands the environments back and lets
         the coordinator retry the other actions elsewhere; a backend starts a fresh worker.
         """
-        key, since = min(self._killed.items(), key=lambda kv: kv[1])
+        key, since = min(self.session.killed.items(), key=lambda kv: kv[1])
         if now - since <= self.cfg.stuck_leave_s:
             return
         why = (f"action {key[0]} (attempt {key[1]}) still runs {now - since:.0f}s after it was killed: a call that "
@@ -447,11 +400,11 @@ class Worker:
         try:
             while not self._stop:
                 while self._handoff:
-                    items, gen = self._handoff.popleft()
-                    if gen == self._generation:
-                        self._on_assign(items)
+                    starts = self._handoff.popleft()
+                    if starts[0].gen == self.session.generation:
+                        self._start(starts)
                 now = time.monotonic()
-                if not self._registered and now - self._last_register > hb and self._leaving is None:
+                if not self._registered and now - self._last_register > hb and self.session.leaving is None:
                     self._register()
                     self._last_register = now
                 if now >= self._next_hb:
@@ -462,7 +415,7 @@ class Worker:
                     if silent > self.cfg.orphan_exit_s:
                         log.error("no coordinator for %.0fs: exiting", silent)
                         return 3
-                    if self._killed and self._leaving is None and self.cfg.stuck_leave_s:
+                    if self.session.killed and self.session.leaving is None and self.cfg.stuck_leave_s:
                         self._leave_if_stuck(now)
                     if silent > self.cfg.coordinator_timeout_s and self._follow_moved_coordinator():
                         s = self.sock
@@ -472,7 +425,7 @@ class Worker:
                 wait_s = self._next_hb - now
                 if self._unsent:
                     wait_s = min(wait_s, _RESEND_S)
-                if self._leaving is not None:
+                if self.session.leaving is not None:
                     wait_s = min(wait_s, _LEAVE_STEP_S)
                 events = dict(self._poller.poll(int(max(0.0, wait_s) * 1000) + 1))
                 if s in events:
@@ -483,13 +436,13 @@ class Worker:
                     early = self.envs.take_replies(before_done=True)
                     if early:
                         self._send(P.ENV, early)
-                if self._done or self._unsent:
+                if self.session.done or self._unsent:
                     self._send_done()
                 if self.envs is not None:
                     replies = self.envs.take_replies()
                     if replies:
                         self._send(P.ENV, replies)
-                if self._leaving is not None:
+                if self.session.leaving is not None:
                     code = self._leave_step()
                     if code is not None:
                         return code
@@ -500,19 +453,19 @@ class Worker:
     def _leave_step(self) -> int | None:
         """One step of leaving (see the module docstring); the exit code once this worker has left."""
         now = time.monotonic()
+        session = self.session
         if self._leave_deadline is None:
             self._leave_deadline = now + self.cfg.leave_grace_s
-            log.info("leaving (%s): %d running actions get %.0fs to finish", self._leaving, len(self._running),
+            log.info("leaving (%s): %d running actions get %.0fs to finish", session.leaving, len(session.running),
                      self.cfg.leave_grace_s)
             if self._registered:
-                self._send(P.HEARTBEAT, {"leaving": self._leaving})
-        if self._running:
+                self._send(P.HEARTBEAT, {"leaving": session.leaving})
+        if session.running:
             if now < self._leave_deadline:
                 return None
-            if not self._leave_killed:   # interrupt what still runs; the coordinator retries it
-                self._leave_killed = set(self._running)
+            if not session.leave_killed:   # interrupt what still runs; the coordinator retries it
                 self._leave_deadline = now + _LEAVE_KILL_WAIT_S
-                for aid, _, _ in self._leave_killed:
+                for aid, _, _ in session.interrupt_running():
                     self._cancel(aid)
                 return None
             if now < self._leave_deadline:
@@ -530,11 +483,10 @@ class Worker:
             replies = self.envs.take_replies()
             if replies:
                 self._send(P.ENV, replies)
-        gen = self._generation
-        interrupted = self._interrupted + [[aid, attempt] for aid, attempt, g in self._running if g == gen]
+        interrupted = session.interrupted_attempts()
         if self._registered:
-            self._send(P.HEARTBEAT, {"left": self._leaving, "interrupted": interrupted})
-        log.info("left (%s); %d attempts interrupted", self._leaving, len(interrupted))
+            self._send(P.HEARTBEAT, {"left": session.leaving, "interrupted": interrupted})
+        log.info("left (%s); %d attempts interrupted", session.leaving, len(interrupted))
         return 0
 
     def _close_sandboxes(self) -> None:
@@ -561,7 +513,7 @@ class Worker:
             log.warning("send queue to the coordinator is full; message dropped")
 
     def _register(self) -> None:
-        self._generation += 1
+        self.session.register()
         # Outcomes sent under the last registration shortly before the coordinator was last heard,
         # or after: it may never have handled them.  Sent again as OUTCOMES once it welcomes us.
         cutoff = self._last_heard_wall - _RESEND_WINDOW_S
@@ -593,27 +545,21 @@ class Worker:
                 _, items = P.decode(frame, frozenset({P.DONE}), len(frame))   # our own frame
             except P.ProtocolError:
                 continue
-            self._older.extend(msgpack.packb(item, use_bin_type=True) for item in items)
+            self.session.older.extend(msgpack.packb(item, use_bin_type=True) for item in items)
         self._older_frames = []
         self._send_older()
 
     def _send_older(self) -> None:
         """Outcomes of earlier registrations, for the coordinator to match with actions still waiting."""
-        if self._older and self._registered:
-            older, self._older = self._older, []
+        session = self.session
+        if session.older and self._registered:
+            older, session.older = session.older, []
             for i in range(0, len(older), 500):     # packed items, each within the limit
                 for frame in P.encode_packed_within(P.OUTCOMES, older[i:i + 500], self._max_frame):
                     self._send_frame(frame)
 
     def _heartbeat(self) -> None:
-        gen = self._generation
-        body: dict[str, Any] = {
-            "running": len(self._running),
-            "busy_cores": sum(len(slots) for slots in self._running.values()),
-            # Killed by the coordinator but still running here (a function cannot be interrupted):
-            # their cores stay taken until the DONE for that attempt.
-            "killed_running": [[aid, attempt] for aid, attempt, g in self._killed if g == gen],
-        }
+        body = self.session.heartbeat()
         if self.services is not None:
             body["services"] = sorted(self.services.resident())
             queued = self.services.pending()
@@ -669,9 +615,9 @@ class Worker:
                     self.envs.apply(body)
             elif mtype == P.STOP:
                 if body.get("reregister"):
-                    if self._leaving is None:
+                    if self.session.leaving is None:
                         self._registered = False
-                elif self._leaving is None:
+                elif self.session.leaving is None:
                     log.info("stopping: %s", body.get("reason"))
                     self.leave(str(body.get("reason") or "stopped"), by_signal=False)
             elif mtype == P.ERROR:
@@ -686,55 +632,23 @@ class Worker:
         return heard
 
     def _on_assign(self, items: list) -> None:
-        gen = self._generation
-        for i, item in enumerate(items):
-            try:
-                spec, attempt, ncores, grant = P.check_assign(item)
-            except ValidationError as e:
-                self._refuse_assignment(item, e, gen)
-                continue
-            if self._leaving is not None:   # never started: the coordinator retries it once we have left
-                self._interrupted.append([spec.id, attempt])
-                continue
-            n = ncores  # zero-core (light) actions bind no core slot
-            free = self._free_slots
-            if len(free) >= n:
-                slots = free[-n:] if n else []
-                del free[len(free) - n:]
-            else:  # more granted than free (only after a re-registration): share cores
-                slots = free[:] + list(range(n - len(free)))
-                free.clear()
-            key = (spec.id, attempt, gen)
-            self._running[key] = slots
-            earlier = self._by_aid.get(spec.id)
-            if earlier is not None and earlier in self._running:
-                # An earlier attempt (of an earlier registration) still runs here: it answers this one.
-                self._followers.setdefault(earlier, []).append(key)
-                continue
-            self._by_aid[spec.id] = key
-            task = (spec, attempt, slots, gen, grant)
+        self._start(self.session.assign(items, time.time()))
+
+    def _start(self, starts: list[Start]) -> None:
+        for i, task in enumerate(starts):
+            spec = task.spec
             if spec.kind == "reward" and self.services is not None:
-                self._submit_reward(spec, attempt, slots, gen)
+                self._submit_reward(spec, task.attempt, task.slots, task.gen)
             elif self._fast.get(_target(spec), 1.0) < _FAST_S:
                 try:
                     self._run_inline(task)
-                except _IORoleLost:   # the standby holds the I/O role now: it takes the rest
-                    self._handoff.append((items[i + 1:], gen))
+                except _IORoleLost:   # the standby holds the I/O role now: it starts the rest
+                    if i + 1 < len(starts):
+                        self._handoff.append(starts[i + 1:])
                     self._wake()
                     raise
             else:
-                (self._light if ncores == 0 else self._tasks).put(task)
-
-    def _refuse_assignment(self, item: Any, why: Exception, gen: int) -> None:
-        """An assignment this worker cannot take apart ends at once with an error outcome, so that the
-        coordinator frees its cores instead of waiting for a timeout; one naming no attempt is logged."""
-        ref = P.assigned_attempt(item)
-        if ref is None:
-            log.warning("an assignment naming no action attempt was ignored: %s", why)
-            return
-        now = time.time()
-        self._complete(ref[0], ref[1], (Status.ERROR, None, f"the worker could not read the assignment: {why}"),
-                       now, now, [], gen)
+                (self._light if not task.slots else self._tasks).put(task)
 
     def _run_inline(self, task: tuple) -> None:
         # A function seen to finish in microseconds costs less to run here than the hand-off to
@@ -769,30 +683,10 @@ class Worker:
         # A running sandbox command is killed through its cancel pipe and a queued reward request
         # withdrawn; a running Python function cannot be interrupted: it keeps its cores, is
         # listed in heartbeats as killed but running, and its DONE tells the coordinator it ended.
-        gen = self._generation
-        now = time.monotonic()
-        for item in items:
-            if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)
-                    and isinstance(item[1], int)):
-                continue
-            key = (item[0], item[1], gen)
-            if key not in self._running:
-                # an attempt of an earlier registration (the coordinator finalised it while this
-                # worker was away), or its follower, or one already ended, whose DONE is on the way
-                lead = self._by_aid.get(item[0])
-                key = lead if lead is not None and lead[1] == item[1] else next(
-                    (k for k in self._followers.get(lead, ()) if k[1] == item[1]), None)
-                if key is None or key not in self._running:
-                    continue
-            self._killed.setdefault(key, now)
-            if self._cancel(item[0]):
-                # A reward request withdrawn from its service's queue gets no outcome: the attempt
-                # that submitted it (the leader, if this one follows it) ends here; its followers with it.
-                lead = self._by_aid.get(item[0], key)
-                if lead in self._running:
-                    t = time.time()
-                    self._complete(lead[0], lead[1], (Status.CANCELLED, None, "killed while it waited for its "
-                                   "service"), t, t, self._running[lead], lead[2])
+        for key in self.session.kill(items, time.monotonic()):
+            if self._cancel(key[0]):
+                self.session.withdrawn(key, time.time())
+                self._wake()
 
     def _cancel(self, aid: str) -> bool:
         """Kill a running sandbox command through its cancel pipe; withdraw a queued reward request
@@ -810,56 +704,18 @@ class Worker:
             os.read(self._wake_r, 4096)
         except BlockingIOError:
             pass
-        out: list[bytes] = []
-        done = self._done
-        free = self._free_slots
-        running = self._running
-        while done:
-            aid, attempt, item, slots, g = done.popleft()
-            key = (aid, attempt, g)
-            if running.pop(key, None) is not None:
-                free.extend(slots)
-            self._killed.pop(key, None)
-            if self._by_aid.get(aid) == key:
-                del self._by_aid[aid]
-            self._route_outcome(out, key, item)
-            if self._followers:
-                followers = self._followers.pop(key, ())
-                if followers:
-                    o = P.Outcome(*msgpack.unpackb(item, raw=False))    # rare: packed again for each
-                    for fkey in followers:
-                        fslots = running.pop(fkey, None)
-                        if fslots is not None:
-                            free.extend(fslots)
-                        self._killed.pop(fkey, None)
-                        self._route_outcome(out, fkey, msgpack.packb(o._replace(
-                            attempt=fkey[1], env_state=EnvState.REPLAYED if o.env_state else None)))
+        out = self.session.take()
         if out:
             for frame in P.encode_packed_within(P.DONE, out, self._max_frame):
                 self._unsent.append(frame)
                 self._keep_sent(frame)
-        if self._older:
+        if self.session.older:
             self._send_older()
         self._flush_unsent()
 
-    def _route_outcome(self, out: list[bytes], key: tuple, item: bytes) -> None:
-        """DONE for the current registration; OUTCOMES for an earlier one; nothing for an attempt the
-        leaving cut short (the coordinator retries it)."""
-        if self._leaving is not None:
-            o = P.Outcome(*msgpack.unpackb(item, raw=False))
-            if self._is_interrupted(key, o.status):
-                log.info("attempt %d of %s interrupted by the leaving (%s: %s)", key[1], key[0], o.status, o.error)
-                if key[2] == self._generation:
-                    self._interrupted.append([key[0], key[1]])
-                return
-        if key[2] == self._generation:
-            out.append(item)
-        else:
-            self._older.append(item)
-
     def _keep_sent(self, frame: bytes) -> None:
         sent = self._sent
-        sent.append((self._generation, time.time(), frame))
+        sent.append((self.session.generation, time.time(), frame))
         self._sent_bytes += len(frame)
         while len(sent) > _KEEP_SENT_FRAMES or self._sent_bytes > _KEEP_SENT_BYTES:
             self._sent_bytes -= len(sent.popleft()[2])
@@ -888,8 +744,7 @@ class Worker:
         """Leave: no new actions, the running ones get ``leave_grace_s``, the environments are handed
         back, then the worker exits.  ``by_signal``: the job is being killed (SIGTERM, Slurm's time-limit
         signal), so an action that fails meanwhile was likely killed by it too and is retried."""
-        self._leave_by_signal = by_signal
-        self._leaving = reason
+        self.session.leave(reason, by_signal)
         self._leave_signalled.set()
         try:
             os.write(self._wake_w, b"\0")

@@ -149,14 +149,14 @@ def test_killed_function_keeps_its_core_and_is_reported_until_it_returns(coord_a
     coord.until(lambda: any(hb.get("killed_running") for _, hb in coord.heartbeats))
     reported = [hb for _, hb in coord.heartbeats if hb.get("killed_running")]
     assert all(hb["killed_running"] == [[slow.id, 3]] and hb["busy_cores"] == 1 for hb in reported)
-    assert worker._free_slots == []          # the slot stays taken while the call runs
+    assert worker.session.free_slots == []          # the slot stays taken while the call runs
     coord.until(lambda: coord.result(slow) is not None, timeout=10)
     assert coord.result(slow)[:3] == (slow.id, 3, "ok")   # the DONE that ends the attempt is sent
     n = len(coord.heartbeats)
     coord.until(lambda: len(coord.heartbeats) > n + 1)
     last = coord.heartbeats[-1][1]
     assert last["killed_running"] == [] and last["busy_cores"] == 0 and last["running"] == 0
-    assert worker._free_slots == [0]
+    assert worker.session.free_slots == [0]
 
 
 def test_a_killed_action_still_waiting_for_a_thread_does_not_run(coord_and_worker):
@@ -229,7 +229,7 @@ def test_an_assignment_the_worker_cannot_read_ends_at_once_with_an_error(coord_a
         assert (d.attempt, d.status) == (attempt, "error") and "could not read the assignment" in d.error
     assert by_id[good.id].output == 4
     coord.pump(3 * HB)
-    assert len(coord.done) == 4 and worker._free_slots == [0] and not worker._running   # no core held
+    assert len(coord.done) == 4 and worker.session.free_slots == [0] and not worker.session.running   # no core held
 
 
 PACKED_ON: list[str] = []      # threads that packed a _SlowToPack result
@@ -350,18 +350,18 @@ def test_a_killed_reward_request_still_queued_ends_at_once_and_is_no_stuck_call(
         again = reward("j", ["z"])
         coord.send(P.ASSIGN, [[again.to_wire(), 1, 0]])
         coord.pump(0.3)
-        g1 = worker._generation
+        g1 = worker.session.generation
         coord.send(P.STOP, {"reregister": True})
-        coord.until(lambda: worker._generation > g1 and worker._registered)
+        coord.until(lambda: worker.session.generation > g1 and worker._registered)
         coord.send(P.ASSIGN, [[again.to_wire(), 2, 0]])     # follows attempt 1, still queued
         coord.pump(0.3)
         coord.send(P.KILL, [[again.id, 2]])
         coord.until(lambda: sum(d.id == again.id for d in coord.done) == 1)
         gate.set()                                  # held ends (reported as an earlier registration's)
-        coord.until(lambda: not worker._running)
+        coord.until(lambda: not worker.session.running)
         coord.pump(1.5)                             # well past stuck_leave_s
-        assert worker._leaving is None and not worker._killed
-        assert not worker._running, worker._running   # the attempt it followed ended too
+        assert worker.session.leaving is None and not worker.session.killed
+        assert not worker.session.running, worker.session.running   # the attempt it followed ended too
     finally:
         gate.set()
         worker._stop = True

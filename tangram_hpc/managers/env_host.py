@@ -76,6 +76,38 @@ class EnvHost:
             return self._gen.get(env)
 
     # -- before and after an action ------------------------------------------------------
+    def run(self, spec: ActionSpec, attempt: int, grant: Any, started: float, execute: Callable[[], tuple], *,
+            cancelled: Callable[[], bool], keep: Callable[[tuple], bool]) -> tuple[tuple, float, float, str | None]:
+        """One attempt of an action in its environment, from the grant to the journal: make the local
+        copy the granted one (:meth:`prepare`), answer from the journal if the action ran there
+        already (:meth:`replay`), else ``execute()`` it and journal its outcome if ``keep(outcome)``
+        (:meth:`record`), no save of the environment meanwhile (:meth:`begin`, :meth:`end`).
+        ``cancelled()``: whether the attempt was stopped while its environment was made ready.
+        Returns ``(outcome, started, finished, env_state)``."""
+        env = spec.env
+        self.begin(env)
+        try:
+            env_state, refused = self.prepare(spec, grant)
+            if refused is not None:
+                return refused, started, time.time(), None
+            if cancelled():
+                return (Status.CANCELLED, None, "killed before it started"), started, time.time(), env_state
+            seen = self.replay(env, spec.id)
+            if seen is not None:   # [id, attempt, status, output, error, started, finished]
+                return (seen[2], seen[3], seen[4]), seen[5], seen[6], EnvState.REPLAYED
+            if env_state is not EnvState.KEPT:
+                # The command's own time starts now: a restore (or a creation) is what the move or the
+                # new environment costs, which the coordinator learns apart from the command's run time.
+                started = time.time()
+            outcome = execute()
+            finished = time.time()
+            if keep(outcome):
+                # Journaled before the DONE leaves: a later attempt of this action finds it.
+                self.record(env, [spec.id, attempt, outcome[0], outcome[1], outcome[2], started, finished])
+            return outcome, started, finished, env_state
+        finally:
+            self.end(env)
+
     def begin(self, env: str) -> None:
         """An action of ``env`` starts here: no save of ``env`` until its :meth:`end`.
 
