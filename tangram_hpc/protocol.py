@@ -61,6 +61,7 @@ from __future__ import annotations
 
 from enum import IntEnum
 from math import isfinite
+from threading import get_ident
 from typing import Any, NamedTuple
 
 import msgpack
@@ -212,24 +213,37 @@ def pack_output(output: Any, limit: int) -> tuple[bytes | None, str | None]:
 _NIL = msgpack.packb(None)
 
 
-def pack_outcome(o: Outcome, limit: int) -> bytes:
-    """``o`` packed (a DONE or OUTCOMES item, for :func:`encode_packed`), or, when it would pack to more
-    than ``limit`` bytes or cannot be packed, the same outcome ``failed`` with the reason in place of its
-    output.  Meant for the thread that made the outcome: its cost grows with the output's size, up to
-    about ``limit``, never past it."""
-    out, err = o.output, o.error
+def pack_outcome(o: Outcome | list, limit: int) -> bytes:
+    """``o`` packed (an :class:`Outcome` or its 8 fields in a list: a DONE or OUTCOMES item, for
+    :func:`encode_packed`), or, when it would pack to more than ``limit`` bytes or cannot be packed, the
+    same outcome ``failed`` with the reason in place of its output.  Meant for the thread that made the
+    outcome: its cost grows with the output's size, up to about ``limit``, never past it."""
+    out, err = o[3], o[4]
     t = type(out)
     small = limit >> 4
     if ((out is None or t is int or t is float or t is bool or ((t is str or t is bytes) and len(out) <= small))
             and (err is None or len(err) <= small)):
+        packer = _thread_packer()
         try:     # the common case: no walk (a str of n characters packs to 4n + 5 bytes at most)
-            return msgpack.packb(o, use_bin_type=True)
+            return packer.pack(o)
         except Exception:
-            pass     # an int too large for msgpack: told below
+            packer.reset()   # an int too large for msgpack: told below
     packed, why = pack_output(o, limit)
     if packed is None:
-        packed = msgpack.packb(o._replace(status=Status.FAILED, output=None, error=why), use_bin_type=True)
+        packed = msgpack.packb(Outcome(*o)._replace(status=Status.FAILED, output=None, error=why), use_bin_type=True)
     return packed
+
+
+_packers: dict[int, msgpack.Packer] = {}      # thread id -> its packer
+
+
+def _thread_packer() -> msgpack.Packer:
+    """A packer for the calling thread (a Packer is not thread-safe; making one per call costs more
+    than the packing of a small outcome).  A thread id may be reused: the packer goes with it."""
+    packer = _packers.get(get_ident())
+    if packer is None:
+        packer = _packers[get_ident()] = msgpack.Packer(use_bin_type=True)
+    return packer
 
 
 def encode_packed(mtype: int, items: list[bytes]) -> bytes:

@@ -142,7 +142,7 @@ class WorkerSession:
         """An attempt ended (any thread): its outcome is packed here, within the size limit, so that
         the thread that sends it never handles a user-sized result."""
         status, output, error = outcome
-        item = P.pack_outcome(P.Outcome(aid, attempt, status, output, error, started, finished, env_state),
+        item = P.pack_outcome([aid, attempt, status, output, error, started, finished, env_state],
                               self._item_limit())
         self.done.append((aid, attempt, item, slots, gen))
 
