@@ -13,18 +13,14 @@ once it returns.  Reward-model actions go to the
 :class:`~tangram_hpc.managers.services.ServiceManager` instead, which batches
 them on its own device threads.
 
-An action's core slots stay taken until its call returns, even after the
-coordinator killed it (a Python function cannot be stopped); such calls are
-listed in each heartbeat (``killed_running``) and their DONE is always sent,
-so the coordinator knows when the cores are free again.
+What the coordinator's messages mean here (attempts, their core slots, generations, where each
+outcome goes) is the socket-free :class:`~tangram_hpc.worker_session.WorkerSession`'s; a killed
+call keeps its cores until it returns, listed in each heartbeat (``killed_running``).
 
-Environments follow the coordinator's grants (:class:`~tangram_hpc.managers.env_host.EnvHost`);
-each outcome of an action in an environment is journaled there before its DONE
-is sent.  Outcomes of attempts that ended under an earlier registration (the
-coordinator restarted, or declared this worker lost while it hung) are sent
-again as OUTCOMES once the coordinator welcomes it back, and an assignment of
-an action whose earlier attempt still runs here waits for that attempt instead
-of running a second copy.  Leaving (SIGTERM, Slurm's time-limit signal, STOP)
+Environments follow the coordinator's grants (:class:`~tangram_hpc.managers.env_host.EnvHost`,
+whose ``run`` takes an attempt from the grant to the journal, before its DONE is sent).
+Outcomes of attempts that ended under an earlier registration (the coordinator restarted, or
+declared this worker lost while it hung) are sent again as OUTCOMES once it welcomes us back.  Leaving (SIGTERM, Slurm's time-limit signal, STOP)
 means: no new actions, ``leave_grace_s`` for the running ones, interrupt the
 rest (the coordinator retries them), hand every environment back by snapshot,
 say it has left.
@@ -41,51 +37,23 @@ import sys
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import msgpack
 import zmq
 
 from . import protocol as P
-from .actions import BUILTIN_KINDS, ActionSpec, Status
-from .config import ConfigError, Settings, WorkerSettings
+from .actions import ActionSpec, Status
+from .config import ConfigError
 from .connection import ConnectionInfo, reread_connection
 from .daemon import tune_gc
-from .handlers import FunctionHandler, Handler, resolve
+from .handlers import FunctionHandler, Handler
+# the configuration lives in worker_config; named here too, where callers have imported it from
+from .worker_config import (WorkerConfig, add_arguments, config_from_args, config_from_settings,  # noqa: F401
+                            sandbox_limits, sandbox_templates)
 from .worker_session import Start, WorkerSession
 
 log = logging.getLogger("tangram.worker")
-
-_DEFAULT = WorkerSettings()
-
-
-@dataclass
-class WorkerConfig:
-    """A worker's runtime configuration (see :func:`config_from_settings`; defaults from [worker])."""
-
-    connection: ConnectionInfo
-    cores: int = _DEFAULT.cores                  # 0: every CPU this process may use
-    mem_mb: int = _DEFAULT.mem_mb
-    gpus: int = _DEFAULT.gpus
-    gpu_mem_mb: int = _DEFAULT.gpu_mem_mb
-    handle: str | None = None
-    run_dir: str | None = None
-    heartbeat_s: float = _DEFAULT.heartbeat_s
-    coordinator_timeout_s: float = _DEFAULT.coordinator_timeout_s  # silence after which it registers again
-    orphan_exit_s: float = _DEFAULT.orphan_exit_s                  # silence after which it exits
-    kinds: tuple[str, ...] = BUILTIN_KINDS
-    handlers: dict[str, Handler] = field(default_factory=dict)
-    services: Any = None                # a ServiceManager, or None
-    max_output_bytes: int = _DEFAULT.max_output_bytes
-    worker_id: str | None = None
-    #: where ``connection`` was read: a worker started by hand follows its coordinator to a new address
-    connection_file: str | None = None
-    stuck_leave_s: float = _DEFAULT.stuck_leave_s  # a killed attempt still running this long: leave (0: never)
-    unsafe_sandbox: bool = False        # run sandbox commands without bubblewrap (explicit opt-in)
-    sandbox_options: dict = field(default_factory=dict)   # more SandboxManager keyword arguments
-    snapshot_dir: str | None = None     # shared directory for environment snapshots (default: the coordinator's)
-    leave_grace_s: float = _DEFAULT.leave_grace_s          # running actions' time to finish when leaving
 
 
 class Worker:
@@ -801,78 +769,6 @@ class _IORoleLost(Exception):
 _LIGHT_THREADS = 4
 
 _FROM_COORDINATOR = frozenset({P.WELCOME, P.ASSIGN, P.KILL, P.STOP, P.HEARTBEAT, P.ERROR, P.ENV})
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    from .config_cli import add_arguments as add_config_arguments
-    add_config_arguments(p, "worker")
-
-
-def config_from_args(args: argparse.Namespace) -> WorkerConfig:
-    from .config_cli import settings_from_args
-    return config_from_settings(settings_from_args(args))
-
-
-def config_from_settings(settings: Settings) -> WorkerConfig:
-    """The runtime configuration of a worker: its [worker], [sandbox] and [services] sections."""
-    from .actions import register_kind
-    ws, ss, sv = settings.worker, settings.sandbox, settings.services
-    if not ws.connection_file:
-        raise ConfigError("a worker needs its coordinator's connection file: --connection-file, "
-                          "$TANGRAM_CONNECTION_FILE or [worker] connection_file")
-    handlers: dict[str, Callable] = {}
-    kinds = list(dict.fromkeys(ws.kinds))
-    for h in ws.handler:
-        kind, _, target = h.partition("=")
-        register_kind(kind)
-        handlers[kind] = resolve(target)
-        if kind not in kinds:
-            kinds.append(kind)
-    services = None
-    gpus, gpu_mem = ws.gpus, ws.gpu_mem_mb
-    if sv.file or sv.service:
-        from .managers.devices import discover_devices
-        from .managers.service_spec import specs_from_cli
-        from .managers.services import ServiceManager
-        services = ServiceManager(specs_from_cli(sv.file, sv.service),
-                                  discover_devices(cpu_budget_mb=sv.budget_mb,
-                                                   memory_budget_mb=sv.gpu_budget_mb or None),
-                                  pinned_mb=sv.pinned_mb or None)
-        if sv.preload:
-            services.preload()
-        gpus = gpus or sum(d.name != "cpu" for d in services.devices)
-        gpu_mem = gpu_mem or int(services.capacity_mb())
-    elif "reward" in kinds:
-        kinds.remove("reward")  # nothing to score with
-    return WorkerConfig(connection=ConnectionInfo.read(ws.connection_file), connection_file=str(ws.connection_file),
-                        cores=ws.cores, mem_mb=ws.mem_mb,
-                        gpus=gpus, gpu_mem_mb=gpu_mem, handle=ws.handle,
-                        run_dir=str(ws.run_dir) if ws.run_dir else None, heartbeat_s=ws.heartbeat_s,
-                        coordinator_timeout_s=ws.coordinator_timeout_s, orphan_exit_s=ws.orphan_exit_s,
-                        kinds=tuple(kinds), handlers=handlers, services=services,
-                        max_output_bytes=ws.max_output_bytes, unsafe_sandbox=ss.unsafe,
-                        snapshot_dir=str(ss.snapshot_dir) if ss.snapshot_dir else None,
-                        leave_grace_s=ws.leave_grace_s, stuck_leave_s=ws.stuck_leave_s,
-                        sandbox_options={"allow_network": ss.allow_network, "warm_pool": ss.warm_pool,
-                                         "env_ttl": ss.env_ttl_s, "seccomp": ss.seccomp,
-                                         "default_limits": sandbox_limits(ss), **sandbox_templates(ss)})
-
-
-def sandbox_templates(ss) -> dict:
-    """The templates of a worker's [sandbox] settings: ``template`` is the default one, named "project"."""
-    if ss.template is None:
-        return {}
-    if not os.path.isdir(ss.template):
-        raise ConfigError(f"[sandbox] template {ss.template} is not a directory (--sandbox-template)")
-    source = os.path.abspath(ss.template)
-    return {"templates": {"project": {"kind": "tree", "source": source}}, "default_template": "project"}
-
-
-def sandbox_limits(ss) -> "Limits":
-    """The per-action limits of a worker's [sandbox] settings (0 turns one off)."""
-    from .managers.limits import Limits
-    return Limits(timeout_s=ss.timeout_s or None, memory_mb=ss.memory_mb or None, disk_mb=ss.disk_mb or None,
-                  disk_files=ss.disk_files or None)
 
 
 def run_worker(cfg: WorkerConfig) -> int:
