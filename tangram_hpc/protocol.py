@@ -255,6 +255,8 @@ def encode_packed(mtype: int, items: list[bytes]) -> bytes:
 
 def encode_packed_within(mtype: int, items: list[bytes], max_bytes: int) -> list[bytes]:
     """Packed items as frames of at most ``max_bytes`` each (one item larger than that alone)."""
+    if sum(map(len, items)) <= max_bytes - 16:     # the common case: one frame
+        return [encode_packed(mtype, items)]
     out: list[bytes] = []
     start, size = 0, 0
     for i, item in enumerate(items):
@@ -265,6 +267,33 @@ def encode_packed_within(mtype: int, items: list[bytes], max_bytes: int) -> list
     if start < len(items):
         out.append(encode_packed(mtype, items[start:]))
     return out
+
+
+#: An output (or error text) up to this size may wait to be packed with its batch on the I/O thread.
+SMALL_OUTCOME = 4096
+
+
+def is_small(item: list) -> bool:
+    """Whether an outcome's fields are small enough to be packed with its batch: None, a number
+    msgpack takes, or a str or bytes of at most :data:`SMALL_OUTCOME`."""
+    out, err = item[3], item[4]
+    t = type(out)
+    return ((out is None or t is bool or t is float or (t is int and -(1 << 63) <= out < 1 << 64)
+             or ((t is str or t is bytes) and len(out) <= SMALL_OUTCOME))
+            and (err is None or len(err) <= SMALL_OUTCOME))
+
+
+def encode_outcomes(mtype: int, items: list, max_bytes: int) -> list[bytes]:
+    """DONE or OUTCOMES frames of at most ``max_bytes`` (one larger item alone) from outcomes that are
+    small lists (:func:`is_small`) or packed already (:func:`pack_outcome`): a batch of small ones is
+    one encoding, as :func:`encode_within` does it."""
+    if all(type(i) is list for i in items):
+        try:
+            return encode_within(mtype, items, max_bytes)
+        except Exception:
+            pass   # is_small let something through that msgpack refuses: each item alone, below
+    return encode_packed_within(mtype, [i if type(i) is bytes else pack_outcome(i, max_bytes) for i in items],
+                                max_bytes)
 
 
 def decode(frame: bytes, allowed: frozenset[int], max_bytes: int = MAX_FRAME_BYTES) -> tuple[MsgType, Any]:
@@ -385,6 +414,7 @@ class EnvReport(NamedTuple):
     detail: str | None
 
 
+_new_tuple = tuple.__new__
 _GRANT_SOURCES = frozenset({GRANT_HELD, GRANT_NEW, GRANT_RESTORE, GRANT_ADOPT})
 _MAX_CORES = 1 << 20
 
@@ -399,7 +429,7 @@ def check_assign(item: Any) -> Assignment:
         raise ValidationError("ASSIGN item must be [action, attempt, cores(, grant)]")
     spec = ActionSpec.from_wire(item[0])
     attempt, cores = item[1], item[2]
-    if not _count(attempt, 1 << 62) or not _count(cores, _MAX_CORES):
+    if not (type(attempt) is int and type(cores) is int and 0 <= attempt < 1 << 62 and 0 <= cores < _MAX_CORES):
         raise ValidationError(f"ASSIGN item of {spec.id} has a bad attempt or core count")
     grant = item[3] if len(item) == 4 else None
     if grant is not None:
@@ -407,7 +437,7 @@ def check_assign(item: Any) -> Assignment:
                 and grant[1] in _GRANT_SOURCES and (grant[2] is None or isinstance(grant[2], str))):
             raise ValidationError(f"ASSIGN item of {spec.id} has a malformed environment grant")
         grant = Grant(*grant)
-    return Assignment(spec, attempt, cores, grant)
+    return _new_tuple(Assignment, (spec, attempt, cores, grant))   # as Assignment(...), without its __new__
 
 
 def assigned_attempt(item: Any) -> tuple[str, int] | None:

@@ -39,7 +39,6 @@ import time
 from collections import deque
 from typing import Any
 
-import msgpack
 import zmq
 
 from . import protocol as P
@@ -513,7 +512,7 @@ class Worker:
                 _, items = P.decode(frame, frozenset({P.DONE}), len(frame))   # our own frame
             except P.ProtocolError:
                 continue
-            self.session.older.extend(msgpack.packb(item, use_bin_type=True) for item in items)
+            self.session.older.extend(items)
         self._older_frames = []
         self._send_older()
 
@@ -522,8 +521,8 @@ class Worker:
         session = self.session
         if session.older and self._registered:
             older, session.older = session.older, []
-            for i in range(0, len(older), 500):     # packed items, each within the limit
-                for frame in P.encode_packed_within(P.OUTCOMES, older[i:i + 500], self._max_frame):
+            for i in range(0, len(older), 500):     # items, each within the limit
+                for frame in P.encode_outcomes(P.OUTCOMES, older[i:i + 500], self._max_frame):
                     self._send_frame(frame)
 
     def _heartbeat(self) -> None:
@@ -674,7 +673,7 @@ class Worker:
             pass
         out = self.session.take()
         if out:
-            for frame in P.encode_packed_within(P.DONE, out, self._max_frame):
+            for frame in P.encode_outcomes(P.DONE, out, self._max_frame):
                 self._unsent.append(frame)
                 self._keep_sent(frame)
         if self.session.older:

@@ -37,6 +37,9 @@ class Start(NamedTuple):
     grant: P.Grant | None
 
 
+_new_tuple = tuple.__new__
+
+
 class WorkerSession:
     """``cores``: core slots to grant; ``item_limit``: the largest outcome sent, in bytes (asked for each
     outcome: the coordinator's WELCOME may lower it)."""
@@ -50,7 +53,7 @@ class WorkerSession:
         self.generation = 0                          # bumps on each registration
         # outcomes, packed, appended by whichever thread ended the attempt (deque appends are atomic)
         self.done: deque = deque()
-        self.older: list[bytes] = []                 # packed outcomes of earlier registrations to send
+        self.older: list = []                        # outcomes of earlier registrations to send (as in take)
         self.interrupted: list[list] = []            # [action id, attempt] the leaving cut short
         self.leaving: str | None = None
         self.leave_by_signal = False
@@ -90,7 +93,7 @@ class WorkerSession:
                 self.followers.setdefault(earlier, []).append(key)
                 continue
             self.by_aid[spec.id] = key
-            starts.append(Start(spec, attempt, slots, gen, grant))
+            starts.append(_new_tuple(Start, (spec, attempt, slots, gen, grant)))   # Start(...), a little faster
         return starts
 
     def _take_slots(self, n: int) -> list[int]:
@@ -142,15 +145,16 @@ class WorkerSession:
         """An attempt ended (any thread): its outcome is packed here, within the size limit, so that
         the thread that sends it never handles a user-sized result."""
         status, output, error = outcome
-        item = P.pack_outcome([aid, attempt, status, output, error, started, finished, env_state],
-                              self._item_limit())
+        item = [aid, attempt, status, output, error, started, finished, env_state]
+        if not P.is_small(item):
+            item = P.pack_outcome(item, self._item_limit())
         self.done.append((aid, attempt, item, slots, gen))
 
-    def take(self) -> list[bytes]:
-        """The packed outcomes to send as DONE now, their slots freed and their followers answered;
-        those of earlier registrations go to :attr:`older`, those the leaving cut short to
-        :attr:`interrupted`."""
-        out: list[bytes] = []
+    def take(self) -> list:
+        """The outcomes to send as DONE now (small ones as lists, others packed: see
+        :func:`protocol.encode_outcomes`), their slots freed and their followers answered; those of
+        earlier registrations go to :attr:`older`, those the leaving cut short to :attr:`interrupted`."""
+        out: list = []
         done = self.done
         free = self.free_slots
         running = self.running
@@ -166,19 +170,19 @@ class WorkerSession:
             if self.followers:
                 followers = self.followers.pop(key, ())
                 if followers:
-                    o = P.Outcome(*msgpack.unpackb(item, raw=False))    # rare: packed again for each
+                    o = _outcome(item)
                     for fkey in followers:
                         fslots = running.pop(fkey, None)
                         if fslots is not None:
                             free.extend(fslots)
                         self.killed.pop(fkey, None)
-                        self._route(out, fkey, msgpack.packb(o._replace(
-                            attempt=fkey[1], env_state=EnvState.REPLAYED if o.env_state else None)))
+                        answer = o._replace(attempt=fkey[1], env_state=EnvState.REPLAYED if o.env_state else None)
+                        self._route(out, fkey, list(answer) if type(item) is list else msgpack.packb(answer))
         return out
 
-    def _route(self, out: list[bytes], key: Key, item: bytes) -> None:
+    def _route(self, out: list, key: Key, item: list | bytes) -> None:
         if self.leaving is not None:
-            o = P.Outcome(*msgpack.unpackb(item, raw=False))
+            o = _outcome(item)
             if self.is_interrupted(key, o.status):
                 log.info("attempt %d of %s interrupted by the leaving (%s: %s)", key[1], key[0], o.status, o.error)
                 if key[2] == self.generation:
@@ -222,3 +226,7 @@ class WorkerSession:
             # their cores stay taken until the DONE for that attempt.
             "killed_running": [[aid, attempt] for aid, attempt, g in self.killed if g == gen],
         }
+
+
+def _outcome(item: list | bytes) -> P.Outcome:
+    return P.Outcome(*(item if type(item) is list else msgpack.unpackb(item, raw=False)))

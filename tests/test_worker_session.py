@@ -1,8 +1,6 @@
 """The worker's protocol state, driven message by message in one thread: no socket, no sleep."""
 from __future__ import annotations
 
-import msgpack
-
 from tangram_hpc import protocol as P
 from tangram_hpc.actions import EnvState, Status, function
 from tangram_hpc.worker_session import WorkerSession
@@ -16,10 +14,10 @@ def session(cores: int = 2) -> WorkerSession:
     return s
 
 
-def outcomes(items: list[bytes]) -> list[P.Outcome]:
-    """What the coordinator reads from a DONE frame built of ``items``."""
-    _, body = P.decode(P.encode_packed(P.DONE, items), P.WORKER_TYPES)
-    return [P.check_done(item) for item in body]
+def outcomes(items: list) -> list[P.Outcome]:
+    """What the coordinator reads from the DONE frames built of ``items``."""
+    return [P.check_done(item) for frame in P.encode_outcomes(P.DONE, items, P.MAX_FRAME_BYTES)
+            for item in P.decode(frame, P.WORKER_TYPES)[1]]
 
 
 def test_an_assignment_takes_its_slots_until_its_outcome_is_taken():
@@ -67,7 +65,7 @@ def test_a_second_assignment_of_a_running_action_follows_it_and_gets_its_outcome
     s.complete(spec.id, 1, (Status.OK, 7, None), 0.0, 2.0, first.slots, first.gen, EnvState.KEPT)
     [answer] = outcomes(s.take())
     assert (answer.attempt, answer.output, answer.env_state) == (2, 7, EnvState.REPLAYED)
-    [older] = [P.check_done(msgpack.unpackb(b)) for b in s.older]    # the first registration's, for OUTCOMES
+    [older] = outcomes(s.older)                    # the first registration's, for OUTCOMES
     assert (older.attempt, older.output) == (1, 7)
     assert sorted(s.free_slots) == [0, 1] and not s.running
 
@@ -104,7 +102,7 @@ def test_an_output_over_the_limit_fails_once_with_the_reason_and_a_small_one_goe
     s.complete(big.id, 1, (Status.OK, ["x" * 1000] * 100, None), 0.0, 1.0, starts[0].slots, 1)
     s.complete(small.id, 1, (Status.OK, ["x" * 1000] * 10, None), 0.0, 1.0, starts[1].slots, 1)
     items = s.take()
-    assert all(len(i) <= LIMIT for i in items)
+    assert type(items[0]) is bytes and len(items[0]) <= LIMIT      # packed, bounded, on the thread that made it
     too_big, fits = outcomes(items)
     assert (too_big.status, too_big.output) == ("failed", None)
     assert too_big.error == f"action output exceeds the limit of {LIMIT} bytes (max_output_bytes); nothing of it is kept"
