@@ -142,8 +142,9 @@ class WorkerSession:
     # -- outcomes -------------------------------------------------------------------------
     def complete(self, aid: str, attempt: int, outcome: tuple, started: float, finished: float,
                  slots: list[int], gen: int, env_state: str | None = None) -> None:
-        """An attempt ended (any thread): its outcome is packed here, within the size limit, so that
-        the thread that sends it never handles a user-sized result."""
+        """An attempt ended (any thread): unless it is small (``protocol.is_small``: it is packed with
+        its batch), its outcome is packed here, within the size limit, so that the thread that sends
+        it never handles a user-sized result."""
         status, output, error = outcome
         item = [aid, attempt, status, output, error, started, finished, env_state]
         if not P.is_small(item):
