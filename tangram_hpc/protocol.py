@@ -287,7 +287,7 @@ def encode_outcomes(mtype: int, items: list, max_bytes: int) -> list[bytes]:
     """DONE or OUTCOMES frames of at most ``max_bytes`` (one larger item alone) from outcomes that are
     small lists (:func:`is_small`) or packed already (:func:`pack_outcome`): a batch of small ones is
     one encoding, as :func:`encode_within` does it."""
-    if all(type(i) is list for i in items):
+    if bytes not in set(map(type, items)):
         try:
             return encode_within(mtype, items, max_bytes)
         except Exception:

@@ -170,7 +170,9 @@ class Worker:
         started = time.time()
         t0 = time.perf_counter()
         handler = self.handlers.get(spec.kind)
-        if self.session.stopped_before_start((spec.id, attempt, gen)):   # killed while it waited for a thread
+        session = self.session
+        if (session.killed or session.leave_killed) and session.stopped_before_start((spec.id, attempt, gen)):
+            # killed while it waited for a thread
             self._complete(spec.id, attempt, (Status.CANCELLED, None, "killed before it started"),
                            started, started, slots, gen)
             return
@@ -602,11 +604,12 @@ class Worker:
         self._start(self.session.assign(items, time.time()))
 
     def _start(self, starts: list[Start]) -> None:
+        fast = self._fast
         for i, task in enumerate(starts):
-            spec = task.spec
+            spec = task[0]     # Start.spec
             if spec.kind == "reward" and self.services is not None:
                 self._submit_reward(spec, task.attempt, task.slots, task.gen)
-            elif self._fast.get(_target(spec), 1.0) < _FAST_S:
+            elif fast.get(_target(spec), 1.0) < _FAST_S:
                 try:
                     self._run_inline(task)
                 except _IORoleLost:   # the standby holds the I/O role now: it starts the rest
@@ -615,7 +618,7 @@ class Worker:
                     self._wake()
                     raise
             else:
-                (self._light if not task.slots else self._tasks).put(task)
+                (self._tasks if task[2] else self._light).put(task)     # task[2]: its core slots
 
     def _run_inline(self, task: tuple) -> None:
         # A function seen to finish in microseconds costs less to run here than the hand-off to

@@ -38,6 +38,7 @@ class Start(NamedTuple):
 
 
 _new_tuple = tuple.__new__
+_is_small = P.is_small
 
 
 class WorkerSession:
@@ -84,7 +85,7 @@ class WorkerSession:
             if self.leaving is not None:   # never started: the coordinator retries it once we have left
                 self.interrupted.append([spec.id, attempt])
                 continue
-            slots = self._take_slots(ncores)
+            slots = self._take_slots(ncores) if ncores else []   # zero-core (light) actions bind no slot
             key = (spec.id, attempt, gen)
             self.running[key] = slots
             earlier = self.by_aid.get(spec.id)
@@ -98,8 +99,8 @@ class WorkerSession:
 
     def _take_slots(self, n: int) -> list[int]:
         free = self.free_slots
-        if len(free) >= n:   # zero-core (light) actions bind no core slot
-            slots = free[-n:] if n else []
+        if len(free) >= n:
+            slots = free[-n:]
             del free[len(free) - n:]
         else:                # more granted than free (only after a re-registration): share cores
             slots = free[:] + list(range(n - len(free)))
@@ -147,7 +148,7 @@ class WorkerSession:
         it never handles a user-sized result."""
         status, output, error = outcome
         item = [aid, attempt, status, output, error, started, finished, env_state]
-        if not P.is_small(item):
+        if not _is_small(item):
             item = P.pack_outcome(item, self._item_limit())
         self.done.append((aid, attempt, item, slots, gen))
 
@@ -159,15 +160,22 @@ class WorkerSession:
         done = self.done
         free = self.free_slots
         running = self.running
+        killed = self.killed
+        by_aid = self.by_aid
+        gen = self.generation
         while done:
             aid, attempt, item, slots, g = done.popleft()
             key = (aid, attempt, g)
             if running.pop(key, None) is not None:
                 free.extend(slots)
-            self.killed.pop(key, None)
-            if self.by_aid.get(aid) == key:
-                del self.by_aid[aid]
-            self._route(out, key, item)
+            if killed:
+                killed.pop(key, None)
+            if by_aid.get(aid) == key:
+                del by_aid[aid]
+            if g == gen and self.leaving is None:
+                out.append(item)           # the common case of _route
+            else:
+                self._route(out, key, item)
             if self.followers:
                 followers = self.followers.pop(key, ())
                 if followers:
