@@ -156,8 +156,13 @@ def _consume(frame: bytes, allowed: frozenset) -> None:
     items = body if isinstance(body, list) else []
     for item in items:
         try:
-            if mtype in (P.SUBMIT, P.ASSIGN):
-                ActionSpec.from_wire(item if mtype == P.SUBMIT else (item[0] if isinstance(item, list) and item else item))
+            if mtype == P.SUBMIT:
+                ActionSpec.from_wire(item)
+            elif mtype == P.ASSIGN:
+                try:
+                    P.check_assign(item)
+                except ValidationError:
+                    P.assigned_attempt(item)    # what a worker answers a refused assignment with
             elif mtype in (P.DONE, P.OUTCOMES):
                 P.check_done(item)
             elif mtype == P.ENV:
@@ -169,6 +174,11 @@ def _consume(frame: bytes, allowed: frozenset) -> None:
     if mtype == P.REGISTER:
         try:
             P.check_register(body)
+        except P.ProtocolError:
+            pass
+    if mtype == P.HEARTBEAT:
+        try:
+            P.check_worker_heartbeat(body)
         except P.ProtocolError:
             pass
     if mtype in (P.CLOSE_ENV, P.CANCEL):
