@@ -603,7 +603,7 @@ def test_refused_calls_of_services_named_by_clients_leave_nothing_behind(policy)
     p.submit(ActionSpec("reward", id="j", demand=Demand(service="judge")), 0)
 
     def per_service_state():
-        tables = [p._services, p._svc_step, p.tally.service_pending, getattr(p, "_rates", {})]
+        tables = [p.replicas.info, p.replicas.last_step, p.tally.service_pending, getattr(p.loading, "_rates", {})]
         return sorted(set().union(*map(set, tables)))
 
     for i in range(2000):
@@ -633,21 +633,21 @@ def test_services_named_freely_where_the_pool_declares_none_stay_bounded(policy)
     p.submit(ActionSpec("reward", id="w", demand=Demand(service="waiting", gpu_mem_mb=300)), 0)
 
     def per_service_state():
-        tables = [p._services, p._svc_step, p.tally.service_pending, getattr(p, "_rates", {}),
-                  p._svc_replicas, p.predictor._load]
+        tables = [p.replicas.info, p.replicas.last_step, p.tally.service_pending, getattr(p.loading, "_rates", {}),
+                  p.replicas.where, p.predictor._load]
         return set().union(*map(set, tables))
 
     p.predictor.observe_load("made-up-0", 3.0)     # a load time learned for a name later forgotten
     p.predictor.observe_load("judge", 4.0)
     judge_load = p.predictor.load_time("judge")
-    cap = p.MAX_UNDECLARED_SERVICES
+    cap = p.replicas.MAX_UNDECLARED_SERVICES
     for i in range(3 * cap):
         p.submit(ActionSpec("reward", id=f"x{i}", demand=Demand(service=f"made-up-{i}")), 1)
         assert p.cancel(f"x{i}")
         assert len(per_service_state()) <= cap + 3
     kept = per_service_state()
     assert {"judge", "resident", "waiting"} <= kept and "made-up-0" not in kept
-    assert p._services["waiting"].gpu_mem_mb == 300          # its learned size too
+    assert p.replicas.info["waiting"].gpu_mem_mb == 300          # its learned size too
     assert p.predictor.load_time("made-up-0") == p.predictor.default_load_time
     assert p.predictor.load_time("judge") == judge_load != p.predictor.default_load_time
     # a forgotten name is a service like any other when it is called again
@@ -669,18 +669,18 @@ def test_a_queue_nothing_waits_in_is_dropped(policy):
         assert [a.action_id for a in p.schedule(t)] == [f"a{i}"]
         p.finished(f"a{i}", t + 0.1, run_time=0.1)
         t += 0.2
-    assert len(p._queues) == 0
+    assert len(p.queues.table) == 0
     # a queue emptied by a cancel while its (stale) entry is still in its heap, then asked for again
     p.submit(ActionSpec("sandbox", id="big", demand=Demand(2, 2)), t)
     assert [a.action_id for a in p.schedule(t)] == ["big"]
     p.submit(ActionSpec("sandbox", id="c1", demand=Demand(1, 1, 7)), t)
-    assert p.schedule(t) == [] and p.cancel("c1") and len(p._queues) == 0
+    assert p.schedule(t) == [] and p.cancel("c1") and len(p.queues.table) == 0
     p.submit(ActionSpec("sandbox", id="c2", demand=Demand(1, 1, 7)), t)
     p.submit(ActionSpec("sandbox", id="c3", demand=Demand(1, 1, 7)), t)
-    assert len(p._queues) == 1 and p.schedule(t) == []
+    assert len(p.queues.table) == 1 and p.schedule(t) == []
     p.finished("big", t + 1, run_time=1.0)
     assert sorted(a.action_id for a in p.schedule(t + 1)) == ["c2", "c3"]
-    assert p.pending_count == 0 and len(p._queues) == 0
+    assert p.pending_count == 0 and len(p.queues.table) == 0
 
 
 @pytest.mark.parametrize("policy", [ElasticScheduler, FifoPolicy])
@@ -895,14 +895,18 @@ def test_pipelining_can_be_turned_off():
 def test_the_fit_check_is_remembered_for_equal_demands_and_for_one_shared_demand():
     """A client's actions each bring their own (equal) Demand; the simulator's share one per class.
     Either way the check against the worker shapes runs once per distinct demand."""
-    class Counting(ElasticScheduler):
+    from tangram_hpc.policy.replicas import FitCheck
+
+    class Counting(FitCheck):
         checks = 0
 
         def _too_big_now(self, spec):
             Counting.checks += 1
             return super()._too_big_now(spec)
 
-    p = Counting(shapes=[WorkerShape(4)])
+    p = ElasticScheduler()
+    p.fit = Counting(p)
+    p.set_shapes([WorkerShape(4)])
     shared = Demand(1, 4)
     for i in range(3):
         p.submit(ActionSpec("sandbox", id=f"w{i}", demand=Demand(1, 4)), 0)     # equal, not the same object

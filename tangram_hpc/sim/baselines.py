@@ -36,14 +36,18 @@ from typing import Mapping
 
 import numpy as np
 
-from ..actions import ActionSpec, Demand
+from ..actions import ActionSpec
 from ..policy.base import Assignment, SchedulingPolicy, mypyc_attr
-from ..policy.placement import ActionRecord, PlacementPolicy, PlacementQueue
+from ..policy.grants import AtMaxCores, Grant
+from ..policy.loading import KeepLayout, Layout
+from ..policy.order import ShortestFirst, SubmitOrder
+from ..policy.placement import PlacementPolicy
 from ..policy.predict import Predictor
 from ..resources import ServiceInfo, WorkerInfo
 from .workload import Plan, Workload
 
-__all__ = ["TrajectoryBoundPolicy", "PooledPolicy", "TaskIsolatedPolicy", "unconstrained_peaks",
+__all__ = ["TrajectoryBoundPolicy", "PooledPolicy", "TaskIsolatedPolicy", "StaticLayout", "TaskPools",
+           "unconstrained_peaks",
            "isolated_split", "static_service_layout"]
 
 
@@ -255,67 +259,80 @@ class TrajectoryBoundPolicy(SchedulingPolicy):
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
-class PooledPolicy(PlacementPolicy):
-    """One shared pool, FIFO or shortest-first, every action at min or at max cores; a reward server."""
+class StaticLayout(Layout):
+    """The reward server's layout: GPU workers preloaded by :func:`static_service_layout`, in the
+    order they join; CPU workers serve the kinds they say."""
 
-    def __init__(self, order: str, cores: str, services: Mapping[str, ServiceInfo],
-                 predictor: Predictor | None = None):
-        if order not in ("fifo", "sjf") or cores not in ("min", "max"):
-            raise ValueError("order is fifo or sjf, cores is min or max")
-        self.order = order
-        self.at_max = cores == "max"
+    def __init__(self, services: Mapping[str, ServiceInfo]):
         self._sizes = {k: v.gpu_mem_mb for k, v in services.items()}
         self._ngpu = 0
         self._layout: dict[str, list[str]] = {}
-        self._rigid: dict[Demand, Demand] = {}
-        super().__init__(predictor, services=services)
 
-    def add_worker(self, info: WorkerInfo, now: float) -> None:
+    def admit(self, info: WorkerInfo) -> WorkerInfo:
         if info.gpus:
-            self._layout[info.id] = static_service_layout(self._sizes, info.gpu_mem_mb, self._ngpu)
+            self._layout[info.id] = self._gpu_services(info)
             self._ngpu += 1
-        super().add_worker(info, now)
+        return info
 
-    def preloaded_services(self, worker_id: str, info: WorkerInfo) -> list[str]:
+    def _gpu_services(self, info: WorkerInfo) -> list[str]:
+        return static_service_layout(self._sizes, info.gpu_mem_mb, self._ngpu)
+
+    def preloaded(self, worker_id: str) -> list[str] | None:
         return self._layout.get(worker_id, [])
 
-    def submit(self, action: ActionSpec, now: float) -> None:
-        d = action.demand
-        if self.at_max and d.max_cores > d.min_cores and d.min_cores > 0:
-            rigid = self._rigid.get(d)
-            if rigid is None:
-                rigid = self._rigid[d] = replace(d, min_cores=d.max_cores)
-            action = replace(action, demand=rigid)
-        super().submit(action, now)
 
-    def _key(self, rec: ActionRecord) -> float:
-        if self.order == "fifo":
-            return float(rec.seq)
-        return rec.time_at(rec.min_cores)
+@mypyc_attr(allow_interpreted_subclasses=True)
+class TaskPools(StaticLayout):
+    """Fixed per-task pools: the ``i``-th CPU worker serves only the kind ``cpu_plan[i]`` (round
+    robin), the ``i``-th GPU worker hosts the services ``gpu_plan[i]``."""
 
-    def _should_load(self, rec: ActionRecord, q: PlacementQueue, now: float) -> bool:
-        return False             # the reward server keeps its layout
+    def __init__(self, cpu_plan: list[str], gpu_plan: list[list[str]], services: Mapping[str, ServiceInfo]):
+        super().__init__(services)
+        self._cpu_plan = cpu_plan or ["sandbox"]
+        self._gpu_plan = gpu_plan
+        self._ncpu = 0
+
+    def admit(self, info: WorkerInfo) -> WorkerInfo:
+        if info.gpus:
+            return super().admit(info)
+        kind = self._cpu_plan[self._ncpu % len(self._cpu_plan)]
+        self._ncpu += 1
+        return replace(info, kinds=frozenset({kind}))
+
+    def _gpu_services(self, info: WorkerInfo) -> list[str]:
+        return list(self._gpu_plan[self._ngpu % len(self._gpu_plan)]) if self._gpu_plan else []
+
+
+@mypyc_attr(allow_interpreted_subclasses=True)
+class PooledPolicy(PlacementPolicy):
+    """One shared pool, FIFO or shortest-first, every action at min or at max cores; a reward server.
+
+    As a set of strategies: :class:`~tangram_hpc.policy.order.SubmitOrder` (``fifo``) or
+    :class:`~tangram_hpc.policy.order.ShortestFirst` (``sjf``), :class:`~tangram_hpc.policy.grants.Grant`
+    (``min``) or :class:`~tangram_hpc.policy.grants.AtMaxCores` (``max``),
+    :class:`~tangram_hpc.policy.loading.KeepLayout` on a :class:`StaticLayout` (or ``layout``).
+    """
+
+    def __init__(self, order: str, cores: str, services: Mapping[str, ServiceInfo],
+                 predictor: Predictor | None = None, layout: StaticLayout | None = None):
+        if order not in ("fifo", "sjf") or cores not in ("min", "max"):
+            raise ValueError("order is fifo or sjf, cores is min or max")
+        self.static_layout = layout if layout is not None else StaticLayout(services)
+        super().__init__(predictor, services=services,
+                         order=SubmitOrder() if order == "fifo" else ShortestFirst(),
+                         grant=AtMaxCores() if cores == "max" else Grant(),
+                         loading=KeepLayout(), layout=self.static_layout)
+
+    def preloaded_services(self, worker_id: str, info: WorkerInfo) -> list[str]:
+        """The static layout: loaded before the run, never moved."""
+        return self.static_layout.preloaded(worker_id) or []
 
 
 class TaskIsolatedPolicy(PooledPolicy):
     """Fixed per-task pools, FIFO inside, every action at ``max_cores``, services pinned per GPU worker."""
 
     def __init__(self, cpu_plan: list[str], gpu_plan: list[list[str]], services: Mapping[str, ServiceInfo]):
-        super().__init__("fifo", "max", services)
-        self._cpu_plan = cpu_plan or ["sandbox"]
-        self._gpu_plan = gpu_plan
-        self._ncpu = 0
-
-    def add_worker(self, info: WorkerInfo, now: float) -> None:
-        if info.gpus:
-            plan = self._gpu_plan[self._ngpu % len(self._gpu_plan)] if self._gpu_plan else []
-            self._layout[info.id] = list(plan)
-            self._ngpu += 1
-            PlacementPolicy.add_worker(self, info, now)
-        else:
-            kind = self._cpu_plan[self._ncpu % len(self._cpu_plan)]
-            self._ncpu += 1
-            PlacementPolicy.add_worker(self, replace(info, kinds=frozenset({kind})), now)
+        super().__init__("fifo", "max", services, layout=TaskPools(cpu_plan, gpu_plan, services))
 
 
 def unconstrained_peaks(plan: Plan) -> dict[str, float]:
