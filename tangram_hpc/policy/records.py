@@ -168,7 +168,7 @@ class WorkerRecord:
         self.env_queue: PlacementQueue | None = None
         self.light = 0                       # zero-core actions it holds
         self.light_cap = light_capacity(info)
-        # cores its environments' fixed-size actions use: now, and averaged over time (see _reserve)
+        # cores its environments' fixed-size actions use: now, and averaged over time (see grants.reserve)
         self.rigid_env = 0
         self.rigid_avg = 0.0
         self.rigid_at = 0.0
