@@ -35,11 +35,10 @@ So the cores the waiting work could use are not handed out before it had its cha
 """
 from __future__ import annotations
 
-import math
 from typing import ClassVar, Iterable, Mapping, Sequence
 
 from ..actions import ActionSpec, Demand
-from ..resources import CPU, GPU, ResourceClass, ServiceInfo, WorkerInfo, WorkerShape
+from ..resources import ResourceClass, ServiceInfo, WorkerInfo, WorkerShape
 from .base import Assignment, SchedulingPolicy, mypyc_attr
 from .capacity import CapacityIndex, fits
 from .grants import Grant, rigid_change
@@ -48,7 +47,7 @@ from .moves import EnvMoves, MoveWhenSooner
 from .order import Order, SubmitOrder
 from .predict import Predictor
 from .queues import PlacementQueues
-from .records import (GONE, PENDING, RUNNING, ActionRecord, ActionState, EnvState, KindLoad, Need,
+from .records import (GONE, PENDING, RUNNING, ActionRecord, ActionState, EnvState, KindLoad, OfferedLoad,
                       PlacementQueue, ServiceReplica, ShapeLimit, Tally, WorkerRecord, water_level)
 from .replicas import FitCheck, ServiceTable
 
@@ -91,8 +90,7 @@ class PlacementPolicy(SchedulingPolicy):
         self._wseq = 0
         self._unplaceable: dict[str, tuple[ActionRecord, str]] = {}
         self._grow: list[tuple[ActionRecord, WorkerRecord]] = []
-        self.load_window_s = 60.0
-        self._offered: dict[ResourceClass, list[float]] = {}   # resource -> [cores, at time]
+        self.offered = OfferedLoad()
         self.queues = PlacementQueues(self)
         self.capacity = CapacityIndex(self.workers)
         self.replicas = ServiceTable(self)
@@ -306,7 +304,8 @@ class PlacementPolicy(SchedulingPolicy):
             self._note_service(rec)
             self.loading.arrived(rec.service, now)
         self.tally.submitted(rec)
-        self._count_offered(rec, now)
+        if not rec.light:
+            self.offered.count(rec, self.grant.best_cores(rec), now)
         if why:
             self._unplaceable[aid] = (rec, why)
             return
@@ -316,28 +315,12 @@ class PlacementPolicy(SchedulingPolicy):
         if self.replicas.note(rec):
             self.fit.changed()      # a learned (or forgotten) size decides where calls fit
 
-    def _count_offered(self, rec: ActionRecord, now: float) -> None:
-        if rec.light:
-            return
-        res = GPU if rec.service or rec.gpu_mem_mb else CPU
-        c = self.grant.best_cores(rec)
-        work = rec.time_at(c) * c / self.load_window_s
-        r = self._offered.get(res)
-        if r is None:
-            self._offered[res] = [work, now]
-        elif now - r[1] < 0.5:
-            r[0] += work            # decay in half-second steps: submits come in bursts
-        else:
-            r[0] = r[0] * math.exp(-(now - r[1]) / self.load_window_s) + work
-            r[1] = now
-
     @property
     def current_step(self) -> int | None:
         return self.replicas.step if self.replicas.step_seen else None
 
     def offered_load(self, now: float) -> dict[ResourceClass, float]:
-        return {res: r[0] * math.exp(-max(0.0, now - r[1]) / self.load_window_s)
-                for res, r in self._offered.items()}
+        return self.offered.at(now)
 
     def cancel(self, action_id: str) -> bool:
         rec = self._recs.get(action_id)

@@ -19,23 +19,25 @@ the same fields:
 * :class:`ServiceReplica` -- a service resident (or loading) on a worker;
 * :class:`PlacementQueue` -- waiting actions that need the same thing;
 * :class:`KindLoad` -- per action kind: capacity and demand;
+* :class:`OfferedLoad` -- the work submitted lately, per resource class;
 * :class:`Tally` -- every count the policy keeps by hand, changed in one place
   by the four transitions of an action (:meth:`Tally.submitted`,
   :meth:`Tally.started`, :meth:`Tally.withdrawn`, :meth:`Tally.ended`).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Final
 
 from ..actions import ActionSpec
-from ..resources import WorkerInfo, WorkerShape
+from ..resources import CPU, GPU, ResourceClass, WorkerInfo, WorkerShape
 from .base import light_capacity
 from .predict import ClassStats
 
 __all__ = ["ActionState", "EnvState", "Need", "ActionRecord", "ServiceReplica", "WorkerRecord", "PlacementQueue",
-           "ShapeLimit", "KindLoad", "Tally", "water_level", "INF", "PENDING", "RUNNING", "GONE"]
+           "ShapeLimit", "KindLoad", "Tally", "OfferedLoad", "water_level", "INF", "PENDING", "RUNNING", "GONE"]
 
 INF: Final = float("inf")
 
@@ -324,6 +326,31 @@ class Tally:
                 del kl.by_max[m]
         else:
             kl.rigid -= rec.min_cores
+
+
+class OfferedLoad:
+    """Cores' worth of work submitted per second lately, per resource class (an exponentially
+    decaying sum over ``window_s``): what the pool policy sizes the pool for."""
+
+    def __init__(self, window_s: float = 60.0):
+        self.window_s = window_s
+        self._by_res: dict[ResourceClass, list[float]] = {}   # resource -> [cores, at time]
+
+    def count(self, rec: ActionRecord, cores: int, now: float) -> None:
+        """``rec`` was submitted; it would run on ``cores`` with nothing waiting."""
+        res = GPU if rec.service or rec.gpu_mem_mb else CPU
+        work = rec.time_at(cores) * cores / self.window_s
+        r = self._by_res.get(res)
+        if r is None:
+            self._by_res[res] = [work, now]
+        elif now - r[1] < 0.5:
+            r[0] += work            # decay in half-second steps: submits come in bursts
+        else:
+            r[0] = r[0] * math.exp(-(now - r[1]) / self.window_s) + work
+            r[1] = now
+
+    def at(self, now: float) -> dict[ResourceClass, float]:
+        return {res: r[0] * math.exp(-max(0.0, now - r[1]) / self.window_s) for res, r in self._by_res.items()}
 
 
 def water_level(cores: float, by_max: dict[int, int]) -> float:
