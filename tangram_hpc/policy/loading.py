@@ -59,8 +59,8 @@ class Loading:
         policy = self._policy
         assert policy is not None
         pending = policy.tally.service_pending
-        load_time = policy.predictor.load_time
-        residents = [Resident(s, st.mem, pending.get(s, 0), now - st.last_used, load_time(s), 0.0)
+        predictor = policy.predictor
+        residents = [Resident(s, st.mem, pending.get(s, 0), now - st.last_used, predictor.load_time(s), 0.0)
                      for s, st in w.services.items() if st.running == 0 and st.ready_at <= now]
         return choose_victims(residents, need, free)
 
