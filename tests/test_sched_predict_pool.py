@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from tangram_hpc.actions import ActionSpec, Demand
-from tangram_hpc.policy.base import Launch, PoolView, Reclaim, WorkerStatus
+from tangram_hpc.policy.base import Launch, PoolView, Reclaim, Withdraw, WorkerStatus
 from tangram_hpc.policy.pool import ClusterCapacity, PartitionFree, PoolConfig, PoolController
 from tangram_hpc.policy.predict import Predictor, amdahl_time, feature_key
 from tangram_hpc.resources import CPU, GPU, WorkerInfo, WorkerShape
@@ -124,9 +124,15 @@ def test_drains_workers_near_their_time_limit_and_replaces_them():
     pc = PoolController(PoolConfig([CPU_SHAPE], startup_s=60, time_limit_margin_s=120))
     old = _ws("old", busy=16, running=16)
     old.ends_at = 1100.0
-    out = pc.decide(PoolView(1000.0, _backlog(50), [old]))
+    other = _ws("other", busy=16, running=16)
+    out = pc.decide(PoolView(1000.0, _backlog(50), [old, other]))
     assert Reclaim("old", "time limit") in out
     assert any(isinstance(d, Launch) and d.shape == CPU_SHAPE for d in out)
+    # the last worker accepting work that waits is replaced first, drained once the replacement joined
+    out = pc.decide(PoolView(1000.0, _backlog(50), [old]))
+    assert not any(isinstance(d, Reclaim) for d in out)
+    assert any(isinstance(d, Launch) and d.shape == CPU_SHAPE for d in out)
+    assert Reclaim("old", "time limit") in pc.decide(PoolView(1000.0, [], [old]))
     # once draining it is not reclaimed twice, and far from its limit a worker is left alone
     old.draining = True
     assert Reclaim("old", "time limit") not in pc.decide(PoolView(1001.0, [], [old]))
@@ -152,6 +158,25 @@ def test_static_pool_replaces_and_gives_back_extras():
     out = pool.decide(PoolView(30.0, [], [one, b, c], failures=failures))
     assert [d.worker_id for d in out if isinstance(d, Reclaim)] == ["a"]
     assert not any(isinstance(d, Launch) for d in out)
+
+
+def test_a_returning_worker_and_its_replacement_are_not_both_given_back():
+    from tangram_hpc.policy.static import StaticPool
+    shape = WorkerShape(2)
+    pool = StaticPool([shape])
+    back = _ws("back", shape, idle_since=10.0)
+    # the lost worker came back while its replacement starts: the launch is withdrawn, not the worker
+    out = pool.decide(PoolView(11.0, [], [back], starting=[(shape, 5.0)]))
+    assert out == [Withdraw(shape, 1, "more workers than the pool keeps")]
+    # the replacement joined anyway: one of the two is given back, and only one
+    new = _ws("new", shape, idle_since=12.0)
+    out = pool.decide(PoolView(12.0, [], [back, new]))
+    assert [d.worker_id for d in out if isinstance(d, Reclaim)] == ["back"]
+    # while that one drains, the other is the pool: kept, and nothing launched
+    back.draining = True
+    assert pool.decide(PoolView(13.0, [], [back, new])) == []
+    # a draining worker is no capacity: alone, it is replaced
+    assert pool.decide(PoolView(14.0, [], [back])) == [Launch(shape, 1)]
 
 
 def test_parallel_fraction_stays_at_the_prior_until_the_evidence_is_strong():

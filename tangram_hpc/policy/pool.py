@@ -40,6 +40,9 @@ resources; with several shapes of a kind in the config, that is how it picks.
 Time limits.  A worker whose batch job ends within ``time_limit_margin_s``
 is drained (its running actions finish, its environments are snapshotted)
 and no longer counts as capacity, so a replacement is launched in time.
+While work of its class waits, the last worker of the class that accepts
+work is drained only once another has joined: no drain leaves the pool
+with nothing accepting work that waits.
 
 Scale down.  A worker idle (no running action) for ``idle_ttl_s`` is
 reclaimed, down to ``min_workers`` of its class, never while work of its
@@ -255,10 +258,21 @@ class PoolController(PoolPolicy):
         # busy workers are never reclaimed: only the others are ordered (longest idle first)
         candidates = [ws for ws in view.workers
                       if not (ws.running or ws.busy_cores) or (ws.ends_at is not None and not ws.draining)]
+        accepting: dict[ResourceClass, int] = {}
+        for ws in view.workers:
+            if not ws.draining:
+                k = ws.launched_shape.resource
+                accepting[k] = accepting.get(k, 0) + 1
         for ws in sorted(candidates, key=lambda s: (s.idle_since if s.idle_since is not None else now, s.info.id)):
             k = ws.launched_shape.resource
             if self._expiring(ws, now) and not ws.draining:
-                out.append(Reclaim(ws.info.id, "time limit"))  # drained; its replacement is launched below
+                # Its replacement is launched below.  While work of its class waits, the last worker
+                # that accepts it is drained only once another one has joined: the time limit may
+                # cut a few attempts short (they run again), a pool that accepts nothing stalls all.
+                if demand[k].waiting and accepting.get(k, 0) <= 1:
+                    continue
+                out.append(Reclaim(ws.info.id, "time limit"))
+                accepting[k] -= 1
                 kept[k] -= 1
                 continue
             if ws.running or ws.busy_cores:
@@ -279,6 +293,7 @@ class PoolController(PoolPolicy):
             if kept[k] - 1 < cfg.min_workers.get(k, 0):
                 continue
             out.append(Reclaim(ws.info.id, "idle"))
+            accepting[k] -= 1
             kept[k] -= 1
             cap_left[k] -= ws.info.cores
         total -= len(out)
