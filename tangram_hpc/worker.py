@@ -121,7 +121,7 @@ class Worker:
         # Until the coordinator names its snapshot directory (WELCOME), a fallback under its run directory.
         snapshots = cfg.snapshot_dir or os.path.join(cfg.connection.run_dir or run_dir, "snapshots")
         mgr = SandboxManager(os.path.join(run_dir, "envs"), snapshots, unsafe=cfg.unsafe_sandbox,
-                             **cfg.sandbox_options)
+                             result_bytes=cfg.max_output_bytes, **cfg.sandbox_options)
         mgr.check()  # no bubblewrap and no explicit --unsafe-sandbox: refuse to start, saying why
         return mgr
 
@@ -505,6 +505,8 @@ class Worker:
         limit = body.get("max_frame_bytes")
         if type(limit) is int and limit > 0:
             self._max_frame = limit
+        if self.sandboxes is not None:   # a result is bounded where it is made, before it is packed
+            self.sandboxes.result_bytes = self._item_limit()
         snapshots = body.get("snapshot_dir")
         if self.sandboxes is not None and not self.cfg.snapshot_dir and isinstance(snapshots, str) and snapshots:
             from pathlib import Path

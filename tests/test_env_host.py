@@ -121,6 +121,20 @@ def test_the_journal_keeps_large_outputs_within_its_byte_bound(hosts):
     assert h.replay("e", "huge") is not None and h.replay("e", "after")[3] == 1    # the newest two stay
 
 
+def test_a_record_too_large_for_the_journal_keeps_its_outcome_without_its_output(hosts):
+    from tangram_hpc.managers.environments import JOURNAL_RECORD_BYTES
+    h = hosts("w1")
+    run_in(h, act("true", env="e"), [1, P.GRANT_NEW, None])
+    h.record("e", ["big", 1, "failed", {"stdout": "y" * (24 << 20)}, "exit code 1", 0.0, 1.0])
+    journal = h.mgr.envs.root / (env_dirname("e") + ".journal")
+    assert journal.stat().st_size < 4096
+    rec = h.replay("e", "big")
+    assert rec[:4] == ["big", 1, "failed", None] and rec[4].startswith("exit code 1; its output (")
+    assert "too large to keep" in rec[4]
+    h.record("e", ["fits", 1, "ok", {"stdout": "z" * (JOURNAL_RECORD_BYTES // 2)}, None, 0.0, 1.0])
+    assert h.replay("e", "fits")[3]["stdout"] == "z" * (JOURNAL_RECORD_BYTES // 2)
+
+
 def test_a_copy_being_made_when_the_worker_registers_again_counts_as_held(hosts):
     """Stopped between its ASSIGN and the copy (SIGSTOP, a stall), the worker registers again while
     the copy is still being made: it reports it, and the coordinator's renumbering sticks."""

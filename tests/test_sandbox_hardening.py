@@ -281,6 +281,36 @@ def test_run_code_over_the_disk_quota_fails_and_says_why(tmp_path):
     # catches the growth (it ran to its end): either way the step's own result is there.
     assert r.output["run_result"]["return_code"] in (0, -9)
 
+@pytest.mark.skipif(not ROOT, reason="an environment's processes are found by its own uid, given as root")
+def test_files_deleted_while_held_open_count_against_the_quota(tmp_path):
+    """No directory holds them, so no walk sees them, yet they fill the disk (420 MiB went by a
+    64 MiB quota that way)."""
+    with SandboxManager(tmp_path / "envs", default_limits=Limits(timeout_s=60, disk_mb=32)) as m:
+        r = m.run(act(py("""
+            import os, time
+            held = []
+            for i in range(6):
+                f = open(f"hidden{i}", "wb")
+                os.unlink(f"hidden{i}")
+                for _ in range(30):
+                    f.write(b"x" * (1 << 20))
+                f.flush()
+                held.append(f)
+            print("all written", flush=True)
+            time.sleep(30)
+        """), env="hide"), CPU)
+    assert r.status == Status.FAILED and "disk quota exceeded" in r.error, r
+    assert "deleted but still open" in r.error and "all written" not in r.output["stdout"], r
+
+
+def test_the_journal_counts_against_the_quota(tmp_path):
+    with SandboxManager(tmp_path / "envs", default_limits=Limits(timeout_s=60, disk_mb=2)) as m:
+        assert m.run(act("true", env="j"), CPU).status == Status.OK
+        m.envs.journal_add("j", ["a1", 1, Status.OK, "x" * (3 << 20), None, 0.0, 1.0])
+        r = m.run(act("head -c 1500000 /dev/zero > f", env="j"), CPU)
+    assert r.status == Status.FAILED and "disk quota exceeded" in r.error and "journal" in r.error, r
+
+
 def test_fallocate_is_refused_and_posix_fallocate_still_works(mgr):
     r = mgr.run(act(py("""
         import os, subprocess

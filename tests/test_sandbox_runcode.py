@@ -146,3 +146,26 @@ def test_languages_of_the_verl_recipes_run_in_the_sandbox(mgr, language):
     assert r.status == Status.OK, r
     assert r.output["status"] == "Success", r.output
     assert r.output["run_result"]["stdout"].strip() == "42"
+
+
+def test_fetched_files_are_bounded_by_their_sizes_before_any_is_read(tmp_path):
+    """Sparse files hold no disk blocks but read as their size: twelve of 1 MiB make a result of
+    12 MiB (16 base64-encoded) that no worker can send; one bigger than the whole result neither."""
+    code = ("import os\n"
+            "for i in range(12):\n"
+            "    with open(f'sparse{i}', 'wb') as f: f.truncate(1 << 20)\n"
+            "with open('huge', 'wb') as f: f.truncate(1 << 30)\n"
+            "open('small', 'w').write('hi')\n")
+    with SandboxManager(tmp_path / "envs", result_bytes=8 << 20) as mgr:
+        made = run_code(mgr, env="e", language="python", code=code)
+        assert made.status == Status.OK and made.output["status"] == "Success", made
+        many = run_code(mgr, env="e", language="bash", code="true", fetch_files=[f"sparse{i}" for i in range(12)])
+        assert many.status == Status.FAILED and many.output["status"] == "SandboxError", many
+        assert "12 files hold 12582912 bytes together" in many.error and many.output["files"] == {}
+        one = run_code(mgr, env="e", language="bash", code="true", fetch_files=["small", "huge"])
+        assert one.status == Status.FAILED and "'huge' holds 1073741824 bytes" in one.error, one
+        fits = run_code(mgr, env="e", language="bash", code="true",
+                        fetch_files=["small", "small"] + [f"sparse{i}" for i in range(4)])
+        assert fits.status == Status.OK and len(fits.output["files"]) == 5, fits
+        assert base64.b64decode(fits.output["files"]["small"]) == b"hi"
+        assert base64.b64decode(fits.output["files"]["sparse3"]) == bytes(1 << 20)

@@ -53,8 +53,8 @@ from .env_bases import Base, BaseRef, scan_base, settled_now, unchanged
 
 __all__ = [
     "Template", "EmptyTemplate", "TreeTemplate", "PythonEnvTemplate", "template_from_config",
-    "Environment", "EnvStore", "EnvError", "UnknownTemplate", "UID_RANGE", "NOFOLLOW_DIR", "write_inside", "read_inside",
-    "is_plain_dir", "JOURNAL_KEEP", "snapshot_identity", "env_dirname",
+    "Environment", "EnvStore", "EnvError", "UnknownTemplate", "UID_RANGE", "NOFOLLOW_DIR", "write_inside", "read_inside", "size_inside",
+    "is_plain_dir", "JOURNAL_KEEP", "JOURNAL_RECORD_BYTES", "bounded_record", "snapshot_identity", "env_dirname",
 ]
 
 log = logging.getLogger(__name__)
@@ -71,6 +71,9 @@ JOURNAL_KEEP = 32
 #: 2 MiB each would otherwise cost a worker hosting many environments gigabytes, in memory, on disk
 #: and in every snapshot.
 JOURNAL_MAX_BYTES = 8 << 20
+#: A record larger than this keeps its outcome without its output (the journal answers a retry that
+#: the action ran, and how it ended; a result that large was sent already, or was not sendable).
+JOURNAL_RECORD_BYTES = 4 << 20
 # pax header keys of a snapshot: the environment id, its generation, its journal (base64 msgpack)
 _PAX_ENV, _PAX_GEN, _PAX_JOURNAL = "TANGRAM.env", "TANGRAM.generation", "TANGRAM.journal"
 _PAX_TEMPLATE, _PAX_BASE, _PAX_DELETED = "TANGRAM.template", "TANGRAM.base", "TANGRAM.deleted"
@@ -500,8 +503,13 @@ class EnvStore:
             return self._journal_of(env).get(action_id)
 
     def journal_add(self, env_id: str, record: list) -> None:
-        """Record the outcome of an action that ran in ``env_id``, before its result is reported."""
+        """Record the outcome of an action that ran in ``env_id``, before its result is reported
+        (one larger than :data:`JOURNAL_RECORD_BYTES` without its output)."""
         env = self.get(env_id)
+        packed = msgpack.packb(record, use_bin_type=True)
+        if len(packed) > JOURNAL_RECORD_BYTES:
+            record = bounded_record(record, len(packed))
+            packed = msgpack.packb(record, use_bin_type=True)
         with self._lock:
             journal = self._journal_of(env)
             journal.pop(record[0], None)
@@ -510,12 +518,19 @@ class EnvStore:
             path = self._journal_path(env_id)
             if env.journal_appends <= JOURNAL_KEEP:
                 with open(path, "ab") as f:
-                    f.write(msgpack.packb(record, use_bin_type=True))
+                    f.write(packed)
                     if f.tell() <= JOURNAL_MAX_BYTES:
                         return
             _trim_journal(journal)
             env.journal_appends = 0
             _write_journal(path, list(journal.values()))
+
+    def journal_bytes(self, env: Environment) -> int:
+        """The size of ``env``'s journal file (it counts against the environment's disk quota)."""
+        try:
+            return os.stat(self._journal_path(env.id)).st_blocks * 512
+        except OSError:
+            return 0
 
     def _set_journal(self, env: Environment, records: list) -> None:
         env.journal = {r[0]: r for r in records}
@@ -771,6 +786,13 @@ def snapshot_identity(path: str | os.PathLike) -> tuple[str, int] | None:
     return (env_id, gen) if env_id else None
 
 
+def bounded_record(record: list, size: int) -> list:
+    """``record`` without its output, saying so in its error (the output of ``size`` bytes packed)."""
+    why = f"its output ({size} bytes) was too large to keep in the environment's journal"
+    error = record[4] if isinstance(record[4], str) else None
+    return [record[0], record[1], record[2], None, f"{error}; {why}" if error else why, *record[5:]]
+
+
 def _journal_from_header(text: str | None) -> list:
     if not text:
         return []
@@ -923,8 +945,8 @@ def write_inside(root: Path, rel: str, data: bytes, uid: int | None) -> None:
         os.close(dirfd)
 
 
-def read_inside(root: Path, rel: str, limit: int) -> bytes | None:
-    """Up to ``limit`` bytes of ``root/rel`` if it is a regular file reached without symlinks."""
+def _open_file_inside(root: Path, rel: str) -> int | None:
+    """A read descriptor of ``root/rel`` if it is a regular file reached without symlinks, else None."""
     try:
         parts = _parts(rel)
         dirfd = _open_parent(root, rel, parts, None, create=False)
@@ -932,17 +954,43 @@ def read_inside(root: Path, rel: str, limit: int) -> bytes | None:
         return None
     try:
         fd = os.open(parts[-1], os.O_RDONLY | _NOFOLLOW_FILE, dir_fd=dirfd)
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                return None
-            with os.fdopen(fd, "rb", closefd=False) as fh:
-                return fh.read(limit)
-        finally:
-            os.close(fd)
     except OSError:
         return None
     finally:
         os.close(dirfd)
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            return fd
+    except OSError:
+        pass
+    os.close(fd)
+    return None
+
+
+def size_inside(root: Path, rel: str) -> int | None:
+    """The size of ``root/rel`` (what reading it gives: a sparse file counts its holes) if it is a
+    regular file reached without symlinks, else None."""
+    fd = _open_file_inside(root, rel)
+    if fd is None:
+        return None
+    try:
+        return os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+
+
+def read_inside(root: Path, rel: str, limit: int) -> bytes | None:
+    """Up to ``limit`` bytes of ``root/rel`` if it is a regular file reached without symlinks."""
+    fd = _open_file_inside(root, rel)
+    if fd is None:
+        return None
+    try:
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            return fh.read(limit)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def is_plain_dir(root: Path, rel: str) -> bool:

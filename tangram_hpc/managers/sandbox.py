@@ -47,14 +47,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, NamedTuple
 
+import msgpack
+
 from ..actions import ActionSpec, Status
 from ..errors import TangramError
 from . import sandboxfusion as sf
 from .bwrap import SANDBOX_DIR, BwrapLayout, BwrapUnavailable, probe_bwrap
 from . import seccomp
 from .cgroups import Cgroups, CgroupScope
-from .diskquota import QuotaWatch
-from .environments import EnvError, EnvStore, Environment, UnknownTemplate, is_plain_dir, read_inside
+from .diskquota import QuotaWatch, held_deleted
+from .environments import EnvError, EnvStore, Environment, UnknownTemplate, is_plain_dir, read_inside, size_inside
 from .limits import WRAPPER_ENVIRON, Limits, LimitsError, wrapper_argv
 from .process import ProcResult, run_bounded
 
@@ -71,7 +73,10 @@ _LOADER_VARS = frozenset({"GCONV_PATH", "GETCONF_DIR", "GLIBC_TUNABLES", "HOSTAL
 _PAYLOAD_KEYS = ("cmd", "stdin", "environ", "files", "template", "network", "limits")
 _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS",
                 "PYTEST_XDIST_AUTO_NUM_WORKERS", "TANGRAM_NCPUS")
-_FETCH_LIMIT = 16 * 1024 * 1024
+#: The largest result a worker sends unless told otherwise (the coordinator's default ``max_output_bytes``).
+RESULT_BYTES = 8 << 20
+#: What a result holds besides outputs and fetched files (field names, numbers, the error text).
+_RESULT_OVERHEAD = 16 << 10
 _unsafe_warned = False
 
 
@@ -181,6 +186,9 @@ class SandboxManager:
     extra_ro_binds: more host directories made visible read-only at the same path.
     seccomp: load the seccomp filter of :mod:`tangram_hpc.managers.seccomp` (no nested
         user namespaces, keyrings, bpf, io_uring, fallocate) into every sandbox.
+    result_bytes: the largest result the worker can send (its ``max_output_bytes``): the
+        output kept of each stream is at most an eighth of it, and ``fetch_files`` are
+        checked against what is left of it from their sizes before any is read.
     """
 
     def __init__(self, root: Path | str, snapshot_dir: Path | str | None = None, *,
@@ -188,8 +196,10 @@ class SandboxManager:
                  default_template: str = "empty", env_ttl: float | None = 3600.0,
                  warm_pool: int = 0, default_limits: Limits | None = None,
                  bwrap: str = "bwrap", allow_network: bool = False, use_cgroups: bool = True,
-                 extra_ro_binds: tuple[str, ...] = (), seccomp: bool = True):
+                 extra_ro_binds: tuple[str, ...] = (), seccomp: bool = True,
+                 result_bytes: int = RESULT_BYTES):
         self.root = Path(root)
+        self.result_bytes = result_bytes
         self.snapshot_dir = Path(snapshot_dir) if snapshot_dir is not None else None
         self.default_limits = default_limits or Limits()
         self.allow_network = allow_network
@@ -331,7 +341,11 @@ class SandboxManager:
             lim = lim.merged({"memory_mb": spec.demand.mem_mb})
         if spec.timeout is not None:
             lim = lim.merged({"timeout_s": spec.timeout})
-        return lim.merged(overrides)
+        lim = lim.merged(overrides)
+        # Outputs are cut where they are read (two streams, two steps of a run_code): kept past
+        # this, they would only make a result the worker cannot send.
+        keep = max(1, self.result_bytes // 8)
+        return lim if lim.output_bytes <= keep else lim.merged({"output_bytes": keep})
 
     def _exec(self, env: Environment, argv: list[str], stdin: bytes | None,
               extra_env: Mapping[str, str], limits: Limits, cpus, network: bool,
@@ -341,7 +355,7 @@ class SandboxManager:
         environ = self._environ(inside, ncpus, env)
         environ.update(extra_env)
         uid = env.uid
-        quota = QuotaWatch(env.path, limits.disk_mb, limits.disk_files, env.disk)
+        quota = QuotaWatch(env.path, limits.disk_mb, limits.disk_files, env.disk, outside=self._held_outside(env))
         scope: CgroupScope | None = None
         if self.cgroups is not None:
             scope = self.cgroups.scope(limits.memory_mb, limits.nproc)
@@ -428,6 +442,16 @@ class SandboxManager:
         disk_mb = round(quota.last.mb, 3) if quota.active else None
         return _Ran(res, enforced, note, disk_mb)
 
+    def _held_outside(self, env: Environment):
+        """What counts against ``env``'s disk quota beside its tree: its journal, and the files its
+        commands deleted but hold open (found by the environment's uid, which only it runs as)."""
+        dev = os.stat(env.path).st_dev
+
+        def held() -> int:
+            n = self.envs.journal_bytes(env)
+            return n + held_deleted(env.uid, dev) if env.uid is not None else n
+        return held
+
     def _environ(self, inside: str, ncpus: int, env: Environment) -> dict[str, str]:
         pybin = os.path.dirname(sys.executable)
         path = f"{pybin}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -479,16 +503,52 @@ class SandboxManager:
                     return SandboxOutcome(Status.CANCELLED, None, "cancelled while running")
                 if res.stopped:
                     return _stopped(res.stopped, compile_result, run_result)
-            for name in req.fetch_files:
-                data = read_inside(env.path, name, _FETCH_LIMIT)
-                if data is not None:
-                    fetched[name] = data
+            fetched = self._fetch(env, req.fetch_files, sf.response(compile_result, run_result, {}))
+        except _TooLarge as exc:
+            return SandboxOutcome(Status.FAILED, sf.response(compile_result, run_result, {}, str(exc)), str(exc))
         except (EnvError, OSError) as exc:
             return SandboxOutcome(Status.ERROR, sf.response(compile_result, run_result, {}, str(exc)),
                                   str(exc))
         finally:
             self.envs.release(env)
         return SandboxOutcome(Status.OK, sf.response(compile_result, run_result, fetched))
+
+    def _fetch(self, env: Environment, names: list[str], without: dict) -> dict[str, bytes]:
+        """The files ``names`` of ``env`` (those that are regular files), when the result ``without``
+        them plus their sizes fits :attr:`result_bytes`; else :class:`_TooLarge`, before any is read.
+
+        Sizes, not blocks: a sparse file of 1 GiB holds nothing on disk but reads as 1 GiB.  Files
+        go into the response base64-encoded (4 bytes for 3)."""
+        room = (self.result_bytes - _packed_size(without) - _RESULT_OVERHEAD) * 3 // 4
+        sizes: dict[str, int] = {}
+        for name in dict.fromkeys(names):
+            size = size_inside(env.path, name)
+            if size is None:
+                continue
+            if size > room:
+                raise _TooLarge(f"fetch_files: {name!r} holds {size} bytes, more than the {max(room, 0)} "
+                                f"bytes a result can carry (the worker's result limit is "
+                                f"{self.result_bytes} bytes, files go base64-encoded); nothing was fetched")
+            sizes[name] = size
+        total = sum(sizes.values())
+        if total > room:
+            raise _TooLarge(f"fetch_files: the {len(sizes)} files hold {total} bytes together, more than the "
+                            f"{max(room, 0)} bytes a result can carry (the worker's result limit is "
+                            f"{self.result_bytes} bytes, files go base64-encoded); nothing was fetched")
+        fetched: dict[str, bytes] = {}
+        for name, size in sizes.items():
+            data = read_inside(env.path, name, size)   # never more than was counted
+            if data is not None:
+                fetched[name] = data
+        return fetched
+
+
+class _TooLarge(Exception):
+    """Files asked for that no result could carry."""
+
+
+def _packed_size(doc: Any) -> int:
+    return len(msgpack.packb(doc, use_bin_type=True))
 
 
 def _stopped(reason: str, compile_result: dict | None, run_result: dict | None) -> SandboxOutcome:
