@@ -94,6 +94,23 @@ def test_affinity_inside_equals_granted_cpus(mgr, n):
     assert os.sched_getaffinity(0) == before
 
 
+def test_an_action_cannot_widen_its_cores_where_cgroups_offer_a_cpuset(mgr):
+    if len(ALL_CPUS) < 2:
+        pytest.skip("needs 2 cpus")
+    if mgr.cgroups is None or mgr.cgroups.cpuset_parent is None:
+        pytest.skip("no cpuset controller this worker may use")
+    r = mgr.run(act(py("""
+        import os
+        try:
+            os.sched_setaffinity(0, range(os.cpu_count()))
+        except OSError:
+            pass
+        print(sorted(os.sched_getaffinity(0)))
+    """)), [ALL_CPUS[-1]])
+    assert r.status == Status.OK, r
+    assert r.output["stdout"] == f"[{ALL_CPUS[-1]}]\n" and r.output["enforced"]["cpuset"] is True, r
+
+
 def test_no_network_inside(mgr):
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
@@ -381,6 +398,35 @@ def test_concurrent_actions_from_executor_threads(mgr):
     for g, r in zip(grants, outs):
         assert r.status == Status.OK, r
         assert r.output["stdout"] == f"{g}\n"
+
+
+def test_actions_of_one_environment_run_one_at_a_time_unless_they_say_concurrent(mgr):
+    from concurrent.futures import ThreadPoolExecutor
+    from support import wait_until
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(mgr.run, act("touch in-first; sleep 1; touch first-done", env="one"), [ALL_CPUS[0]])
+        wait_until(lambda: mgr.envs.has("one") and (mgr.envs.get("one").path / "in-first").exists(), 30, 0.02)
+        second = pool.submit(mgr.run, act("test -e first-done && echo after || echo beside", env="one"),
+                             [ALL_CPUS[-1]])
+        assert first.result(60).status == Status.OK
+        assert second.result(60).output["stdout"] == "after\n", second.result()
+        # one that says concurrent runs beside: the first waits for a file only it makes
+        first = pool.submit(mgr.run, act("until test -e from-second; do sleep 0.05; done", env="one"),
+                            [ALL_CPUS[0]])
+        second = pool.submit(mgr.run, ActionSpec("sandbox", {"cmd": "touch from-second", "concurrent": True},
+                                                 env="one"), [ALL_CPUS[-1]])
+        assert second.result(60).status == Status.OK and first.result(60).status == Status.OK
+    # a cancel reaches an action still waiting for its turn
+    r, w = os.pipe()
+    try:
+        mgr.envs.take_turn(mgr.envs.get("one"), None, None)
+        os.write(w, b"x")
+        out = mgr.run(act("true", env="one"), [ALL_CPUS[0]], cancel_fd=r)
+        assert out.status == Status.CANCELLED and "waiting for the action before it" in out.error
+    finally:
+        mgr.envs.give_turn(mgr.envs.get("one"))
+        os.close(r)
+        os.close(w)
 
 
 def test_read_only_dirs_under_tmp_stay_visible_over_the_private_tmp(run_dir, tmp_path):

@@ -13,6 +13,11 @@ process group.  Two layouts are handled:
 * cgroup v1: the ``memory`` and ``pids`` hierarchies, each where the worker
   may create a child of its own cgroup.
 
+Where the ``cpuset`` controller is offered too (v2: enabled beside memory and
+pids; v1: its hierarchy), an action's cgroup holds exactly its granted cores:
+the CPU affinity the sandbox starts with is a mask its code may widen again
+(``sched_setaffinity``), a cpuset is not.
+
 Where neither works :meth:`Cgroups.detect` returns None and the rlimits
 alone apply.  The command joins its cgroups through a ``/bin/sh`` one-liner
 before exec'ing bubblewrap, so nothing runs in the threaded worker between
@@ -88,11 +93,15 @@ class CgroupScope:
     version: int
     memory_dir: Path | None
     pids_dir: Path | None
+    cpuset_dir: Path | None = None
+
+    @property
+    def dirs(self) -> list[Path]:
+        return sorted({d for d in (self.memory_dir, self.pids_dir, self.cpuset_dir) if d is not None})
 
     @property
     def procs_files(self) -> list[str]:
-        dirs = {d for d in (self.memory_dir, self.pids_dir) if d is not None}
-        return [str(d / "cgroup.procs") for d in sorted(dirs)]
+        return [str(d / "cgroup.procs") for d in self.dirs]
 
     def oom_killed(self) -> bool:
         if self.memory_dir is None:
@@ -128,7 +137,7 @@ class CgroupScope:
         return _kv(_read(self.pids_dir / "pids.events"), "max") > 0
 
     def kill(self) -> None:
-        for d in {d for d in (self.memory_dir, self.pids_dir) if d is not None}:
+        for d in self.dirs:
             if self.version == 2 and _write(d / "cgroup.kill", "1"):
                 continue
             for _ in range(50):  # members may fork while we kill; pids.max bounds the rounds
@@ -145,7 +154,7 @@ class CgroupScope:
         """Kill what is left and remove the directories; returns those still busy."""
         self.kill()
         busy = []
-        for d in {d for d in (self.memory_dir, self.pids_dir) if d is not None}:
+        for d in self.dirs:
             for _ in range(100):
                 try:
                     d.rmdir()
@@ -162,10 +171,12 @@ class CgroupScope:
 class Cgroups:
     """Where this worker creates action cgroups (see the module docstring)."""
 
-    def __init__(self, version: int, memory_parent: Path | None, pids_parent: Path | None):
+    def __init__(self, version: int, memory_parent: Path | None, pids_parent: Path | None,
+                 cpuset_parent: Path | None = None):
         self.version = version
         self.memory_parent = memory_parent
         self.pids_parent = pids_parent
+        self.cpuset_parent = cpuset_parent
         self._prefix = f"tangram-{os.getpid()}"
         self._lock = threading.Lock()
         self._stale: list[Path] = []  # action cgroups whose members took long to exit
@@ -192,7 +203,8 @@ class Cgroups:
             self._stale.extend(keep)
 
     def __repr__(self) -> str:
-        return f"Cgroups(v{self.version}, memory={self.memory_parent}, pids={self.pids_parent})"
+        return (f"Cgroups(v{self.version}, memory={self.memory_parent}, pids={self.pids_parent}, "
+                f"cpuset={self.cpuset_parent})")
 
     @classmethod
     def detect(cls) -> "Cgroups | None":
@@ -231,7 +243,9 @@ class Cgroups:
             probe.rmdir()
         except OSError:
             return None
-        return cls(2, base, base)
+        cpuset = "cpuset" in avail and ("cpuset" in set(_read(base / "cgroup.subtree_control").split())
+                                         or _write(base / "cgroup.subtree_control", "+cpuset"))
+        return cls(2, base, base, base if cpuset else None)
 
     @classmethod
     def _detect_v1(cls) -> "Cgroups | None":
@@ -240,7 +254,7 @@ class Cgroups:
         for mnt, fstype, opts in _mounts():
             if fstype != "cgroup":
                 continue
-            for ctrl in ("memory", "pids"):
+            for ctrl in ("memory", "pids", "cpuset"):
                 if ctrl in opts.split(",") and ctrl in own and ctrl not in parents:
                     base = Path(mnt) / own[ctrl].lstrip("/")
                     probe = base / f"tangram-probe-{os.getpid()}"
@@ -250,12 +264,14 @@ class Cgroups:
                     except OSError:
                         continue
                     parents[ctrl] = base
-        if not parents:
+        if not parents.keys() & {"memory", "pids"}:
             return None
-        return cls(1, parents.get("memory"), parents.get("pids"))
+        return cls(1, parents.get("memory"), parents.get("pids"), parents.get("cpuset"))
 
-    def scope(self, memory_mb: int | None, nproc: int | None) -> CgroupScope | None:
-        """Create the cgroups of one action (None if creating them failed)."""
+    def scope(self, memory_mb: int | None, nproc: int | None,
+              cpus: list[int] | tuple[int, ...] | None = None) -> CgroupScope | None:
+        """Create the cgroups of one action (None if creating them failed); with ``cpus``, a cpuset
+        of exactly those cores where the controller is offered (without one where it is not)."""
         name = f"{self._prefix}-{next(_counter)}"
         mem_dir = pids_dir = None
         try:
@@ -285,7 +301,27 @@ class Cgroups:
             return None
         if mem_dir is None and pids_dir is None:
             return None
-        return CgroupScope(self.version, mem_dir, pids_dir)
+        return CgroupScope(self.version, mem_dir, pids_dir, self._cpuset(name, cpus, mem_dir or pids_dir))
+
+    def _cpuset(self, name: str, cpus, v2_dir: Path | None) -> Path | None:
+        """The cpuset directory of an action on ``cpus`` (None where it cannot have one)."""
+        if not cpus or self.cpuset_parent is None:
+            return None
+        mask = ",".join(str(c) for c in sorted(cpus))
+        if self.version == 2:
+            return v2_dir if v2_dir is not None and _write(v2_dir / "cpuset.cpus", mask) else None
+        d = self.cpuset_parent / name
+        try:
+            d.mkdir()
+        except OSError:
+            return None
+        # a v1 cpuset starts empty: memory nodes as the parent's, then the cores
+        mems = _read(self.cpuset_parent / "cpuset.effective_mems").strip() \
+            or _read(self.cpuset_parent / "cpuset.mems").strip()
+        if _write(d / "cpuset.mems", mems) and _write(d / "cpuset.cpus", mask):
+            return d
+        _try_rmdir(d)
+        return None
 
 
 def _try_rmdir(p: Path) -> None:

@@ -34,6 +34,7 @@ import logging
 import os
 import random
 import re
+import select
 import shutil
 import signal
 import stat
@@ -203,6 +204,7 @@ class Environment:
     throwaway: bool = False
     busy: int = 0
     ready: threading.Event = field(default_factory=threading.Event, repr=False)
+    turn: threading.Lock = field(default_factory=threading.Lock, repr=False)   # held by the action running in it
     failure: BaseException | None = field(default=None, repr=False)
     disk: Any = field(default=None, repr=False)   # its last disk-quota walk (diskquota.Measured)
     journal: dict | None = field(default=None, repr=False)  # action id -> outcome record, once read
@@ -405,6 +407,25 @@ class EnvStore:
             if env.failure is not None:
                 raise EnvError(f"environment {key!r} failed to be created: {env.failure}")
         return env
+
+    @staticmethod
+    def take_turn(env: Environment, cancel_fd: int | None, timeout_s: float | None) -> str | None:
+        """Wait until no other action runs in ``env`` and hold it (:meth:`give_turn` lets go); returns
+        None once held, else why not (``"cancelled"``, ``"timeout"``).
+
+        Actions of one environment run one at a time: two at once would race each other's files and
+        give sandboxed code a window against the host-side path checks between them."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not env.turn.acquire(timeout=0.05):
+            if cancel_fd is not None and select.select([cancel_fd], [], [], 0)[0]:
+                return "cancelled"
+            if deadline is not None and time.monotonic() > deadline:
+                return "timeout"
+        return None
+
+    @staticmethod
+    def give_turn(env: Environment) -> None:
+        env.turn.release()
 
     def check_template(self, template: str | None) -> None:
         """Raise :class:`UnknownTemplate` unless ``template`` (None: the default) is configured here."""

@@ -8,6 +8,7 @@ Payload of a ``sandbox`` action (all keys optional except ``cmd``)::
      "files": {"rel/path": str | bytes},              # written into the environment first
      "template": "name",                              # used only when the environment is created
      "network": False,                                # True needs allow_network on the manager
+     "concurrent": False,                             # True: may run beside other actions of its env
      "limits": {"timeout_s": 30, "memory_mb": 2048, "nproc": 256, "cpu_s": 60,
                 "output_bytes": 1048576, "output_kill_bytes": 67108864,
                 "file_mb": 4096, "nofile": 4096, "tmp_mb": 512,
@@ -70,7 +71,7 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _LOADER_VARS = frozenset({"GCONV_PATH", "GETCONF_DIR", "GLIBC_TUNABLES", "HOSTALIASES", "LOCALDOMAIN",
                           "LOCPATH", "MALLOC_TRACE", "NIS_PATH", "NLSPATH", "RESOLV_HOST_CONF",
                           "RES_OPTIONS"})
-_PAYLOAD_KEYS = ("cmd", "stdin", "environ", "files", "template", "network", "limits")
+_PAYLOAD_KEYS = ("cmd", "stdin", "environ", "files", "template", "network", "limits", "concurrent")
 _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS",
                 "PYTEST_XDIST_AUTO_NUM_WORKERS", "TANGRAM_NCPUS")
 #: The largest result a worker sends unless told otherwise (the coordinator's default ``max_output_bytes``).
@@ -107,6 +108,7 @@ class _Request:
     template: str | None
     network: bool
     limits: Mapping[str, Any] | None
+    concurrent: bool = False
 
 
 def parse_payload(p: Any) -> _Request:
@@ -157,8 +159,11 @@ def parse_payload(p: Any) -> _Request:
     network = p.get("network", False)
     if not isinstance(network, bool):
         raise PayloadError("payload network must be a bool")
+    concurrent = p.get("concurrent", False)
+    if not isinstance(concurrent, bool):
+        raise PayloadError("payload concurrent must be a bool")
     return _Request(argv, bytes(stdin) if stdin else None, dict(environ), dict(files), template,
-                    network, p.get("limits"))
+                    network, p.get("limits"), concurrent)
 
 
 def _is_loader_var(name: str) -> bool:
@@ -259,12 +264,17 @@ class SandboxManager:
             env = self.envs.acquire(spec.env, req.template)
         except EnvError as exc:
             return SandboxOutcome(Status.ERROR, None, str(exc))
+        waited = None if req.concurrent else self.envs.take_turn(env, cancel_fd, limits.timeout_s)
         try:
+            if waited is not None:
+                return _not_its_turn(waited, limits)
             self.envs.write_files(env, req.files)
             ran = self._exec(env, req.argv, req.stdin, req.environ, limits, cpus, req.network, cancel_fd)
         except (EnvError, OSError) as exc:
             return SandboxOutcome(Status.ERROR, None, f"sandbox could not run the command: {exc}")
         finally:
+            if waited is None and not req.concurrent:
+                self.envs.give_turn(env)
             self.envs.release(env)
         res = ran.res
         out = {
@@ -358,7 +368,7 @@ class SandboxManager:
         quota = QuotaWatch(env.path, limits.disk_mb, limits.disk_files, env.disk, outside=self._held_outside(env))
         scope: CgroupScope | None = None
         if self.cgroups is not None:
-            scope = self.cgroups.scope(limits.memory_mb, limits.nproc)
+            scope = self.cgroups.scope(limits.memory_mb, limits.nproc, cpus)
         mem_in_cgroup = scope is not None and scope.memory_dir is not None and bool(limits.memory_mb)
         rl = limits if not mem_in_cgroup else _without_as(limits)
         cmd = wrapper_argv(rl, uid, uid, environ, sys.executable) + argv
@@ -436,6 +446,7 @@ class SandboxManager:
                 x for x in ("cgroup" if scope is not None and scope.pids_dir is not None else "",
                             "rlimit" if uid is not None or not self.root_mode else "") if x) or None,
             "cpus": sorted(cpus) if cpus else None,
+            "cpuset": scope is not None and scope.cpuset_dir is not None,
             "seccomp": self.seccomp_program is not None,
             "disk": "watched" if quota.active else None,
         }
@@ -477,7 +488,11 @@ class SandboxManager:
             return SandboxOutcome(Status.ERROR, sf.response(None, None, {}, str(exc)), str(exc))
         compile_result = run_result = None
         fetched: dict[str, bytes] = {}
+        waited = self.envs.take_turn(env, cancel_fd, base.timeout_s)
         try:
+            if waited is not None:
+                out = _not_its_turn(waited, base)
+                return SandboxOutcome(out.status, sf.response(None, None, {}, out.error), out.error)
             lang = sf.LANGUAGES[req.language]
             files = dict(req.files)
             files[f"{sf.CODE_DIR}/{lang.filename}"] = req.code.encode()
@@ -510,6 +525,8 @@ class SandboxManager:
             return SandboxOutcome(Status.ERROR, sf.response(compile_result, run_result, {}, str(exc)),
                                   str(exc))
         finally:
+            if waited is None:
+                self.envs.give_turn(env)
             self.envs.release(env)
         return SandboxOutcome(Status.OK, sf.response(compile_result, run_result, fetched))
 
@@ -549,6 +566,15 @@ class _TooLarge(Exception):
 
 def _packed_size(doc: Any) -> int:
     return len(msgpack.packb(doc, use_bin_type=True))
+
+
+def _not_its_turn(why: str, limits: Limits) -> SandboxOutcome:
+    if why == "cancelled":
+        return SandboxOutcome(Status.CANCELLED, None, "cancelled while waiting for the action before it "
+                              "in its environment")
+    return SandboxOutcome(Status.TIMEOUT, None, f"timed out after {limits.timeout_s:g}s waiting for the "
+                          f"action before it in its environment (actions of one environment run one at "
+                          f"a time unless their payload says concurrent)")
 
 
 def _stopped(reason: str, compile_result: dict | None, run_result: dict | None) -> SandboxOutcome:
