@@ -47,15 +47,19 @@ def hosts(tmp_path):
 
 def run_in(h: EnvHost, spec: ActionSpec, grant: list, attempt: int = 1):
     """What the worker does with an assignment: prepare, answer from the journal or run and journal."""
-    state, refused = h.prepare(spec, grant)
-    if refused is not None:
-        return refused, None
-    seen = h.replay(spec.env, spec.id)
-    if seen is not None:
-        return (seen[2], seen[3], seen[4]), EnvState.REPLAYED
-    o = h.mgr.run(spec, CPU)
-    h.record(spec.env, [spec.id, attempt, o.status, o.output, o.error, 0.0, 1.0])
-    return (o.status, o.output, o.error), state
+    h.begin(spec.env)
+    try:
+        state, refused = h.prepare(spec, grant)
+        if refused is not None:
+            return refused, None
+        seen = h.replay(spec.env, spec.id)
+        if seen is not None:
+            return (seen[2], seen[3], seen[4]), EnvState.REPLAYED
+        o = h.mgr.run(spec, CPU)
+        h.record(spec.env, [spec.id, attempt, o.status, o.output, o.error, 0.0, 1.0])
+        return (o.status, o.output, o.error), state
+    finally:
+        h.end(spec.env, spec.id)
 
 
 def test_a_grant_makes_the_local_copy_the_granted_one(hosts):
@@ -174,7 +178,7 @@ def test_a_drop_removes_the_copy_and_a_keep_grants_it_again(hosts):
 def test_a_save_waits_for_the_action_still_ending_in_the_environment(hosts):
     h = hosts("w1")
     run_in(h, act("true", env="e"), [1, P.GRANT_NEW, None])
-    slow = threading.Thread(target=h.mgr.run, args=(act("sleep 1; echo late > f", env="e"), CPU))
+    slow = threading.Thread(target=run_in, args=(h, act("sleep 1; echo late > f", env="e"), [1, P.GRANT_HELD, None]))
     slow.start()
     wait_until(lambda: h.mgr.envs.get("e").busy, 10, 0.01, "the action to take the environment")
     h.apply([[P.ENV_SAVE, "e", 1]])
@@ -198,7 +202,7 @@ def test_a_save_waits_until_the_ended_action_is_journaled(hosts):
     time.sleep(0.5)
     assert h.take_replies() == []         # the save waits for the record
     h.record("e", [spec.id, 1, o.status, o.output, o.error, 0.0, 1.0])
-    h.end("e")
+    h.end("e", spec.id)
     [[op, _, _, path]] = wait_until(h.take_replies, 30, 0.02, "the save")
     assert op == P.ENV_SAVED
     other = hosts("w2")

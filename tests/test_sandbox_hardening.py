@@ -235,7 +235,7 @@ def test_filling_the_disk_is_stopped_at_the_quota_and_reported(tmp_path):
         assert r.output["enforced"]["disk"] == "watched"
         # The environment is kept, and an action that cleans up is allowed to run.
         clean = m.run(act("rm -f fill* && echo cleaned", env="fill"), CPU)
-        assert clean.status == Status.OK and clean.output["stdout"] == "cleaned\n"
+        assert clean.status == Status.OK and clean.output["stdout"] == "cleaned\n", clean
         assert clean.output["disk_used_mb"] < 1
 
 

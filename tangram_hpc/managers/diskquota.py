@@ -19,8 +19,10 @@ moment can hide growth until the environment grows again.)  The last walk is
 kept with the environment (:class:`Measured`), so the next action starts
 from it.
 
-What an environment holds outside its tree counts too (``outside``): its
-journal, and files its commands deleted while holding them open
+The layer of the attempt running (``layer``, :mod:`tangram_hpc.managers.env_layers`)
+is walked with the environment.  What an environment holds outside its tree
+counts too (``outside``): its journal, and files its commands deleted while
+holding them open
 (:func:`held_deleted`, found through the environment's own uid in ``/proc``).
 A loop filesystem or a project quota per environment would see those by
 construction, but needs a prepared filesystem or a mount per environment on
@@ -41,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .environments import NOFOLLOW_DIR
+from .env_layers import NOFOLLOW_DIR, is_opaque
 
 __all__ = ["DiskUsage", "Measured", "measure", "QuotaWatch", "MAX_DEPTH", "held_deleted"]
 
@@ -135,11 +137,80 @@ def _fs_used(root: Path) -> DiskUsage | None:
     return DiskUsage((st.f_blocks - st.f_bfree) * st.f_frsize, st.f_files - st.f_ffree)
 
 
-def walk(root: Path) -> Measured:
+def walk(root: Path, also: Path | None = None) -> Measured:
+    """One walk of ``root`` (and of ``also``, the layer of the attempt running in it, summed)."""
     fs = _fs_used(root)
     t0 = time.perf_counter()
     usage = measure(root)
+    if also is not None:
+        more, hidden = measure(also), _hidden(also, root)
+        usage = DiskUsage(usage.bytes + more.bytes - hidden.bytes, usage.files + more.files - hidden.files,
+                          usage.too_deep or more.too_deep)
     return Measured(usage, fs, time.perf_counter() - t0)
+
+
+
+def _hidden(upper: Path, lower: Path) -> DiskUsage:
+    """What of ``lower`` and ``upper`` the merge of the overlay layer ``upper`` takes away: the
+    lower entries it removes or replaces, the lower copies of the directories both hold, its
+    whiteouts -- so that a layer that deletes files shrinks the environment's use."""
+    try:
+        up = os.open(upper, NOFOLLOW_DIR)
+    except OSError:
+        return DiskUsage(0, 0)
+    try:
+        low = os.open(lower, NOFOLLOW_DIR)
+    except OSError:
+        os.close(up)
+        return DiskUsage(0, 0)
+    acc = [0, 0]
+    try:
+        _hidden_dir(up, low, acc, 1)
+    finally:
+        os.close(up)
+        os.close(low)
+    return DiskUsage(acc[0], acc[1])
+
+
+def _hidden_dir(up: int, low: int, acc: list[int], depth: int) -> None:
+    with os.scandir(up) as it:
+        entries = [(e.name, e.stat(follow_symlinks=False)) for e in it]
+    for name, st in entries:
+        try:
+            below = os.stat(name, dir_fd=low, follow_symlinks=False)
+        except OSError:
+            below = None
+        whiteout = stat.S_ISCHR(st.st_mode) and st.st_rdev == 0
+        if whiteout:
+            acc[0] += st.st_blocks * 512
+            acc[1] += 1
+        if below is None:
+            continue
+        both_dirs = stat.S_ISDIR(st.st_mode) and stat.S_ISDIR(below.st_mode) and depth < MAX_DEPTH
+        acc[0] += below.st_blocks * 512
+        acc[1] += 1
+        if not stat.S_ISDIR(below.st_mode):
+            continue
+        try:
+            sub_low = os.open(name, NOFOLLOW_DIR, dir_fd=low)
+        except OSError:
+            continue
+        try:
+            sub_up = os.open(name, NOFOLLOW_DIR, dir_fd=up) if both_dirs else None
+            try:
+                if sub_up is not None and not is_opaque(sub_up):
+                    _hidden_dir(sub_up, sub_low, acc, depth + 1)   # merged entry by entry
+                else:                                               # removed or replaced whole
+                    w = _Walk()
+                    w.dir(sub_low, depth + 1)
+                    acc[0] += w.bytes
+                    acc[1] += w.files
+            finally:
+                if sub_up is not None:
+                    os.close(sub_up)
+        finally:
+            os.close(sub_low)
+
 
 
 class QuotaWatch:
@@ -153,11 +224,13 @@ class QuotaWatch:
     """
 
     def __init__(self, root: Path, disk_mb: int | None, disk_files: int | None, known: Measured | None = None,
-                 outside: Callable[[], int] | None = None):
+                 outside: Callable[[], int] | None = None, layer: Path | None = None):
         self.root = root
+        self.layer = layer
         self.max_bytes = disk_mb * _MB if disk_mb else None
         self.max_files = disk_files
-        self.measured = known if known is not None else walk(root) if self.active else Measured(DiskUsage(0, 0), None, 0.0)
+        self.measured = known if known is not None else walk(root, layer) if self.active \
+            else Measured(DiskUsage(0, 0), None, 0.0)
         self._outside = outside
         #: bytes the environment holds outside its tree (its journal, files deleted while open)
         self.outside_bytes = outside() if outside is not None and self.max_bytes is not None else 0
@@ -181,7 +254,7 @@ class QuotaWatch:
     def check(self) -> str | None:
         if self.measured.walk_s > _CHEAP_WALK_S and self._cannot_be_over():
             return None
-        self.measured = m = walk(self.root)
+        self.measured = m = walk(self.root, self.layer)
         u = m.usage
         if u.too_deep:
             return f"disk quota: the environment nests directories deeper than {MAX_DEPTH} levels"
@@ -209,17 +282,19 @@ class QuotaWatch:
                 and (self.allowed_files is None or u.files + max(0, now.files - before.files) <= self.allowed_files))
 
 
-def held_deleted(uid: int, dev: int) -> int:
-    """Bytes of files on device ``dev`` that processes of ``uid`` hold open after deleting them.
+def held_deleted(uid: int, inside: str) -> int:
+    """Bytes of files under ``inside`` (a path as the sandbox sees it) that processes of ``uid`` hold
+    open after deleting them.
 
     Such a file is in no directory, so no walk sees it, yet it takes the filesystem's space until
     the last descriptor closes (written under a 64 MiB quota, 420 MiB went unseen that way).  Each
     environment's commands run as its own uid, so its processes are found by that uid, whatever
-    they did to escape a process tree.  ``/proc/<pid>/fd/<n>`` is followed by ``stat`` only (the
-    kernel's link to the open file; nothing is opened or read).
+    they did to escape a process tree.  ``/proc/<pid>/fd/<n>`` is only read as a link (the path the
+    file was deleted at) and followed by ``stat``: nothing is opened.
     """
     total = 0
-    seen: set[int] = set()
+    seen: set[tuple[int, int]] = set()
+    prefix = inside.rstrip("/") + "/"
     try:
         pids = [d for d in os.listdir("/proc") if d.isdigit()]
     except OSError:
@@ -232,11 +307,14 @@ def held_deleted(uid: int, dev: int) -> int:
         except OSError:
             continue   # ended meanwhile
         for fd in fds:
+            link = f"/proc/{pid}/fd/{fd}"
             try:
-                st = os.stat(f"/proc/{pid}/fd/{fd}")
+                if not (target := os.readlink(link)).startswith(prefix) or not target.endswith(" (deleted)"):
+                    continue
+                st = os.stat(link)
             except OSError:
                 continue
-            if st.st_nlink == 0 and st.st_dev == dev and stat.S_ISREG(st.st_mode) and st.st_ino not in seen:
-                seen.add(st.st_ino)
+            if st.st_nlink == 0 and stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
                 total += st.st_blocks * 512
     return total

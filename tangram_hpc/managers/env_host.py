@@ -46,6 +46,7 @@ _GRANT_VERB = {P.GRANT_NEW: "created", P.GRANT_RESTORE: "restored", P.GRANT_ADOP
 class EnvHost:
     def __init__(self, mgr: Any, wake: Callable[[], None]):
         self.mgr = mgr                      # a SandboxManager
+        mgr.envs.journaled = True           # attempts are committed by their journal records
         self._wake = wake
         self._gen: dict[str, int] = {}      # environment -> generation held
         self._lock = threading.Lock()
@@ -106,7 +107,7 @@ class EnvHost:
                 self.record(env, [spec.id, attempt, outcome[0], outcome[1], outcome[2], started, finished])
             return outcome, started, finished, env_state
         finally:
-            self.end(env)
+            self.end(env, spec.id)
 
     def begin(self, env: str) -> None:
         """An action of ``env`` starts here: no save of ``env`` until its :meth:`end`.
@@ -117,13 +118,17 @@ class EnvHost:
         with self._lock:
             self._in_use[env] = self._in_use.get(env, 0) + 1
 
-    def end(self, env: str) -> None:
+    def end(self, env: str, action_id: str | None = None) -> None:
+        """``action_id``'s outcome is journaled, or will never be: its attempt is committed or
+        discarded (a record committed it already), and the environment's next action may run."""
         with self._lock:
             left = self._in_use.get(env, 0) - 1
             if left > 0:
                 self._in_use[env] = left
             else:
                 self._in_use.pop(env, None)
+        if action_id is not None:
+            self.mgr.finish_attempt(env, action_id)
 
     def _used(self, env: str) -> bool:
         with self._lock:

@@ -51,6 +51,8 @@ import msgpack
 
 from ..errors import TangramError
 from .env_bases import Base, BaseRef, scan_base, settled_now, unchanged
+from . import env_layers
+from .env_layers import NOFOLLOW_DIR
 
 __all__ = [
     "Template", "EmptyTemplate", "TreeTemplate", "PythonEnvTemplate", "template_from_config",
@@ -60,8 +62,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: Flags that open a directory inside an environment: never through a symlink, never blocking.
-NOFOLLOW_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _NOFOLLOW_FILE = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 #: Snapshots of deeper trees are refused (the walk holds one descriptor per level).
 _MAX_DEPTH = 256
@@ -205,6 +205,7 @@ class Environment:
     busy: int = 0
     ready: threading.Event = field(default_factory=threading.Event, repr=False)
     turn: threading.Lock = field(default_factory=threading.Lock, repr=False)   # held by the action running in it
+    awaiting_journal: str | None = field(default=None, repr=False)   # the action whose journal record its turn waits for
     failure: BaseException | None = field(default=None, repr=False)
     disk: Any = field(default=None, repr=False)   # its last disk-quota walk (diskquota.Measured)
     journal: dict | None = field(default=None, repr=False)  # action id -> outcome record, once read
@@ -246,6 +247,9 @@ class EnvStore:
         self._template_base: dict[str, str] = {}     # template -> fingerprint of its base here
         self._base_lock = threading.Lock()           # one pristine build at a time
         self._closed = False
+        #: whether the outcomes of actions are journaled (a worker's EnvHost): then an attempt's layer
+        #: is committed by its journal record (env_layers), else as soon as its command ended
+        self.journaled = False
         self.warm_hits = 0  # environments served from the pool (observability, tests)
         self._warm_dir = self.root / ".warm"
         self._warm_dir.mkdir(exist_ok=True)
@@ -391,6 +395,7 @@ class EnvStore:
             try:
                 if env.path.exists():  # left behind by an earlier manager on this root
                     _rmtree(env.path)
+                _rmtree(self.attempt_path(env))
                 if not throwaway:
                     self._journal_path(key).unlink(missing_ok=True)
                 made = self._take_warm(template, env.path)
@@ -484,6 +489,7 @@ class EnvStore:
 
     def _remove(self, env: Environment) -> None:
         _rmtree(env.path)
+        _rmtree(self.attempt_path(env))
         if not env.throwaway:
             self._journal_path(env.id).unlink(missing_ok=True)
         self._free_uid(env.uid)
@@ -525,8 +531,26 @@ class EnvStore:
 
     def journal_add(self, env_id: str, record: list) -> None:
         """Record the outcome of an action that ran in ``env_id``, before its result is reported
-        (one larger than :data:`JOURNAL_RECORD_BYTES` without its output)."""
+        (one larger than :data:`JOURNAL_RECORD_BYTES` without its output); then its attempt's layer,
+        if it left one, is committed into the environment."""
         env = self.get(env_id)
+        self._journal_write(env, record)
+        if env.awaiting_journal == record[0]:
+            self.finish_attempt(env, record[0])
+
+    def finish_attempt(self, env: Environment, action_id: str) -> None:
+        """``action_id``, whose attempt holds ``env``'s turn, is journaled or never will be: its attempt is
+        committed if the journal holds it, else discarded, and the next action may run."""
+        if env.awaiting_journal != action_id:
+            return
+        env.awaiting_journal = None
+        try:
+            self.settle(env)
+        finally:
+            self.give_turn(env)
+
+    def _journal_write(self, env: Environment, record: list) -> None:
+        env_id = env.id
         packed = msgpack.packb(record, use_bin_type=True)
         if len(packed) > JOURNAL_RECORD_BYTES:
             record = bounded_record(record, len(packed))
@@ -545,6 +569,26 @@ class EnvStore:
             _trim_journal(journal)
             env.journal_appends = 0
             _write_journal(path, list(journal.values()))
+
+    # -- attempts (env_layers) -------------------------------------------------------
+    def attempt_path(self, env: Environment) -> Path:
+        """Where the layer of ``env``'s pending attempt is (beside it, out of the sandbox's sight)."""
+        return self.root / (env_dirname(env.id) + env_layers.ATTEMPT_SUFFIX)
+
+    def begin_attempt(self, env: Environment, action_id: str) -> Path:
+        """A fresh layer for an attempt of ``action_id`` in ``env``; an earlier attempt's is settled first."""
+        self.settle(env)
+        path = self.attempt_path(env)
+        env_layers.prepare(path, env.path, action_id)
+        return path
+
+    def settle(self, env: Environment, *, commit: bool = False) -> str | None:
+        """Commit ``env``'s pending attempt if its action is in the journal (or ``commit``), else
+        discard it; returns what became of it (None: there was none)."""
+        with self._lock:
+            journal = self._journal_of(env)
+            done = set(journal)
+        return env_layers.settle(self.attempt_path(env), env.path, lambda aid: commit or aid in done)
 
     def journal_bytes(self, env: Environment) -> int:
         """The size of ``env``'s journal file (it counts against the environment's disk quota)."""
@@ -575,6 +619,7 @@ class EnvStore:
         worker that does not hold the same base.
         """
         env = self.get(env_id)
+        self.settle(env)    # the environment as its journal says: no attempt half in it
         snapshot_dir = Path(snapshot_dir)
         snapshot_dir.mkdir(parents=True, exist_ok=True)
         name = f"{env_dirname(env_id)}-g{generation}-{int(time.time())}-{os.urandom(4).hex()}.tar.gz"
@@ -702,6 +747,10 @@ class EnvStore:
             raise EnvError(f"environment {env_id!r} is not in {source_root} (its worker's directory is gone)")
         _kill_leftovers(src)
         journal = _read_journal(src_journal)
+        # its last attempt: merged if the dead worker journaled it, dropped if it did not
+        done = {r[0] for r in journal}
+        env_layers.settle(Path(source_root) / (env_dirname(env_id) + env_layers.ATTEMPT_SUFFIX), src,
+                          lambda aid: aid in done)
         self.drop(env_id)
         dest, uid = self._put_in_place(env_id, lambda tmp: _copy_tree(src, tmp),
                                        f"adopt {env_id!r} from {src}")

@@ -57,6 +57,7 @@ from .bwrap import SANDBOX_DIR, BwrapLayout, BwrapUnavailable, probe_bwrap
 from . import seccomp
 from .cgroups import Cgroups, CgroupScope
 from .diskquota import QuotaWatch, held_deleted
+from . import env_layers
 from .environments import EnvError, EnvStore, Environment, UnknownTemplate, is_plain_dir, read_inside, size_inside
 from .limits import WRAPPER_ENVIRON, Limits, LimitsError, wrapper_argv
 from .process import ProcResult, run_bounded
@@ -194,6 +195,9 @@ class SandboxManager:
     result_bytes: the largest result the worker can send (its ``max_output_bytes``): the
         output kept of each stream is at most an eighth of it, and ``fetch_files`` are
         checked against what is left of it from their sizes before any is read.
+    transactional: run each attempt of an action in an environment against a layer of its
+        own, committed once its outcome is journaled (:mod:`tangram_hpc.managers.env_layers`;
+        needs root and overlayfs, else attempts run directly in the environment).
     """
 
     def __init__(self, root: Path | str, snapshot_dir: Path | str | None = None, *,
@@ -202,7 +206,7 @@ class SandboxManager:
                  warm_pool: int = 0, default_limits: Limits | None = None,
                  bwrap: str = "bwrap", allow_network: bool = False, use_cgroups: bool = True,
                  extra_ro_binds: tuple[str, ...] = (), seccomp: bool = True,
-                 result_bytes: int = RESULT_BYTES):
+                 result_bytes: int = RESULT_BYTES, transactional: bool = True):
         self.root = Path(root)
         self.result_bytes = result_bytes
         self.snapshot_dir = Path(snapshot_dir) if snapshot_dir is not None else None
@@ -225,6 +229,9 @@ class SandboxManager:
         self.root.mkdir(parents=True, exist_ok=True)
         drop = self.root_mode and (self.layout is not None or _traversable(self.root))
         self.envs = EnvStore(self.root, templates or {}, default_template, env_ttl, warm_pool, drop)
+        #: why attempts are not layered here (None: they are)
+        self.unlayered_reason = ("turned off" if not transactional else "no bubblewrap" if self.layout is None
+                                 else env_layers.overlay_supported())
         self._closed = False
 
     # -- public API ---------------------------------------------------------------
@@ -264,17 +271,17 @@ class SandboxManager:
             env = self.envs.acquire(spec.env, req.template)
         except EnvError as exc:
             return SandboxOutcome(Status.ERROR, None, str(exc))
-        waited = None if req.concurrent else self.envs.take_turn(env, cancel_fd, limits.timeout_s)
+        waited, attempt = self._begin(env, spec, cancel_fd, limits.timeout_s, req.concurrent)
         try:
             if waited is not None:
                 return _not_its_turn(waited, limits)
             self.envs.write_files(env, req.files)
-            ran = self._exec(env, req.argv, req.stdin, req.environ, limits, cpus, req.network, cancel_fd)
+            ran = self._exec(env, req.argv, req.stdin, req.environ, limits, cpus, req.network, cancel_fd,
+                             attempt)
         except (EnvError, OSError) as exc:
             return SandboxOutcome(Status.ERROR, None, f"sandbox could not run the command: {exc}")
         finally:
-            if waited is None and not req.concurrent:
-                self.envs.give_turn(env)
+            self._end(env, waited is None and not req.concurrent, attempt, spec.id)
             self.envs.release(env)
         res = ran.res
         out = {
@@ -296,6 +303,16 @@ class SandboxManager:
         if res.returncode != 0:
             return SandboxOutcome(Status.FAILED, out, ran.note or _exit_text(res.returncode))
         return SandboxOutcome(Status.OK, out, None)
+
+    def finish_attempt(self, env_id: str, action_id: str) -> None:
+        """The worker has journaled the outcome of ``action_id`` in ``env_id``, or never will: its
+        attempt is committed if the journal holds it, else discarded, and the environment's next
+        action may run."""
+        try:
+            env = self.envs.get(env_id)
+        except EnvError:
+            return
+        self.envs.finish_attempt(env, action_id)
 
     def snapshot(self, env_id: str, generation: int = 0) -> str:
         """Save ``env_id`` and its journal to a tar.gz in ``snapshot_dir``; returns its path.
@@ -357,15 +374,46 @@ class SandboxManager:
         keep = max(1, self.result_bytes // 8)
         return lim if lim.output_bytes <= keep else lim.merged({"output_bytes": keep})
 
+    def _begin(self, env: Environment, spec: ActionSpec, cancel_fd: int | None, timeout_s: float | None,
+               concurrent: bool) -> tuple[str | None, Path | None]:
+        """Take ``env``'s turn (not for a concurrent action) and open the attempt's layer where attempts
+        are layered; returns (why the turn was not had, the attempt's directory)."""
+        if concurrent:
+            return None, None
+        waited = self.envs.take_turn(env, cancel_fd, timeout_s)
+        if waited is not None or self.unlayered_reason is not None or env.throwaway:
+            return waited, None
+        try:
+            return None, self.envs.begin_attempt(env, spec.id)
+        except BaseException:
+            self.envs.give_turn(env)
+            raise
+
+    def _end(self, env: Environment, held: bool, attempt: Path | None, action_id: str) -> None:
+        """After the command: a journaled attempt keeps the turn until its record or
+        :meth:`finish_attempt`; any other is committed at once (nothing will journal it) and the
+        turn given back."""
+        if not held:
+            return
+        if attempt is not None and self.envs.journaled:
+            env.awaiting_journal = action_id
+            return
+        try:
+            if attempt is not None:
+                self.envs.settle(env, commit=True)
+        finally:
+            self.envs.give_turn(env)
+
     def _exec(self, env: Environment, argv: list[str], stdin: bytes | None,
               extra_env: Mapping[str, str], limits: Limits, cpus, network: bool,
-              cancel_fd: int | None = None) -> _Ran:
+              cancel_fd: int | None = None, attempt: Path | None = None) -> _Ran:
         ncpus = len(cpus) if cpus else 1
         inside = SANDBOX_DIR if self.layout is not None else str(env.path)
         environ = self._environ(inside, ncpus, env)
         environ.update(extra_env)
         uid = env.uid
-        quota = QuotaWatch(env.path, limits.disk_mb, limits.disk_files, env.disk, outside=self._held_outside(env))
+        quota = QuotaWatch(env.path, limits.disk_mb, limits.disk_files, env.disk,
+                           outside=self._held_outside(env), layer=attempt / "upper" if attempt else None)
         scope: CgroupScope | None = None
         if self.cgroups is not None:
             scope = self.cgroups.scope(limits.memory_mb, limits.nproc, cpus)
@@ -391,6 +439,8 @@ class SandboxManager:
                 popen_env, cwd = None, None
             else:
                 full, popen_env, cwd = cmd, dict(WRAPPER_ENVIRON), str(env.path)
+            if attempt is not None:
+                full = env_layers.mount_argv(env.path, attempt) + full
             if scope is not None:
                 full = ["/bin/sh", "-c", 'for f in ' + " ".join(f"'{p}'" for p in scope.procs_files)
                         + '; do echo $$ > "$f" || exit 126; done; exec "$@"', "sh"] + full
@@ -422,8 +472,11 @@ class SandboxManager:
             if status is not None:
                 status.close()
         if quota.active:
+            # What it left behind, however fast it wrote it; walked also after a stop, so the next
+            # action starts from what is there (one that cleans up must not be measured as growth).
+            over = quota.check()
             if res.stopped is None:
-                res.stopped = quota.check()  # what it left behind, however fast it wrote it
+                res.stopped = over
             env.disk = quota.measured
         # wait4's peak RSS cannot be told from the worker's own size at fork time
         # (the child starts as a copy of it); the cgroup's peak covers the whole tree.
@@ -456,11 +509,11 @@ class SandboxManager:
     def _held_outside(self, env: Environment):
         """What counts against ``env``'s disk quota beside its tree: its journal, and the files its
         commands deleted but hold open (found by the environment's uid, which only it runs as)."""
-        dev = os.stat(env.path).st_dev
+        inside = SANDBOX_DIR if self.layout is not None else str(env.path)
 
         def held() -> int:
             n = self.envs.journal_bytes(env)
-            return n + held_deleted(env.uid, dev) if env.uid is not None else n
+            return n + held_deleted(env.uid, inside) if env.uid is not None else n
         return held
 
     def _environ(self, inside: str, ncpus: int, env: Environment) -> dict[str, str]:
@@ -488,7 +541,7 @@ class SandboxManager:
             return SandboxOutcome(Status.ERROR, sf.response(None, None, {}, str(exc)), str(exc))
         compile_result = run_result = None
         fetched: dict[str, bytes] = {}
-        waited = self.envs.take_turn(env, cancel_fd, base.timeout_s)
+        waited, attempt = self._begin(env, spec, cancel_fd, base.timeout_s, False)
         try:
             if waited is not None:
                 out = _not_its_turn(waited, base)
@@ -501,7 +554,7 @@ class SandboxManager:
 
             def step(argv, stdin, timeout_s):
                 res = self._exec(env, argv, stdin, {}, base.merged({"timeout_s": timeout_s}), cpus, False,
-                                 cancel_fd).res
+                                 cancel_fd, attempt).res
                 return res, sf.command_result(res)
 
             ok = True
@@ -518,28 +571,30 @@ class SandboxManager:
                     return SandboxOutcome(Status.CANCELLED, None, "cancelled while running")
                 if res.stopped:
                     return _stopped(res.stopped, compile_result, run_result)
-            fetched = self._fetch(env, req.fetch_files, sf.response(compile_result, run_result, {}))
+            fetched = self._fetch(env, attempt, req.fetch_files, sf.response(compile_result, run_result, {}))
         except _TooLarge as exc:
             return SandboxOutcome(Status.FAILED, sf.response(compile_result, run_result, {}, str(exc)), str(exc))
         except (EnvError, OSError) as exc:
             return SandboxOutcome(Status.ERROR, sf.response(compile_result, run_result, {}, str(exc)),
                                   str(exc))
         finally:
-            if waited is None:
-                self.envs.give_turn(env)
+            self._end(env, waited is None, attempt, spec.id)
             self.envs.release(env)
         return SandboxOutcome(Status.OK, sf.response(compile_result, run_result, fetched))
 
-    def _fetch(self, env: Environment, names: list[str], without: dict) -> dict[str, bytes]:
-        """The files ``names`` of ``env`` (those that are regular files), when the result ``without``
-        them plus their sizes fits :attr:`result_bytes`; else :class:`_TooLarge`, before any is read.
+    def _fetch(self, env: Environment, attempt: Path | None, names: list[str], without: dict) -> dict[str, bytes]:
+        """The files ``names`` of ``env`` as its attempt left them (those that are regular files),
+        when the result ``without`` them plus their sizes fits :attr:`result_bytes`; else
+        :class:`_TooLarge`, before any is read.
 
         Sizes, not blocks: a sparse file of 1 GiB holds nothing on disk but reads as 1 GiB.  Files
         go into the response base64-encoded (4 bytes for 3)."""
         room = (self.result_bytes - _packed_size(without) - _RESULT_OVERHEAD) * 3 // 4
         sizes: dict[str, int] = {}
+        roots: dict[str, Path] = {}
         for name in dict.fromkeys(names):
-            size = size_inside(env.path, name)
+            root = env.path if attempt is None else env_layers.layered_root(attempt / "upper", env.path, name)
+            size = size_inside(root, name) if root is not None else None
             if size is None:
                 continue
             if size > room:
@@ -547,6 +602,7 @@ class SandboxManager:
                                 f"bytes a result can carry (the worker's result limit is "
                                 f"{self.result_bytes} bytes, files go base64-encoded); nothing was fetched")
             sizes[name] = size
+            roots[name] = root
         total = sum(sizes.values())
         if total > room:
             raise _TooLarge(f"fetch_files: the {len(sizes)} files hold {total} bytes together, more than the "
@@ -554,7 +610,7 @@ class SandboxManager:
                             f"{self.result_bytes} bytes, files go base64-encoded); nothing was fetched")
         fetched: dict[str, bytes] = {}
         for name, size in sizes.items():
-            data = read_inside(env.path, name, size)   # never more than was counted
+            data = read_inside(roots[name], name, size)   # never more than was counted
             if data is not None:
                 fetched[name] = data
         return fetched
