@@ -410,12 +410,19 @@ def test_actions_of_one_environment_run_one_at_a_time_unless_they_say_concurrent
                              [ALL_CPUS[-1]])
         assert first.result(60).status == Status.OK
         assert second.result(60).output["stdout"] == "after\n", second.result()
-        # one that says concurrent runs beside: the first waits for a file only it makes
-        first = pool.submit(mgr.run, act("until test -e from-second; do sleep 0.05; done", env="one"),
-                            [ALL_CPUS[0]])
-        second = pool.submit(mgr.run, ActionSpec("sandbox", {"cmd": "touch from-second", "concurrent": True},
-                                                 env="one"), [ALL_CPUS[-1]])
-        assert second.result(60).status == Status.OK and first.result(60).status == Status.OK
+        # one that says concurrent runs beside: it ends while the first (cancelled after) still runs
+        r, w = os.pipe()
+        try:
+            first = pool.submit(mgr.run, act("sleep 60", env="one"), [ALL_CPUS[0]], cancel_fd=r)
+            wait_until(lambda: mgr.envs.get("one").turn.locked(), 30, 0.02)
+            beside = mgr.run(ActionSpec("sandbox", {"cmd": "echo beside", "concurrent": True}, env="one"),
+                             [ALL_CPUS[-1]])
+            assert beside.status == Status.OK and beside.output["stdout"] == "beside\n" and not first.done()
+            os.write(w, b"x")
+            assert first.result(60).status == Status.CANCELLED
+        finally:
+            os.close(r)
+            os.close(w)
     # a cancel reaches an action still waiting for its turn
     r, w = os.pipe()
     try:

@@ -150,11 +150,10 @@ def _merge_dir(up: int, low: int, depth: int) -> int:
             os.rename(name, name, src_dir_fd=up, dst_dir_fd=low)
             moved += 1
             continue
-        if depth >= _MAX_DEPTH:
-            raise OSError(f"the attempt's layer nests directories deeper than {_MAX_DEPTH} levels")
         sub = os.open(name, NOFOLLOW_DIR, dir_fd=up)
         try:
-            if is_opaque(sub):        # made anew over a removed one: nothing of the old shows through
+            opaque = is_opaque(sub)
+            if opaque:             # made anew over a removed one: nothing of the old shows through
                 _remove(low, name)
                 os.removexattr(sub, _OPAQUE)
             try:
@@ -164,19 +163,23 @@ def _merge_dir(up: int, low: int, depth: int) -> int:
             if lst is not None and not stat.S_ISDIR(lst.st_mode):
                 _remove(low, name)
                 lst = None
-            if lst is None:
-                os.mkdir(name, 0o700, dir_fd=low)
-            dst = os.open(name, NOFOLLOW_DIR, dir_fd=low)
-            try:
-                os.fchown(dst, st.st_uid, st.st_gid)
-                os.fchmod(dst, stat.S_IMODE(st.st_mode))
-                moved += _merge_dir(sub, dst, depth + 1)
-                os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
-            finally:
-                os.close(dst)
+            if lst is not None:    # in both: merged entry by entry
+                if depth >= _MAX_DEPTH:
+                    raise OSError(f"the attempt's layer nests directories deeper than {_MAX_DEPTH} levels")
+                dst = os.open(name, NOFOLLOW_DIR, dir_fd=low)
+                try:
+                    os.fchown(dst, st.st_uid, st.st_gid)
+                    os.fchmod(dst, stat.S_IMODE(st.st_mode))
+                    moved += _merge_dir(sub, dst, depth + 1)
+                    os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
+                finally:
+                    os.close(dst)
         finally:
             os.close(sub)
-        os.rmdir(name, dir_fd=up)
+        if lst is None:            # only the layer has it: moved whole, however deep
+            os.rename(name, name, src_dir_fd=up, dst_dir_fd=low)
+        else:
+            os.rmdir(name, dir_fd=up)
         moved += 1
     return moved
 
@@ -192,6 +195,13 @@ def is_opaque(fd: int) -> bool:
 def _remove(dirfd: int, name: str) -> None:
     """Remove ``name`` (a tree too) under ``dirfd`` without following symlinks; gone already is fine."""
     try:
+        _remove_entry(dirfd, name)
+    except RecursionError:
+        raise OSError(f"{name!r} nests directories too deep to remove") from None
+
+
+def _remove_entry(dirfd: int, name: str) -> None:
+    try:
         st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
     except FileNotFoundError:
         return
@@ -202,7 +212,7 @@ def _remove(dirfd: int, name: str) -> None:
     try:
         os.fchmod(sub, 0o700)     # sandboxed code may have taken write permission away
         for entry in os.scandir(sub):
-            _remove(sub, entry.name)
+            _remove_entry(sub, entry.name)
     finally:
         os.close(sub)
     os.rmdir(name, dir_fd=dirfd)

@@ -271,7 +271,11 @@ class SandboxManager:
             env = self.envs.acquire(spec.env, req.template)
         except EnvError as exc:
             return SandboxOutcome(Status.ERROR, None, str(exc))
-        waited, attempt = self._begin(env, spec, cancel_fd, limits.timeout_s, req.concurrent)
+        try:
+            waited, attempt = self._begin(env, spec, cancel_fd, limits.timeout_s, req.concurrent)
+        except (EnvError, OSError) as exc:
+            self.envs.release(env)
+            return SandboxOutcome(Status.ERROR, None, _unsettled(spec.env, exc))
         try:
             if waited is not None:
                 return _not_its_turn(waited, limits)
@@ -541,7 +545,12 @@ class SandboxManager:
             return SandboxOutcome(Status.ERROR, sf.response(None, None, {}, str(exc)), str(exc))
         compile_result = run_result = None
         fetched: dict[str, bytes] = {}
-        waited, attempt = self._begin(env, spec, cancel_fd, base.timeout_s, False)
+        try:
+            waited, attempt = self._begin(env, spec, cancel_fd, base.timeout_s, False)
+        except (EnvError, OSError) as exc:
+            self.envs.release(env)
+            return SandboxOutcome(Status.ERROR, sf.response(None, None, {}, _unsettled(spec.env, exc)),
+                                  _unsettled(spec.env, exc))
         try:
             if waited is not None:
                 out = _not_its_turn(waited, base)
@@ -622,6 +631,10 @@ class _TooLarge(Exception):
 
 def _packed_size(doc: Any) -> int:
     return len(msgpack.packb(doc, use_bin_type=True))
+
+
+def _unsettled(env_id: str | None, exc: BaseException) -> str:
+    return f"environment {env_id!r}: the attempt before this one could not be settled: {exc}"
 
 
 def _not_its_turn(why: str, limits: Limits) -> SandboxOutcome:
