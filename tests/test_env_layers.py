@@ -142,3 +142,20 @@ def test_run_code_fetches_what_its_attempt_wrote_before_the_commit(hosts):
     assert st == Status.OK and base64.b64decode(out["files"]["out.txt"]) == b"new\n"
     assert "other.txt" not in out["files"]
     assert (w1.mgr.envs.get("e").path / "out.txt").read_text() == "new\n"
+
+
+def test_the_merge_follows_no_link_the_sandbox_made(tmp_path):
+    """The merge runs as root over trees sandboxed code wrote: a directory it replaced with a link
+    out of the environment is replaced, never entered."""
+    outside = tmp_path / "host"
+    outside.mkdir()
+    (outside / "keep").write_text("host file\n")
+    with SandboxManager(tmp_path / "envs") as m:
+        assert m.run(act("mkdir -p x/y && echo f > x/y/f && mkdir z", env="e"), CPU).status == Status.OK
+        r = m.run(act(f"rm -r x && ln -s {outside} x && rmdir z && ln -s {outside} z", env="e"), CPU)
+        assert r.status == Status.OK, r
+        env = m.envs.get("e").path
+        assert os.readlink(env / "x") == str(outside) and os.readlink(env / "z") == str(outside)
+        assert r.output["enforced"]["isolation"] == "bwrap"
+        assert m.run(act("rm x z && mkdir x && echo again > x/keep", env="e"), CPU).status == Status.OK
+    assert sorted(os.listdir(outside)) == ["keep"] and (outside / "keep").read_text() == "host file\n"
