@@ -103,6 +103,10 @@ class CgroupScope:
     def procs_files(self) -> list[str]:
         return [str(d / "cgroup.procs") for d in self.dirs]
 
+    def pids(self) -> list[str]:
+        """The processes in the action's cgroup (every one of its tree: none can leave it)."""
+        return _read(self.dirs[0] / "cgroup.procs").split()
+
     def oom_killed(self) -> bool:
         if self.memory_dir is None:
             return False

@@ -282,23 +282,25 @@ class QuotaWatch:
                 and (self.allowed_files is None or u.files + max(0, now.files - before.files) <= self.allowed_files))
 
 
-def held_deleted(uid: int, inside: str) -> int:
+def held_deleted(uid: int, inside: str, pids: list[str] | None = None) -> int:
     """Bytes of files under ``inside`` (a path as the sandbox sees it) that processes of ``uid`` hold
     open after deleting them.
 
     Such a file is in no directory, so no walk sees it, yet it takes the filesystem's space until
     the last descriptor closes (written under a 64 MiB quota, 420 MiB went unseen that way).  Each
-    environment's commands run as its own uid, so its processes are found by that uid, whatever
-    they did to escape a process tree.  ``/proc/<pid>/fd/<n>`` is only read as a link (the path the
-    file was deleted at) and followed by ``stat``: nothing is opened.
+    environment's commands run as its own uid, so its processes are found by that uid, among
+    ``pids`` (the action's cgroup: no process leaves it) or else among all of ``/proc``.
+    ``/proc/<pid>/fd/<n>`` is only read as a link (the path the file was deleted at) and followed
+    by ``stat``: nothing is opened.
     """
     total = 0
     seen: set[tuple[int, int]] = set()
     prefix = inside.rstrip("/") + "/"
-    try:
-        pids = [d for d in os.listdir("/proc") if d.isdigit()]
-    except OSError:
-        return 0
+    if pids is None:
+        try:
+            pids = [d for d in os.listdir("/proc") if d.isdigit()]
+        except OSError:
+            return 0
     for pid in pids:
         try:
             if os.stat(f"/proc/{pid}").st_uid != uid:

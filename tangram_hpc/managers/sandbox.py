@@ -416,11 +416,11 @@ class SandboxManager:
         environ = self._environ(inside, ncpus, env)
         environ.update(extra_env)
         uid = env.uid
-        quota = QuotaWatch(env.path, limits.disk_mb, limits.disk_files, env.disk,
-                           outside=self._held_outside(env), layer=attempt / "upper" if attempt else None)
         scope: CgroupScope | None = None
         if self.cgroups is not None:
             scope = self.cgroups.scope(limits.memory_mb, limits.nproc, cpus)
+        quota = QuotaWatch(env.path, limits.disk_mb, limits.disk_files, env.disk,
+                           outside=self._held_outside(env, scope), layer=attempt / "upper" if attempt else None)
         mem_in_cgroup = scope is not None and scope.memory_dir is not None and bool(limits.memory_mb)
         rl = limits if not mem_in_cgroup else _without_as(limits)
         cmd = wrapper_argv(rl, uid, uid, environ, sys.executable) + argv
@@ -510,14 +510,17 @@ class SandboxManager:
         disk_mb = round(quota.last.mb, 3) if quota.active else None
         return _Ran(res, enforced, note, disk_mb)
 
-    def _held_outside(self, env: Environment):
+    def _held_outside(self, env: Environment, scope: CgroupScope | None):
         """What counts against ``env``'s disk quota beside its tree: its journal, and the files its
-        commands deleted but hold open (found by the environment's uid, which only it runs as)."""
+        commands deleted but hold open (found by the environment's uid, which only it runs as, in
+        the action's cgroup or else in all of ``/proc``)."""
         inside = SANDBOX_DIR if self.layout is not None else str(env.path)
 
         def held() -> int:
             n = self.envs.journal_bytes(env)
-            return n + held_deleted(env.uid, inside) if env.uid is not None else n
+            if env.uid is None:
+                return n
+            return n + held_deleted(env.uid, inside, scope.pids() if scope is not None else None)
         return held
 
     def _environ(self, inside: str, ncpus: int, env: Environment) -> dict[str, str]:
