@@ -782,6 +782,8 @@ class EnvStore:
                     chown_tree(tmp, uid)
             if dest.exists():
                 _rmtree(dest)
+            # an attempt left over a copy this one replaces must not be merged into it
+            _rmtree(self.root / (env_dirname(env_id) + env_layers.ATTEMPT_SUFFIX))
             os.rename(tmp, dest)
         except BaseException as exc:
             self._free_uid(uid if uid is not None else owned.get("uid"))
