@@ -1,6 +1,7 @@
 """Cost of transactional environments: an action in a layered attempt (overlay mounted in a
 namespace of its own, then merged) vs the same action run directly in the environment, side by
-side; and the merge alone, per file of the attempt's layer.
+side; and the commit alone (the merge, the emptied attempt moved aside), per file of the
+attempt's layer.
 
     python benchmarks/env_layers.py [--repeat 30] [--files 1 10 100 1000]
 
@@ -34,19 +35,24 @@ def _action(mgr: SandboxManager, cpu: list[int], i: int) -> float:
     return took
 
 
-def _merge_per_file(tmp: Path, files: int, repeat: int) -> float:
-    """Median seconds per file to merge a layer of ``files`` small new or changed files."""
+def _commit_per_file(tmp: Path, files: int, repeat: int) -> float:
+    """Median seconds per file to commit an attempt whose layer holds ``files`` small new or changed
+    files (the merge, and the emptied attempt moved aside for later removal)."""
     per = []
+    trash = tmp / "trash"
+    trash.mkdir(exist_ok=True)
     for r in range(repeat):
-        lower, upper = tmp / f"lower-{files}-{r}", tmp / f"upper-{files}-{r}"
-        for root in (lower, upper):
+        lower, attempt = tmp / f"lower-{files}-{r}", tmp / f"attempt-{files}-{r}"
+        for root in (lower, attempt / "upper"):
             for i in range(files):
                 d = root / f"d{i % 10}"
                 d.mkdir(parents=True, exist_ok=True)
-                if root is upper or i % 2:   # half of them replace a file the environment has
+                if root is not lower or i % 2:   # half of them replace a file the environment has
                     (d / f"f{i}").write_text(f"{root.name} {i}\n")
+        (attempt / "action").write_text("a")
         t0 = time.perf_counter()
-        env_layers.merge(upper, lower)
+        if env_layers.settle(attempt, lower, lambda _aid: True, trash) != "committed":
+            raise SystemExit("the attempt was not committed")
         per.append((time.perf_counter() - t0) / files)
     return statistics.median(per)
 
@@ -81,7 +87,7 @@ def main() -> None:
         print(f"action run directly          {dir_ * ms:8.2f} ms")
         print(f"layer cost per action        {(lay - dir_) * ms:8.2f} ms  (ratio {lay / dir_:.2f})")
         for n in args.files:
-            print(f"merge of {n:5d} files          {_merge_per_file(Path(tmp), n, min(args.repeat, 10)) * 1e6:8.1f} us per file")
+            print(f"commit of {n:5d} files         {_commit_per_file(Path(tmp), n, min(args.repeat, 10)) * 1e6:8.1f} us per file")
 
 
 if __name__ == "__main__":

@@ -127,6 +127,8 @@ def test_a_committed_attempt_leaves_the_environment_as_running_in_it_directly(tm
                 assert r.status == Status.OK, r
             trees.append(tree_of(m.envs.get("e").path))
             assert not os.path.exists(m.root / (env_dirname("e") + ".attempt"))
+            m.gc()                                      # settled attempts wait for it
+            assert not os.path.exists(m.root / ".warm" / ".trash")
     assert trees[0] == trees[1]
     assert trees[0]["d/fresh"][2] == b"fresh\n" and "d/sub" not in trees[0] and trees[0]["e"][0] == "file"
 

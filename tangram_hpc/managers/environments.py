@@ -475,6 +475,7 @@ class EnvStore:
 
     def gc(self, now: float | None = None) -> list[str]:
         """Remove idle environments older than the TTL; ``now`` is ``time.monotonic()``."""
+        self._empty_trash()
         if self.ttl is None:
             return []
         now = time.monotonic() if now is None else now
@@ -588,7 +589,23 @@ class EnvStore:
         with self._lock:
             journal = self._journal_of(env)
             done = set(journal)
-        return env_layers.settle(self.attempt_path(env), env.path, lambda aid: commit or aid in done)
+        return env_layers.settle(self.attempt_path(env), env.path, lambda aid: commit or aid in done,
+                                 self._trash_dir())
+
+    def _empty_trash(self) -> None:
+        """Remove the settled attempts (moved aside first: a settle may be moving one in meanwhile)."""
+        aside = self._warm_dir / f".trash-{os.urandom(6).hex()}"
+        try:
+            os.rename(self._warm_dir / ".trash", aside)
+        except OSError:
+            return
+        _rmtree(aside)
+
+    def _trash_dir(self) -> Path:
+        """Where settled attempts wait for :meth:`gc` (or :meth:`close`) to remove them."""
+        trash = self._warm_dir / ".trash"
+        trash.mkdir(exist_ok=True)
+        return trash
 
     def journal_bytes(self, env: Environment) -> int:
         """The size of ``env``'s journal file (it counts against the environment's disk quota)."""
