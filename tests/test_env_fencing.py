@@ -355,12 +355,12 @@ def test_a_move_the_policy_asks_for_saves_the_environment_and_its_next_action_re
     ledger.policy.want = ["e", "never-seen"]
     ledger.dirty = True
     assert assigned(ledger, 3.5) == {} and env_msgs(ledger) == {}
-    assert ledger.envs.get("e").status is EnvStatus.MOVING and ledger.envs.get("never-seen") is None
+    assert ledger.envlife.directory.get("e").status is EnvStatus.MOVING and ledger.envlife.directory.get("never-seen") is None
     assert ledger.counters.env_moves == 2
     done(ledger, "w2", b.id, 1, env_state="restored", now=4.0)
     assert env_msgs(ledger) == {"w2": [[P.ENV_SAVE, "e", grant[0]]]}
     # b's restore: assigned at 3.0, its DONE at 4.0, its command ran 0.5 s: 0.5 s
-    assert ledger.restore_s == 0.5
+    assert ledger.envlife.restore_s == 0.5
     # the second move's cost is its save (from 4.0, when the save was sent, to 5.0) and that restore
     assert ledger.env_report("w2", [[P.ENV_SAVED, "e", grant[0], "/snap/e2.tar.gz"]], 5.0) == 0
     assert ledger.policy.observed == [4.0, 1.5]
@@ -405,7 +405,7 @@ def test_an_environment_its_holder_could_not_save_stays_and_is_not_asked_to_move
     ledger.policy.want = ["e"]
     ledger.dirty = True
     assigned(ledger, 3.5)
-    assert ledger.envs.get("e").status is EnvStatus.LIVE and ledger.counters.env_moves == 1
+    assert ledger.envlife.directory.get("e").status is EnvStatus.LIVE and ledger.counters.env_moves == 1
     assert ledger.policy.observed == []
 
 
@@ -431,12 +431,12 @@ def test_a_lost_environment_fails_its_actions_with_env_lost_until_the_client_clo
     ledger = make(env_wait_s=10)
     join(ledger, "w1")
     join(ledger, "w2")
-    ledger.envs.roots.clear()                          # nobody knows where w1 keeps its environments
+    ledger.envlife.directory.roots.clear()                          # nobody knows where w1 keeps its environments
     a = act("e", 1)
     submit(ledger, a)
     assigned(ledger)
     ledger.lose_worker("w1", 1.0, "no heartbeat")
-    ledger.envs.roots.pop("w1", None)
+    ledger.envlife.directory.roots.pop("w1", None)
     b = act("e", 2)
     submit(ledger, b, now=2.0)
     ledger.expire(11.0)
@@ -476,9 +476,9 @@ def test_a_late_hand_back_of_a_fenced_copy_changes_nothing():
     ledger.lose_worker("w1", 1.0, "connection closed", dead=True)
     new = assigned(ledger, 1.0)["w2"][0][2][0]
     ledger.env_report("w1", [[P.ENV_SAVED, "e", gen, "/snap/old.tar.gz"]], 2.0)
-    rec = ledger.envs.get("e")
+    rec = ledger.envlife.directory.get("e")
     assert rec.status is EnvStatus.LIVE and rec.holder == "w2" and rec.gen == new
-    assert ledger.envs.garbage == [("/snap/old.tar.gz", None)]
+    assert ledger.envlife.directory.garbage == [("/snap/old.tar.gz", None)]
 
 
 def test_attempts_started_under_a_previous_coordinator_continue_their_count():
@@ -488,9 +488,9 @@ def test_attempts_started_under_a_previous_coordinator_continue_their_count():
     submit(ledger, a)
     [(aid, attempt, _)] = assigned(ledger)["w1"]
     assert attempt == 2
-    assert ledger.attempt_log == [[a.id, 2]]
+    assert ledger.envlife.attempt_log == [[a.id, 2]]
     done(ledger, "w1", a.id, 2)
-    assert ledger.attempt_log[-1] == [a.id, 0]
+    assert ledger.envlife.attempt_log[-1] == [a.id, 0]
 
 
 def test_the_simulator_and_the_coordinator_end_environments_through_the_same_policy_call():
@@ -525,7 +525,7 @@ def test_env_of_another_kind_is_only_a_placement_hint():
     f = ActionSpec("function", {"fn": "math:sqrt", "args": [4]}, env="e")
     submit(ledger, f)
     [(aid, _, grant)] = assigned(ledger)["w1"]
-    assert aid == f.id and grant is None and ledger.envs.get("e") is None
+    assert aid == f.id and grant is None and ledger.envlife.directory.get("e") is None
 
 
 def test_the_coordinators_deadline_allows_for_creating_or_restoring_the_environment_not_for_a_held_one():

@@ -441,7 +441,7 @@ def test_finished_actions_do_not_keep_their_deadlines_until_due():
 
 
 def test_the_result_cache_holds_large_outputs_by_their_bytes():
-    from tangram_hpc.coordinator.ledger import RecentMap
+    from tangram_hpc.coordinator.answers import RecentMap
     m = RecentMap(1000, max_bytes=10_000)
     for i in range(20):
         m.put(i, "x", nbytes=1000)       # a generation is full at 5,000 bytes, not 500 entries
@@ -457,5 +457,5 @@ def test_the_result_cache_holds_large_outputs_by_their_bytes():
     submit(ledger, C1, *specs)
     items = [[aid, attempt, "ok", "y", None, 0.5, 1.0, None] for aid, attempt, _ in take_assign(ledger)["w1"]]
     ledger.done("w1", items, 1.0, nbytes=4 << 20)      # 1 MiB each: a generation is full at 0.5 MiB
-    kept = [s.id for s in specs if ledger._recent.get(s.id) is not None]
+    kept = [s.id for s in specs if ledger.answers.recent.get(s.id) is not None]
     assert kept == [specs[-1].id], kept                 # 1 MiB kept of 4, not all four

@@ -39,7 +39,9 @@ from ..config import CoordinatorSettings
 from ..actions import ID_MAX, ActionSpec, EnvState, Status, ValidationError
 from ..policy.base import SchedulingPolicy
 from ..resources import WorkerInfo
-from .environments import USABLE, EnvironmentDirectory, EnvStatus
+from .environments import EnvironmentDirectory
+from .answers import ClientAnswers
+from .lifecycle import EnvironmentLifecycle
 from .outbox import Counters, Outbox
 from .registry import WorkerRecord, WorkerRegistry, WorkerState
 
@@ -87,44 +89,35 @@ class _Action:
         self.prepare = 0.0      # seconds its current attempt may take to create or restore its environment
         self.away = 0           # its attempt that may still run on a worker gone silent (0: none)
 
+    def share(self, client: bytes, aid: str) -> None:
+        """Answer ``client`` too, under ``aid``, when this action has its result."""
+        if self.waiters is None:
+            self.waiters = []
+        if (client, aid) not in self.waiters:
+            self.waiters.append((client, aid))
 
-class RecentMap:
-    """A bounded map of recent entries in two generations of plain dicts.
 
-    Lookups see both; once the young one holds half the capacity it becomes the old one and
-    the old one is dropped whole.  Dropping whole dicts, rather than evicting entry by entry
-    from one ordered map, keeps the coordinator's memory flat over millions of actions.
-    """
+def _due(deadlines: list[tuple[float, str, int]], actions: dict[str, _Action], now: float):
+    """The actions whose attempt's deadline (on the heap ``deadlines``) passed by ``now``: running,
+    or held while the silent worker that runs it is awaited."""
+    if len(deadlines) > 2 * len(actions) + 4096:
+        # an entry stays until its deadline though its action ended long before (a one-hour
+        # timeout at thousands of actions a second): keep only the live ones, now and then
+        deadlines[:] = [e for e in deadlines if (a := actions.get(e[1])) is not None and a.attempt == e[2]]
+        heapq.heapify(deadlines)
+    while deadlines and deadlines[0][0] <= now:
+        _, aid, attempt = heapq.heappop(deadlines)
+        a = actions.get(aid)
+        if a is None or a.attempt != attempt or (a.worker is None and not (a.held and a.away == attempt)):
+            continue
+        yield a
 
-    __slots__ = ("half", "half_bytes", "young", "old", "young_bytes")
 
-    def __init__(self, capacity: int, max_bytes: int | None = None):
-        self.half = max(1, capacity // 2)
-        # what the values weigh (large outputs), when the caller says: a generation is full at
-        # half the entries or half the bytes
-        self.half_bytes = max(1, max_bytes // 2) if max_bytes else float("inf")
-        self.young: dict = {}
-        self.old: dict = {}
-        self.young_bytes = 0
-
-    def get(self, key):
-        v = self.young.get(key)
-        return v if v is not None else self.old.get(key)
-
-    def put(self, key, value, nbytes: int = 0) -> None:
-        self.young[key] = value
-        if nbytes:
-            self.young_bytes += nbytes
-        if len(self.young) >= self.half or self.young_bytes >= self.half_bytes:
-            self.old, self.young = self.young, {}
-            self.young_bytes = 0
-
-    def pop(self, key) -> None:
-        self.young.pop(key, None)
-        self.old.pop(key, None)
-
-    def __bool__(self) -> bool:
-        return bool(self.young or self.old)
+def _timeout_reason(a: _Action, grace: float) -> str:
+    if a.prepare:
+        return (f"no result {a.spec.timeout:g}s (+{grace:g}s grace, +{a.prepare:g}s to create or restore "
+                f"its environment) after it was assigned")
+    return f"no result {a.spec.timeout:g}s (+{grace:g}s grace) after it started"
 
 
 class ActionLedger:
@@ -140,27 +133,16 @@ class ActionLedger:
         self.outbox = outbox if outbox is not None else Outbox()
         self.counters = Counters()
         self.action_log = action_log if action_log is not None else []
-        self.dirty = False                 # something changed that may let the policy start actions
+        self._dirty = False                # something changed that may let the policy start actions
         self._actions: dict[str, _Action] = {}
-        self._recent = RecentMap(config.result_cache, config.result_cache_mb << 20)   # action id -> result wire
-        self._idem = RecentMap(config.result_cache)       # idempotency key -> action id
+        self.answers = ClientAnswers(config, self.outbox, self.counters)
         self._client_pending: dict[bytes, int] = {}
         self._deadlines: list[tuple[float, str, int]] = []
         self._zombies: dict[str, str] = {}                # zombie action id -> worker id
-        self.envs = envs if envs is not None else EnvironmentDirectory(config.env_wait_s)
-        self._env_live: dict[str, list[_Action]] = {}     # environment -> its live actions, oldest first
-        self._env_closing: dict[str, set[str]] = {}       # environment -> live actions it closes after
-        self._moving_since: dict[str, float] = {}         # environment the policy moves -> when it asked
-        self._unmovable: set[str] = set()                 # environments whose holder could not save them
-        self.restore_s: float | None = None               # seconds a restore takes (moving average), once seen
-        self._orphans = RecentMap(min(config.result_cache, 100_000))  # action id -> outcome of an earlier registration
-        #: attempts started under a previous coordinator (from its state file), by action id
-        self._prior_attempts = dict(prior_attempts or {})
-        #: environment -> [[action id, attempt], ...]: attempts finalised while their worker was away
-        #: (cancelled, timed out) that may still run there; killed when it comes back with the environment
-        self._kill_on_return: dict[str, list[list]] = {}
-        #: [action id, attempts started] for actions with an environment; [id, 0] once final (the state file)
-        self.attempt_log: list[list] = []
+        #: the environments of the live actions: where each one's copy is, and what its actions do meanwhile
+        self.envlife = EnvironmentLifecycle(
+            policy, envs if envs is not None else EnvironmentDirectory(config.env_wait_s), self.workers,
+            self.outbox, self.counters, self._fail, prepare_s=config.env_prepare_s, prior_attempts=prior_attempts)
 
     # -- views -----------------------------------------------------------------
     def __len__(self) -> int:
@@ -178,9 +160,15 @@ class ActionLedger:
         """When a live action was first submitted, or None."""
         a = self._actions.get(action_id)
         return None if a is None else a.submitted
-    def live_env_attempts(self) -> dict[str, int]:
-        """Attempts started of the live actions that have an environment (the state file keeps them)."""
-        return {a.spec.id: a.attempt for live in self._env_live.values() for a in live if a.attempt}
+
+    @property
+    def dirty(self) -> bool:
+        """Something changed that may let the policy start actions."""
+        return self._dirty or self.envlife.dirty
+
+    @dirty.setter
+    def dirty(self, value: bool) -> None:
+        self._dirty = self.envlife.dirty = value
 
     @property
     def zombie_cores(self) -> int:
@@ -193,34 +181,30 @@ class ActionLedger:
         policy = self.policy
         actions = self._actions
         zombies = self._zombies
+        answers = self.answers
         pending = self._client_pending.get(client, 0)
         for w in wires:
             try:
                 spec = ActionSpec.from_wire(w)
             except ValidationError as e:
                 aid = w.get("i") if isinstance(w, dict) else None
-                self._reject(client, aid if isinstance(aid, str) and len(aid) <= ID_MAX else None, str(e), now)
+                answers.reject(client, aid if isinstance(aid, str) and len(aid) <= ID_MAX else None, str(e), now)
                 continue
             aid = spec.id
             live = actions.get(aid)
             if live is not None:
                 # the same id from another identity (the client back under a new one, or a second
                 # client using the id): answer it there too, and the first one still
-                if client != live.client and (live.waiters is None or (client, aid) not in live.waiters):
-                    if live.waiters is None:
-                        live.waiters = []
-                    live.waiters.append((client, aid))
+                if client != live.client:
+                    live.share(client, aid)
                 continue
-            done = self._recent.get(aid)
-            if done is not None:
-                self.outbox.results.setdefault(client, []).append(done)
+            if answers.again(client, aid):
                 continue
-            if self._orphans:
-                kept = self._orphans.get(aid)
-                if kept is not None and self._answer_from_orphan(client, spec, kept, now):
-                    continue
+            kept = answers.kept_outcome(aid)
+            if kept is not None and self._answer_from_orphan(client, spec, kept, now):
+                continue
             if zombies and aid in zombies:
-                self._reject(client, aid, "an attempt of this action id is still ending on its worker", now)
+                answers.reject(client, aid, "an attempt of this action id is still ending on its worker", now)
                 continue
             key = spec.idempotency_key
             if key is not None and self._join_idempotent(client, spec, key):
@@ -228,15 +212,14 @@ class ActionLedger:
             if pending >= cfg.max_pending_per_client or len(actions) >= cfg.max_pending_total:
                 which = ("this client" if pending >= cfg.max_pending_per_client else "the coordinator")
                 limit = cfg.max_pending_per_client if which == "this client" else cfg.max_pending_total
-                self._reject(client, aid, f"too many unfinished actions for {which} (limit {limit}); "
+                answers.reject(client, aid, f"too many unfinished actions for {which} (limit {limit}); "
                                           "wait for results before submitting more", now)
                 continue
             env = _env_of(spec)
             if env is not None:
-                rec = self.envs.get(env)
-                if rec is not None and rec.status is EnvStatus.LOST:
-                    self._reject(client, aid, f"environment {env!r} is lost: {rec.why}; close it (close_env) "
-                                              "to start it again empty", now, Status.ENV_LOST)
+                why = self.envlife.refusal(env)
+                if why is not None:
+                    answers.reject(client, aid, why, now, Status.ENV_LOST)
                     continue
             pending += 1
             a = actions[aid] = _Action(spec, w, client, now - _age(w) if "a" in w else now)
@@ -244,69 +227,28 @@ class ActionLedger:
             if env is None:
                 policy.submit(spec, now)
             else:
-                self._admit_env(a, env, now)
+                self.envlife.admit(a, env, now)
         if pending:
             self._client_pending[client] = pending
         self.dirty = True
 
-    def _admit_env(self, a: _Action, env: str, now: float) -> None:
-        live = self._env_live.get(env)
-        if live is None:
-            self._env_live[env] = [a]
-        else:
-            live.append(a)
-        if self._prior_attempts:
-            n = self._prior_attempts.pop(a.spec.id, 0)
-            if n:
-                a.attempt = a.away = n      # started under the previous coordinator: it may still run
-                a.failures.append(f"attempt {n} started under the previous coordinator and did not report")
-        rec = self.envs.get(env)
-        if env in self._env_closing or (rec is not None and rec.status not in USABLE):
-            a.held = True
-        else:
-            self.policy.submit(a.spec, now)
-
     def _join_idempotent(self, client: bytes, spec: ActionSpec, key: str) -> bool:
         """True when ``spec`` is answered by an earlier action with the same key."""
-        first = self._idem.get(key)
+        first = self.answers.first_with_key(spec, key)
         if first is None:
-            self._idem.put(key, spec.id)
             return False
         live = self._actions.get(first)
-        if live is not None:
-            if live.waiters is None:
-                live.waiters = []
-            live.waiters.append((client, spec.id))
-            return True
-        done = self._recent.get(first)
-        if done is None:
-            self._idem.put(key, spec.id)  # original forgotten: run again
-            return False
-        copy = list(done)
-        copy[0] = spec.id
-        self.outbox.results.setdefault(client, []).append(copy)
+        if live is None:
+            return self.answers.shared(client, spec, first)
+        live.share(client, spec.id)
         return True
-
-    def _reject(self, client: bytes, aid: str | None, why: str, now: float, status: str = Status.ERROR) -> None:
-        self.counters.rejected += 1
-        if aid is None:
-            self.outbox.to_clients.append((client, P.ERROR, {"code": "invalid_action", "message": why[:500]}))
-            return
-        self.outbox.results.setdefault(client, []).append(
-            [aid, status, None, f"rejected: {why}", now, 0.0, now, None, 0, 0, None])
 
     def _answer_from_orphan(self, client: bytes, spec: ActionSpec, kept: list, now: float) -> bool:
         """A resubmitted action whose attempt under an earlier registration of a worker did finish."""
-        attempt, status, output, error, started, finished, env_state, worker = kept
-        if _env_of(spec) is not None:
-            rec = self.envs.get(spec.env)
-            if rec is None or rec.holder != worker:
-                return False   # the environment is not the copy it ran in: its journal decides
-        res = [spec.id, status, output, error, now, started, finished, worker, 0, attempt, env_state]
-        self.outbox.results.setdefault(client, []).append(res)
-        self._recent.put(spec.id, res)
-        self._orphans.pop(spec.id)
-        self.counters.replayed += 1
+        env = _env_of(spec)
+        if env is not None and self.envlife.holder(env) != kept[-1]:
+            return False   # the environment is not the copy it ran in: its journal decides
+        self.answers.from_orphan(client, spec, kept, now)
         return True
 
     def cancel(self, ids: list, now: float) -> None:
@@ -321,7 +263,7 @@ class ActionLedger:
                 if a.away and a.away == a.attempt and a.worker is None:
                     # an attempt under an earlier coordinator, or on a worker that went silent, may
                     # still run in the environment: it is stopped there
-                    self._kill_when_back(a)
+                    self.envlife.kill_when_back(a)
                     why = f"cancelled; attempt {a.attempt}, which may still run where its environment is, is stopped"
                 else:
                     why = "cancelled before it started"
@@ -345,19 +287,7 @@ class ActionLedger:
         reported = info.extra.pop("envs", None) or []
         w = self.workers.add(info, ident, now)
         self.policy.add_worker(info, now)
-        keep, drop, regained, lost = self.envs.worker_registered(
-            info.id, info.extra.get("env_root"), info.handle, reported, now)
-        if keep or drop:
-            self.outbox.env.setdefault(info.id, []).extend(keep + drop)
-        if self._kill_on_return:    # (those of environments it came back without go in _env_changed)
-            for env in regained:
-                stale = self._kill_on_return.pop(env, None)
-                if stale:
-                    self.outbox.kill.setdefault(info.id, []).extend(stale)
-        if regained:
-            self.policy.update_worker(info.id, envs=self.envs.held_by(info.id), now=now)
-        for env in regained + lost:
-            self._env_changed(env, now)
+        self.envlife.worker_registered(info.id, info.extra.get("env_root"), info.handle, reported, now)
         self.dirty = True
         return w
 
@@ -388,7 +318,7 @@ class ActionLedger:
             return
         self.workers.mark_draining(w, reason, now)
         self.policy.set_draining(worker_id, True)
-        self._move_envs_off(worker_id, ask=True, now=now)
+        self.envlife.move_off(worker_id, ask=True)
 
     def worker_leaving(self, worker_id: str, reason: str, now: float) -> None:
         """The worker said it is leaving (SIGTERM, time limit): it finishes what it can, saves its
@@ -400,44 +330,11 @@ class ActionLedger:
         if w.state is not WorkerState.DRAINING:
             self.workers.mark_draining(w, f"leaving: {reason}", now)
             self.policy.set_draining(worker_id, True)
-        self._move_envs_off(worker_id, ask=False, now=now)
-
-    def _move_envs_off(self, worker_id: str, *, ask: bool, now: float) -> None:
-        moving, save_now = self.envs.worker_draining(worker_id, ask=ask)
-        for env in moving:
-            self._hold_back(env)
-            self.policy.close_env(env)
-        if save_now:
-            self.outbox.env.setdefault(worker_id, []).extend([P.ENV_SAVE, env, gen] for env, gen in save_now)
-        if moving:
-            self.dirty = True
-
-    def _move_envs(self, envs: list[str], now: float) -> None:
-        """The policy wants these environments on another worker: their holders save them, their
-        waiting actions wait for that and go to the policy again, unpinned, once they are saved."""
-        for env in envs:
-            if env in self._unmovable:
-                continue
-            move = self.envs.move(env)
-            if move is None:
-                if self.envs.get(env) is None and env not in self._env_live:
-                    # not a sandbox's environment, only a hint to place actions together: there is
-                    # nothing to save, so its waiting actions may simply go elsewhere
-                    self.policy.close_env(env)
-                    self.dirty = True
-                continue
-            holder, gen, ask_now = move
-            self._hold_back(env)
-            self.policy.close_env(env)
-            self._moving_since[env] = now
-            self.counters.env_moves += 1
-            if ask_now:
-                self.outbox.env.setdefault(holder, []).append([P.ENV_SAVE, env, gen])
-            self.dirty = True
+        self.envlife.move_off(worker_id, ask=False)
 
     def holds_moving_envs(self, worker_id: str) -> bool:
         """Whether environments are still being saved off ``worker_id`` (a drained worker waits for that)."""
-        return self.envs.moving_from(worker_id)
+        return self.envlife.moving_from(worker_id)
 
     def worker_left(self, worker_id: str, now: float, reason: str, *, stopped: bool = False) -> None:
         """The worker's last word: it has left.  What it still ran (attempts it interrupted) is retried.
@@ -452,9 +349,7 @@ class ActionLedger:
         w = self.workers.remove(worker_id, now, "reclaimed")
         if w is not None:
             self._forget(w, now)
-            # Environments it could not save stay on its disk; they are adopted once it has exited.
-            for env in self.envs.worker_lost(worker_id, dead=False, now=now):
-                self._env_changed(env, now)
+            self.envlife.worker_retired(worker_id, now)
         return w
 
     def lose_worker(self, worker_id: str, now: float, reason: str, *, dead: bool = False,
@@ -479,9 +374,7 @@ class ActionLedger:
         else:
             log.info("worker %s %s (%s); %d actions it ran are left to their clients' resubmission",
                      worker_id, event, reason, len(w.running))
-        affected = self.envs.worker_lost(worker_id, dead=dead, now=now)
-        for env in affected:
-            self._hold_back(env)
+        affected = self.envlife.worker_lost(worker_id, dead=dead, now=now)
         max_attempts = self.config.max_attempts
         for aid in set(lost) | w.running:
             a = self._actions.get(aid)
@@ -494,25 +387,23 @@ class ActionLedger:
             a.failures.append(f"attempt {a.attempt} on {worker_id}: {reason}")
             if a.attempt >= max_attempts:
                 if a.away == a.attempt:
-                    self._kill_when_back(a)     # given up on, but it may still run on the silent worker
+                    self.envlife.kill_when_back(a)     # given up on, but it may still run on the silent worker
                 self._finalize(a, Status.ERROR, None,
                                f"gave up after {a.attempt} attempts: " + "; ".join(a.failures[-3:]), 0.0, now)
             else:
                 self.counters.retried += 1
                 self._resubmit(a, now)
-        for env in affected:
-            self._env_changed(env, now)
+        self.envlife.changed(affected, now)
         self.dirty = True
         return w
 
     def worker_dead(self, worker_id: str, now: float) -> None:
         """A worker lost earlier (silent) is now known to have exited: adopt what it held."""
-        for env in self.envs.worker_dead(worker_id):
-            self._env_changed(env, now)
+        self.envlife.worker_dead(worker_id, now)
 
     def job_ended(self, handle: str, now: float) -> None:
         """The backend saw the job ``handle`` end; if its worker was lost earlier, it is dead now."""
-        wid = self.envs.worker_of_handle(handle)
+        wid = self.envlife.worker_of_handle(handle)
         if wid is not None and wid not in self.workers.by_id:
             self.worker_dead(wid, now)
 
@@ -526,103 +417,20 @@ class ActionLedger:
     # -- environments --------------------------------------------------------------
     def _resubmit(self, a: _Action, now: float) -> None:
         env = _env_of(a.spec)
-        if env is not None:
-            rec = self.envs.get(env)
-            if env in self._env_closing and a.spec.id not in self._env_closing[env] or (
-                    rec is not None and rec.status not in USABLE):
-                a.held = True
-                return
-        self.policy.submit(a.spec, now)
-
-    def _hold_back(self, env: str) -> None:
-        """Take the environment's waiting actions back from the policy until it can be used again."""
-        policy = self.policy
-        for a in self._env_live.get(env, ()):
-            if a.worker is None and not a.held and policy.cancel(a.spec.id):
-                a.held = True
-
-    def _env_changed(self, env: str, now: float) -> None:
-        """The environment's status changed: release its held actions if it can be used, fail them if lost."""
-        rec = self.envs.get(env)
-        if rec is None or rec.status is not EnvStatus.MOVING:
-            self._moving_since.pop(env, None)
-        if self._kill_on_return and (rec is None or rec.status is not EnvStatus.AWAITED):
-            self._kill_on_return.pop(env, None)    # no longer waiting for the copy those attempts run in
-        live = self._env_live.get(env)
-        if not live:
-            return
-        if rec is not None and rec.status is EnvStatus.LOST:
-            why = f"environment {env!r} is lost: {rec.why}"
-            for a in list(live):
-                if a.worker is None and (a.held or self.policy.cancel(a.spec.id)):
-                    a.held = False
-                    self._finalize(a, Status.ENV_LOST, None, why, 0.0, now)
-            return
-        if rec is not None and rec.status not in USABLE:
-            return
-        if rec is not None and rec.status is not EnvStatus.LIVE:
-            self.policy.close_env(env)   # no worker holds it: the next one to start an action there takes it
-        closing = self._env_closing.get(env)
-        for a in live:
-            if a.held and (closing is None or a.spec.id in closing):
-                a.held = False
-                self.policy.submit(a.spec, now)
-        self.dirty = True
+        if env is None:
+            self.policy.submit(a.spec, now)
+        else:
+            self.envlife.resubmit(a, env, now)
 
     def env_report(self, worker_id: str, items: list, now: float) -> int:
         """A worker's ENV message (saved, unsaved, gone); returns how many items were malformed."""
-        bad = 0
-        for item in items:
-            try:
-                op, env, gen, detail = P.check_env_item(item)
-            except ValidationError:
-                bad += 1
-                continue
-            if op == P.ENV_SAVED:
-                if detail and self.envs.saved(worker_id, env, gen, detail):
-                    asked = self._moving_since.pop(env, None)
-                    if asked is not None:
-                        # a move costs the save and the restore; until a restore was seen, count
-                        # it as long as the save
-                        save = now - asked
-                        self.policy.observe_env_move(save + (save if self.restore_s is None else self.restore_s))
-                    self._env_changed(env, now)
-            elif op == P.ENV_UNSAVED:
-                if self._moving_since.pop(env, None) is not None:
-                    self._unmovable.add(env)    # asking again would only fail again
-                if self.envs.unsaved(worker_id, env, gen):
-                    log.warning("worker %s could not save environment %s (%s); it stays there", worker_id, env,
-                                detail)
-                    self.policy.update_worker(worker_id, envs=self.envs.held_by(worker_id), now=now)
-                    self._env_changed(env, now)
-            elif op == P.ENV_GONE:
-                if self.envs.gone(worker_id, env, gen):
-                    self.policy.close_env(env)
-                    self._env_changed(env, now)
-        return bad
+        return self.envlife.report(worker_id, items, now)
 
     def close_env(self, envs: list, now: float) -> None:
         """CLOSE_ENV: end each environment once the actions already submitted in it have finished."""
         for env in envs:
-            if not isinstance(env, str):
-                continue
-            live = self._env_live.get(env)
-            if live:
-                self._env_closing[env] = {a.spec.id for a in live}
-            else:
-                self._close_env_now(env, now)
-
-    def _close_env_now(self, env: str, now: float) -> None:
-        self._env_closing.pop(env, None)
-        self._unmovable.discard(env)
-        dropped = self.envs.close(env)
-        if dropped is not None:
-            holder, item = dropped
-            self.outbox.env.setdefault(holder, []).append(item)
-            self.policy.update_worker(holder, envs=self.envs.held_by(holder), now=now)
-        self.policy.close_env(env)
-        self.counters.envs_closed += 1
-        self._env_changed(env, now)   # actions submitted after close_env start it afresh
+            if isinstance(env, str):
+                self.envlife.close(env, now)
 
     def outcomes(self, worker_id: str, items: list, now: float) -> int:
         """OUTCOMES: attempts that ended under an earlier registration of the worker.  One whose action
@@ -640,16 +448,13 @@ class ActionLedger:
                 continue
             a = self._actions.get(aid)
             if a is None:
-                if self._recent.get(aid) is None:
-                    self._orphans.put(aid, [attempt, status, output, error, started, finished, env_state, worker_id])
+                self.answers.keep_orphan(aid, [attempt, status, output, error, started, finished, env_state, worker_id])
                 continue
             if a.worker is not None:
                 continue   # a newer attempt runs: its result counts
             env = _env_of(a.spec)
-            if env is not None:
-                rec = self.envs.get(env)
-                if rec is None or rec.holder != worker_id:
-                    continue   # the environment's live copy is not the one it ran in
+            if env is not None and self.envlife.holder(env) != worker_id:
+                continue   # the environment's live copy is not the one it ran in
             if not (a.held or policy.cancel(aid)):
                 continue
             a.held = False
@@ -668,37 +473,32 @@ class ActionLedger:
             self._assign(assignments, now)
         moves = self.policy.env_moves()
         if moves:       # after the starts: one the policy made in an environment it moves runs first
-            self._move_envs(moves, now)
+            self.envlife.move(moves, now)
 
     def _assign(self, assignments: list, now: float) -> None:
         actions = self._actions
         workers = self.workers.by_id
         assign = self.outbox.assign
         grace = self.config.timeout_grace_s
-        prepare = self.config.env_prepare_s
+        envlife = self.envlife
         for asg in assignments:
             a = actions.get(asg.action_id)
             w = workers.get(asg.worker_id)
             if a is None or w is None:
-                # The policy placed something the ledger no longer tracks: give its cores back.
-                self.policy.finished(asg.action_id, now, ok=False)
+                # The policy placed something the ledger no longer tracks: take the start back.
+                self.policy.revoke(asg.action_id, now)
                 continue
             env = _env_of(a.spec)
             if env is None:
                 a.attempt += 1
                 item = [a.wire, a.attempt, asg.cores]
             else:
-                grant = self.envs.grant(env, asg.worker_id)
+                grant = envlife.grant(a, env, asg.worker_id, asg.cores, now)
                 if grant is None:
-                    self._misplaced(a, asg, now)
-                    continue
+                    continue    # revoked: it waits its turn where its environment is
                 a.attempt += 1
-                a.in_env = True
-                a.assigned = now
-                # the worker times the command from when its environment is there, not from the ASSIGN
-                a.prepare = 0.0 if grant[1] == P.GRANT_HELD else prepare
+                envlife.started(a, grant, now)
                 item = [a.wire, a.attempt, asg.cores, grant]
-                self.attempt_log.append([a.spec.id, a.attempt])
             a.worker = w.info.id
             a.cores = asg.cores
             w.running.add(a.spec.id)
@@ -711,21 +511,6 @@ class ActionLedger:
                 items.append(item)
             if a.spec.timeout is not None:
                 heapq.heappush(self._deadlines, (now + a.spec.timeout + grace + a.prepare, a.spec.id, a.attempt))
-
-    def _misplaced(self, a: _Action, asg, now: float) -> None:
-        """The policy started an action away from the worker its environment is on (it should not):
-        give the cores back, pin the environment again and let the action wait its turn."""
-        self.policy.finished(asg.action_id, now, ok=False)
-        a.misplaced += 1
-        rec = self.envs.get(a.spec.env)
-        log.warning("policy placed %s on %s but environment %s is %s on %s", a.spec.id, asg.worker_id, a.spec.env,
-                    rec.status if rec else "unknown", rec.holder if rec else None)
-        if rec is not None and rec.status is EnvStatus.LIVE and rec.holder in self.workers.by_id:
-            self.policy.update_worker(rec.holder, envs=self.envs.held_by(rec.holder), now=now)
-        if a.misplaced < 3 and (rec is None or rec.status in USABLE):
-            self.policy.submit(a.spec, now)
-        else:
-            a.held = True   # released with the environment's next change
 
     def done(self, worker_id: str, items: list, now: float, nbytes: int = 0) -> int:
         """A worker's DONE batch (``nbytes``: its frame's size); returns how many items were malformed
@@ -760,65 +545,28 @@ class ActionLedger:
             if not w.running:
                 w.idle_since = now
             if a.in_env:
-                a.in_env = False
-                self._env_attempt_ended(a.spec.env, now)
+                self.envlife.attempt_ended(a, now)
             if env_state == EnvState.RESTORED:
-                self._observe_restore(now - a.assigned - (finished - started))
+                self.envlife.observe_restore(a, now, finished - started)
             self._finalize(a, status, output, error, started, finished, env_state, nbytes=share)
         self.dirty = True
         return bad
 
-    def _observe_restore(self, seconds: float) -> None:
-        """A restore took ``seconds``: the attempt's time from ASSIGN to DONE less its command's
-        run time (the worker starts that clock once the environment is there)."""
-        if seconds >= 0.0:
-            old = self.restore_s
-            self.restore_s = seconds if old is None else 0.8 * old + 0.2 * seconds
-
     def expire(self, now: float) -> None:
         """Time out running actions past ``timeout + timeout_grace_s``; give up environments awaited
         past ``env_wait_s``."""
-        for env in self.envs.expire(now):
-            self._env_changed(env, now)
-        dl = self._deadlines
-        if len(dl) > 2 * len(self._actions) + 4096:
-            # an entry stays until its deadline though its action ended long before (a one-hour
-            # timeout at thousands of actions a second): keep only the live ones, now and then
-            actions = self._actions
-            dl[:] = [e for e in dl if (a := actions.get(e[1])) is not None and a.attempt == e[2]]
-            heapq.heapify(dl)
-        grace = self.config.timeout_grace_s
-        while dl and dl[0][0] <= now:
-            _, aid, attempt = heapq.heappop(dl)
-            a = self._actions.get(aid)
-            if a is None or a.attempt != attempt or (a.worker is None and not (a.held and a.away == attempt)):
-                continue
-            if a.prepare:
-                why = (f"no result {a.spec.timeout:g}s (+{grace:g}s grace, +{a.prepare:g}s to create or restore "
-                       f"its environment) after it was assigned")
-            else:
-                why = f"no result {a.spec.timeout:g}s (+{grace:g}s grace) after it started"
+        self.envlife.expire(now)
+        for a in _due(self._deadlines, self._actions, now):
+            why = _timeout_reason(a, self.config.timeout_grace_s)
             if a.worker is None:
                 # Its worker went silent while it ran and its environment waits for that worker: the
                 # attempt may still be running there, so it is not run again past its time.
                 a.held = False
-                self._kill_when_back(a)
+                self.envlife.kill_when_back(a)
                 why += f"; its worker stopped answering meanwhile ({'; '.join(a.failures[-1:])})"
             else:
                 self._kill(a, now)
             self._finalize(a, Status.TIMEOUT, None, why, 0.0, now)
-
-    def _kill_when_back(self, a: _Action) -> None:
-        """Stop attempt ``a.attempt`` where its environment is: now if its holder is here, else
-        when the holder comes back with it."""
-        env = _env_of(a.spec)
-        if env is None:
-            return
-        rec = self.envs.get(env)
-        if rec is not None and rec.status is EnvStatus.LIVE and rec.holder in self.workers.by_id:
-            self.outbox.kill.setdefault(rec.holder, []).append([a.spec.id, a.attempt])
-        else:
-            self._kill_on_return.setdefault(env, []).append([a.spec.id, a.attempt])
 
     def fail_unplaceable(self, now: float) -> None:
         """Fail pending actions no worker shape could ever run, with the policy's reason."""
@@ -891,15 +639,7 @@ class ActionLedger:
         w.busy_cores -= cores
         self.policy.finished(aid, now, ok=False)
         if env is not None:
-            self._env_attempt_ended(env, now)
-
-    def _env_attempt_ended(self, env: str, now: float) -> None:
-        ask = self.envs.ended(env)
-        if ask is not None:
-            holder, gen = ask
-            self.outbox.env.setdefault(holder, []).append([P.ENV_SAVE, env, gen])
-            if env in self._moving_since:
-                self._moving_since[env] = now       # a move's cost counts from the save
+            self.envlife.zombie_ended(env, now)
 
     def _finalize(self, a: _Action, status: str, output: Any, error: str | None,
                   started: float, finished: float, env_state: str | None = None, *, nbytes: int = 0) -> None:
@@ -911,19 +651,8 @@ class ActionLedger:
             self._client_pending[a.client] = n
         else:
             self._client_pending.pop(a.client, None)
-        res = [aid, status, output, error, a.submitted, started, finished, a.worker, a.cores, a.attempt, env_state]
-        results = self.outbox.results
-        mine = results.get(a.client)
-        if mine is None:
-            results[a.client] = [res]
-        else:
-            mine.append(res)
-        self._recent.put(aid, res, nbytes)
-        if a.waiters:
-            for ident, other in a.waiters:
-                copy = list(res)
-                copy[0] = other
-                results.setdefault(ident, []).append(copy)
+        self.answers.final(a.client, [aid, status, output, error, a.submitted, started, finished, a.worker, a.cores,
+                                      a.attempt, env_state], a.waiters, nbytes)
         c = self.counters
         if status == Status.OK:
             c.completed += 1
@@ -934,24 +663,8 @@ class ActionLedger:
         self.action_log.append([aid, spec.kind, spec.action_class, a.worker, a.cores, a.submitted, started,
                                 finished, status, a.attempt, spec.trajectory])
         if spec.env is not None and spec.kind == "sandbox":
-            self._env_action_final(a, spec.env, max(finished, a.submitted))
+            self.envlife.action_final(a, spec.env, max(finished, a.submitted))
 
-    def _env_action_final(self, a: _Action, env: str, now: float) -> None:
-        if a.in_env:   # finalised while its attempt runs (lost attempts were reset): counted until it ends
-            a.in_env = False
-            self._env_attempt_ended(env, now)
-        live = self._env_live.get(env)
-        if live is not None:
-            try:
-                live.remove(a)
-            except ValueError:
-                pass
-            if not live:
-                del self._env_live[env]
-        if a.attempt:
-            self.attempt_log.append([a.spec.id, 0])
-        closing = self._env_closing.get(env)
-        if closing is not None:
-            closing.discard(a.spec.id)
-            if not closing:
-                self._close_env_now(env, now)
+    def _fail(self, a: _Action, status: str, why: str, now: float) -> None:
+        """Finalise an action that will not run (its environment is lost)."""
+        self._finalize(a, status, None, why, 0.0, now)

@@ -264,7 +264,7 @@ class Coordinator:
 
     def _flush_state(self, now: float) -> None:
         try:
-            self.state.flush(self.ledger.envs, self.ledger.attempt_log, self.ledger.live_env_attempts, now)
+            self.state.flush(self.ledger.envlife.directory, self.ledger.envlife.attempt_log, self.ledger.envlife.live_attempts, now)
         except OSError as e:
             log.warning("could not write the state directory %s: %s", self.state.path, e)
 
@@ -443,10 +443,10 @@ class Coordinator:
     def _flush(self) -> None:
         ob = self.outbox
         ledger = self.ledger
-        if ledger.envs.changes or ledger.attempt_log:
+        if ledger.envlife.directory.changes or ledger.envlife.attempt_log:
             # Before the ASSIGNs that carry them: a coordinator killed after sending a grant must still
             # know the environment when it restarts, or it could grant the same id anew elsewhere.
-            self.state.write_changes(ledger.envs, ledger.attempt_log, ledger.live_env_attempts)
+            self.state.write_changes(ledger.envlife.directory, ledger.envlife.attempt_log, ledger.envlife.live_attempts)
         if ob.to_workers:
             msgs, ob.to_workers = ob.to_workers, []
             for ident, mtype, body in msgs:
@@ -554,8 +554,8 @@ class Coordinator:
             "by_status": dict(c.by_status), "replayed": c.replayed, "envs_closed": c.envs_closed,
             "env_moves": c.env_moves,
             # what the scheduler counts a move as costing, and the restores measured so far (None: none yet)
-            "env_move_s": getattr(self.policy, "env_move_s", None), "env_restore_s": self.ledger.restore_s,
-            "environments": self.ledger.envs.counts(),
+            "env_move_s": getattr(self.policy, "env_move_s", None), "env_restore_s": self.ledger.envlife.restore_s,
+            "environments": self.ledger.envlife.directory.counts(),
             "workers": [
                 {"id": w.info.id, "host": w.info.host, "pid": w.info.extra.get("pid"), "handle": w.info.handle,
                  "kinds": sorted(w.info.kinds), "cores": w.info.cores, "busy_cores": w.busy_cores,

@@ -120,6 +120,13 @@ class SchedulingPolicy(ABC):
     def finished(self, action_id: str, now: float, *, ok: bool = True, run_time: float | None = None) -> None:
         """A running action ended: free its resources and learn from ``run_time``."""
 
+    def revoke(self, action_id: str, now: float) -> None:
+        """Take back a start the driver could not carry out (the action's environment is not on that
+        worker): free what it was given as if it had never started, and learn nothing from it.  The
+        driver submits the action again or holds it.  A policy that learns from :meth:`finished`
+        overrides this; the default frees the resources through it."""
+        self.finished(action_id, now, ok=False)
+
     @abstractmethod
     def schedule(self, now: float) -> list[Assignment]: ...
 

@@ -366,6 +366,17 @@ class PlacementPolicy(SchedulingPolicy):
         else:
             self.predictor.observe(spec, run_time, rec.cores, now, rec.stats)
 
+    def revoke(self, action_id: str, now: float) -> None:
+        rec = self._recs.get(action_id)
+        if rec is None or rec.state is not _RUNNING:
+            return
+        del self._recs[action_id]
+        w = rec.worker
+        self._end_running(rec, now)     # no run to learn from, and no reason to move its environment
+        if w is not None:
+            del w.running[action_id]
+            self._touch(w)
+
     def _end_running(self, rec: ActionRecord, now: float) -> None:
         rec.state = GONE
         w = rec.worker
