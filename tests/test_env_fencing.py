@@ -7,6 +7,7 @@ from tangram_hpc.actions import ActionSpec, Status
 from tangram_hpc.config import CoordinatorSettings
 from tangram_hpc.coordinator import ActionLedger
 from tangram_hpc.coordinator.environments import EnvironmentDirectory, EnvStatus
+from tangram_hpc.policy.base import Assignment
 from tangram_hpc.policy.fifo import FifoPolicy
 from tangram_hpc.resources import WorkerInfo
 
@@ -516,6 +517,39 @@ def test_the_simulator_and_the_coordinator_end_environments_through_the_same_pol
     done(live, "w1", a.id, 1)
     live.close_env(["s0t0"], 2.0)
     assert live.policy.closed == ["s0t0"] and live.policy.env_host("s0t0") is None
+
+
+class MisplacingFifo(RecordingFifo):
+    """The FIFO policy, starting the actions named in ``misplace`` on another worker than it chose,
+    and noting the ends it is told of."""
+
+    def __init__(self):
+        super().__init__()
+        self.misplace: dict[str, str] = {}
+        self.ended: list[str] = []
+
+    def schedule(self, now: float) -> list:
+        return [Assignment(s.action_id, self.misplace.pop(s.action_id, s.worker_id), s.cores)
+                for s in super().schedule(now)]
+
+    def finished(self, action_id: str, now: float, *, ok: bool = True, run_time: float | None = None) -> None:
+        self.ended.append(action_id)
+        super().finished(action_id, now, ok=ok, run_time=run_time)
+
+
+def test_a_start_away_from_the_environment_is_revoked_not_ended_and_runs_where_the_environment_is():
+    policy = MisplacingFifo()
+    ledger, a, gen = running_in_e_on_w1(policy)
+    done(ledger, "w1", a.id, 1)
+    b = act("e", 2)
+    policy.misplace[b.id] = "w2"
+    submit(ledger, b, now=2.0)
+    ledger.dispatch(2.0)
+    assert ledger.outbox.assign == {}                 # refused by the directory: e is on w1
+    assert policy.ended == [a.id]                      # the refused start is no run that ended
+    assert policy.running_count == 0 and ledger.dirty  # its core is free again, and it waits its turn
+    assert assigned(ledger, 2.0) == {"w1": [(b.id, 1, [gen, P.GRANT_HELD, None])]}
+    assert policy.running_count == 1
 
 
 def test_env_of_another_kind_is_only_a_placement_hint():

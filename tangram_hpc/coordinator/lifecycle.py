@@ -144,6 +144,7 @@ class EnvironmentLifecycle:
             self._pin(rec.holder, now)
         if a.misplaced < 3 and (rec is None or rec.status in USABLE):
             self.policy.submit(a.spec, now)
+            self.dirty = True
         else:
             a.held = True   # released with the environment's next change
 
