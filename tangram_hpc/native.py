@@ -56,6 +56,7 @@ COMPILED = (
     "tangram_hpc.policy.fifo",
     "tangram_hpc.policy.static",
     "tangram_hpc.policy.pool",
+    "tangram_hpc.sim.calendar",
     "tangram_hpc.sim.engine",
     "tangram_hpc.sim.baselines",
 )

@@ -477,7 +477,7 @@ def test_event_calendar_pops_in_order_near_and_far(width):
     then again once near)."""
     import heapq
 
-    from tangram_hpc.sim.engine import EventCalendar
+    from tangram_hpc.sim.calendar import EventCalendar
     rng = np.random.default_rng(7)
     q = EventCalendar(width)
     ref: list = []
