@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import protocol as P
+from ..protocol import ENV_SAVE, ENV_SAVED, GRANT_ADOPT, GRANT_HELD, GRANT_NEW, GRANT_RESTORE
 from ..actions import ActionSpec, EnvState, Status
 from ..config import CoordinatorSettings
 from ..coordinator.ledger import ActionLedger
@@ -44,8 +44,8 @@ _SAVED = 5
 
 _CLIENT = b"sim-client"
 #: what a worker's DONE says it found in its environment, by the grant its ASSIGN carried
-_FOUND = {P.GRANT_NEW: EnvState.CREATED, P.GRANT_HELD: EnvState.KEPT, P.GRANT_RESTORE: EnvState.RESTORED,
-          P.GRANT_ADOPT: EnvState.ADOPTED}
+_FOUND = {GRANT_NEW: EnvState.CREATED, GRANT_HELD: EnvState.KEPT, GRANT_RESTORE: EnvState.RESTORED,
+          GRANT_ADOPT: EnvState.ADOPTED}
 
 
 @dataclass
@@ -137,7 +137,7 @@ class LedgerSimulation:
             elif typ == _STEP:
                 self._on_step(e[3], now)
             else:
-                ledger.env_report(e[3], [[P.ENV_SAVED, e[4], e[5], f"sim://{e[4]}@{e[5]}"]], now)
+                ledger.env_report(e[3], [[ENV_SAVED, e[4], e[5], f"sim://{e[4]}@{e[5]}"]], now)
             if events and events[0][0] == now:
                 continue                # all events of an instant are applied before the policy is asked
             ledger.dispatch(now)
@@ -158,7 +158,7 @@ class LedgerSimulation:
         move_s = self.w.cluster.env_move_s
         for wid, items in out.env.items():
             for op, env, gen in items:
-                if op == P.ENV_SAVE:
+                if op == ENV_SAVE:
                     self._push(now + move_s, _SAVED, wid, env, gen)
         out.env.clear()
         for res in itertools.chain.from_iterable(out.results.values()):
