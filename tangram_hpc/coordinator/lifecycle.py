@@ -177,6 +177,8 @@ class EnvironmentLifecycle:
         """Stop attempt ``a.attempt`` where its environment is: now if its holder is here, else
         when the holder comes back with it."""
         env = a.spec.env
+        if env is None or a.spec.kind != "sandbox":
+            return
         rec = self.directory.get(env)
         if rec is not None and rec.status is EnvStatus.LIVE and rec.holder in self.workers.by_id:
             self.outbox.kill.setdefault(rec.holder, []).append([a.spec.id, a.attempt])
