@@ -408,7 +408,8 @@ def test_draining_worker_gets_nothing_new_and_leaves_when_idle():
 
 # -- the core stays pure -------------------------------------------------------------
 
-@pytest.mark.parametrize("module", ["ledger", "registry", "pool_driver", "outbox", "metrics", "environments"])
+@pytest.mark.parametrize("module", ["ledger", "lifecycle", "answers", "registry", "pool_driver", "outbox", "metrics",
+                                    "environments"])
 def test_the_coordinator_core_does_no_io_of_its_own(module):
     path = Path(__file__).resolve().parents[1] / "tangram_hpc" / "coordinator" / f"{module}.py"
     imported = set()

@@ -1,8 +1,13 @@
 """The coordinator: a socket-free core and the thin ZMQ loop around it.
 
 * :class:`ActionLedger` (``ledger.py``): every live action, attempts,
-  idempotency, timeouts, cancels, one final result each; it is the only
-  caller of the scheduling policy's event methods;
+  timeouts, cancels, one final result each; it is the only caller of the
+  scheduling policy's event methods;
+* :class:`~.lifecycle.EnvironmentLifecycle` (``lifecycle.py``): the stateful
+  environments of the ledger's actions (held actions, grants, moves,
+  kill-on-return, the attempt log), over the ``EnvironmentDirectory``;
+  :class:`~.answers.ClientAnswers` (``answers.py``): the result cache,
+  idempotency keys and kept outcomes;
 * :class:`WorkerRegistry` (``registry.py``): registered workers and what they
   last reported;
 * :class:`PoolDriver` (``pool_driver.py``): runs the pool policy against a
