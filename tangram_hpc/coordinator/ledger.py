@@ -18,13 +18,15 @@ The rules:
   lost: a Python function cannot be interrupted, and giving its cores away
   would queue new actions behind it on the worker;
 * finished results stay in a bounded cache so a resubmission (a reconnected
-  client, a repeated idempotency key) gets the first answer again;
+  client, a repeated idempotency key) gets the first answer again
+  (:class:`~.answers.ClientAnswers`);
 * an action with an environment runs only where the
   :class:`~.environments.EnvironmentDirectory` says the one live copy is: while the
   environment is moving or its worker is awaited, its actions are held back from
   the policy; each ASSIGN carries the environment's grant (its generation, and
   where to restore or adopt it from); a lost environment fails its actions with
-  ``env_lost``;
+  ``env_lost``.  :class:`~.lifecycle.EnvironmentLifecycle` keeps these rules: the
+  ledger calls it for every event that touches an environment;
 * outcomes a worker kept from before it registered again (OUTCOMES) answer the
   actions still waiting for them instead of running them again.
 """

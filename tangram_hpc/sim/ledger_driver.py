@@ -9,7 +9,7 @@ saved after the workload's ``env_move_s``.  Everything between (attempts, grants
 actions, moves, the policy's calls) is the coordinator's own code, read through its outbox.
 
 Its world is the engine's, so that the two can be compared on the same seeds
-(``tests/test_sched_sim.py``): run times by Amdahl's law at the granted cores, cut at the
+(``tests/test_sim_ledger.py``): run times by Amdahl's law at the granted cores, cut at the
 class's timeout; moving an environment costs ``env_move_s`` between the hold-back and the
 release of its actions, and a restore costs nothing (the ledger is told so up front, as
 it would learn from the first restore).  It is a check, not a benchmark: it takes CPU
