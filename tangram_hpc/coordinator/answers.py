@@ -78,7 +78,12 @@ class ClientAnswers:
 
     def final(self, client: bytes, res: list, waiters: list[tuple[bytes, str]] | None, nbytes: int) -> None:
         """An action's final result: to its client, to those sharing it (under their own ids), and kept."""
-        self.send(client, res)
+        results = self.outbox.results      # (send, inline: once per action on the dispatch path)
+        mine = results.get(client)
+        if mine is None:
+            results[client] = [res]
+        else:
+            mine.append(res)
         self.recent.put(res[0], res, nbytes)
         if waiters:
             for ident, other in waiters:
