@@ -264,7 +264,8 @@ class Coordinator:
 
     def _flush_state(self, now: float) -> None:
         try:
-            self.state.flush(self.ledger.envlife.directory, self.ledger.envlife.attempt_log, self.ledger.envlife.live_attempts, now)
+            envlife = self.ledger.envlife
+            self.state.flush(envlife.directory, envlife.attempt_log, envlife.live_attempts, now)
         except OSError as e:
             log.warning("could not write the state directory %s: %s", self.state.path, e)
 
@@ -443,10 +444,11 @@ class Coordinator:
     def _flush(self) -> None:
         ob = self.outbox
         ledger = self.ledger
-        if ledger.envlife.directory.changes or ledger.envlife.attempt_log:
+        envlife = ledger.envlife
+        if envlife.directory.changes or envlife.attempt_log:
             # Before the ASSIGNs that carry them: a coordinator killed after sending a grant must still
             # know the environment when it restarts, or it could grant the same id anew elsewhere.
-            self.state.write_changes(ledger.envlife.directory, ledger.envlife.attempt_log, ledger.envlife.live_attempts)
+            self.state.write_changes(envlife.directory, envlife.attempt_log, envlife.live_attempts)
         if ob.to_workers:
             msgs, ob.to_workers = ob.to_workers, []
             for ident, mtype, body in msgs:
