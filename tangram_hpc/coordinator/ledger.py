@@ -367,7 +367,7 @@ class ActionLedger:
         w = self.workers.remove(worker_id, now, event)
         if w is None:
             if dead:
-                self.worker_dead(worker_id, now)
+                self.envlife.worker_dead(worker_id, now)   # lost earlier (silent): adopt what it held
             return None
         lost = self._forget(w, now)
         if event == "lost":
@@ -384,7 +384,8 @@ class ActionLedger:
                 continue  # a zombie, finalised already
             a.worker = None
             a.in_env = False
-            if not dead and _env_of(a.spec) in affected:
+            env = _env_of(a.spec)
+            if not dead and env in affected:
                 a.away = a.attempt      # its environment waits for that worker, where it may still run
             a.failures.append(f"attempt {a.attempt} on {worker_id}: {reason}")
             if a.attempt >= max_attempts:
@@ -394,20 +395,17 @@ class ActionLedger:
                                f"gave up after {a.attempt} attempts: " + "; ".join(a.failures[-3:]), 0.0, now)
             else:
                 self.counters.retried += 1
-                self._resubmit(a, now)
+                if env is None:
+                    self.policy.submit(a.spec, now)
+                else:
+                    self.envlife.resubmit(a, env, now)
         self.envlife.changed(affected, now)
         self.dirty = True
         return w
 
-    def worker_dead(self, worker_id: str, now: float) -> None:
-        """A worker lost earlier (silent) is now known to have exited: adopt what it held."""
-        self.envlife.worker_dead(worker_id, now)
-
     def job_ended(self, handle: str, now: float) -> None:
         """The backend saw the job ``handle`` end; if its worker was lost earlier, it is dead now."""
-        wid = self.envlife.worker_of_handle(handle)
-        if wid is not None and wid not in self.workers.by_id:
-            self.worker_dead(wid, now)
+        self.envlife.job_ended(handle, now)
 
     def _forget(self, w: WorkerRecord, now: float) -> list[str]:
         for aid, z in w.zombies.items():
@@ -417,13 +415,6 @@ class ActionLedger:
         return self.policy.remove_worker(w.info.id, now)
 
     # -- environments --------------------------------------------------------------
-    def _resubmit(self, a: _Action, now: float) -> None:
-        env = _env_of(a.spec)
-        if env is None:
-            self.policy.submit(a.spec, now)
-        else:
-            self.envlife.resubmit(a, env, now)
-
     def env_report(self, worker_id: str, items: list, now: float) -> int:
         """A worker's ENV message (saved, unsaved, gone); returns how many items were malformed."""
         return self.envlife.report(worker_id, items, now)

@@ -377,8 +377,11 @@ class EnvironmentLifecycle:
         """A worker lost earlier (silent) is now known to have exited: adopt what it held."""
         self.changed(self.directory.worker_dead(worker_id), now)
 
-    def worker_of_handle(self, handle: str) -> str | None:
-        return self.directory.worker_of_handle(handle)
+    def job_ended(self, handle: str, now: float) -> None:
+        """The backend saw the job ``handle`` end: if its worker was lost earlier, it is dead now."""
+        wid = self.directory.worker_of_handle(handle)
+        if wid is not None and wid not in self.workers.by_id:
+            self.worker_dead(wid, now)
 
     def expire(self, now: float) -> None:
         """Give up environments awaited past the directory's ``wait_s``."""
