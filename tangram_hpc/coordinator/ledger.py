@@ -581,8 +581,8 @@ class ActionLedger:
         for aid in ids:
             a = self._actions.get(aid) if isinstance(aid, str) else None
             if a is None or (client is not None and a.client != client):
-                if client is not None and a is None and aid not in answered and self._recent.get(aid) is None:
-                    self._reject(client, aid, why, now)
+                if client is not None and a is None and aid not in answered and self.answers.recent.get(aid) is None:
+                    self.answers.reject(client, aid, why, now)
                 continue
             try:
                 self._release(a, now, ended_on)
@@ -602,9 +602,7 @@ class ActionLedger:
             if w is not None and aid in w.running:
                 w.running.discard(aid)
                 w.busy_cores -= a.cores
-            if a.in_env:
-                a.in_env = False
-                self._env_attempt_ended(a.spec.env, now)
+            self.envlife.attempt_ended(a, now)
             self.policy.finished(aid, now, ok=False)
         else:
             self._kill(a, now)
