@@ -368,7 +368,7 @@ class PlacementPolicy(SchedulingPolicy):
 
     def revoke(self, action_id: str, now: float) -> None:
         rec = self._recs.get(action_id)
-        if rec is None or rec.state is not _RUNNING:
+        if rec is None or rec.state is not RUNNING:
             return
         del self._recs[action_id]
         w = rec.worker
