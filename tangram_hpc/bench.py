@@ -43,9 +43,11 @@ from .policy.pool import PoolConfig, PoolController
 from .policy.predict import Predictor
 from .progress import progress_reporter
 from .resources import CPU, GPU
-from .sim.baselines import PooledPolicy, TaskIsolatedPolicy, TrajectoryBoundPolicy, isolated_split, unconstrained_peaks
+from .sim.baselines import (PooledPolicy, TaskIsolatedPolicy, TrajectoryBoundPolicy, isolated_split, sandbox_mem_mb,
+                             unconstrained_peaks)
 from .sim.bounds import capacity_bound
 from .sim.engine import SimResult, SimulationStalled, cluster_shapes, service_infos, simulate
+from .sim.layout import ServiceNotHosted, workload_layout
 from .sim.workload import Plan, Workload, WorkloadError, load_workload, preset_names
 
 __all__ = ["add_arguments", "main", "run_bench", "run_seeds", "seed_spread", "parse_seeds", "tangram_run",
@@ -54,7 +56,7 @@ __all__ = ["add_arguments", "main", "run_bench", "run_seeds", "seed_spread", "pa
 
 #: baselines in the order they are reported
 BASELINES = ("trajectory-max", "trajectory-best", "task-isolated", "pooled-fifo-min", "pooled-fifo-max",
-             "pooled-sjf-min", "pooled-sjf-max")
+             "pooled-fifo-elastic", "pooled-sjf-min", "pooled-sjf-max", "pooled-sjf-elastic")
 STEP_TOLERANCE = 0.01    # a cut cluster "reaches" a step time within 1 %
 MAX_SEEDS = 1000
 #: "no worse" across seeds allows this relative difference: sums of the same times in another order
@@ -123,26 +125,38 @@ def _sandbox_sizes(w: Workload) -> list[int]:
     return list(range(smallest, biggest + 1))
 
 
+def trajectory_bound(w: Workload, size: int) -> TrajectoryBoundPolicy:
+    """The trajectory-bound baseline with ``size``-core sandboxes that reserve their largest action's memory."""
+    infos = service_infos(w)
+    return TrajectoryBoundPolicy(size, {k: v.gpu_mem_mb for k, v in infos.items()},
+                                 {k: v.max_batch for k, v in infos.items()}, layout=workload_layout(w),
+                                 sandbox_mem_mb=sandbox_mem_mb(w))
+
+
 def baseline_makers(plan: Plan) -> dict[str, Callable[[], Any]]:
-    """Fresh policy objects per baseline (``trajectory-best`` is searched in :func:`baseline_runs`)."""
+    """Fresh policy objects per baseline (``trajectory-best`` is searched in :func:`baseline_runs`).
+
+    Every static GPU side keeps the one demand-weighted layout (:mod:`tangram_hpc.sim.layout`);
+    the pooled ones move environments by the rule and cost tangram has."""
     w = plan.workload
     infos = service_infos(w)
-    sizes = {k: v.gpu_mem_mb for k, v in infos.items()}
-    batch = {k: v.max_batch for k, v in infos.items()}
+    layout = workload_layout(w)
+
     def task_isolated() -> TaskIsolatedPolicy:
         # pools sized from a profiling run: another sample of the same workload, not this plan's
         # durations (sampled only for this baseline: the savings search makes many of the others)
         profile = w.sample((w.seed or 0) + 1_000_003)
-        cpu_plan, gpu_plan = isolated_split(w, unconstrained_peaks(profile))
+        cpu_plan, gpu_plan = isolated_split(w, unconstrained_peaks(profile), layout)
         return TaskIsolatedPolicy(cpu_plan, gpu_plan, infos)
 
     out: dict[str, Callable[[], Any]] = {
-        "trajectory-max": lambda: TrajectoryBoundPolicy(max(_sandbox_sizes(w)), sizes, batch),
+        "trajectory-max": lambda: trajectory_bound(w, max(_sandbox_sizes(w))),
         "task-isolated": task_isolated,
     }
     for order in ("fifo", "sjf"):
-        for cores in ("min", "max"):
-            out[f"pooled-{order}-{cores}"] = (lambda o=order, c=cores: PooledPolicy(o, c, infos))
+        for cores in ("min", "max", "elastic"):
+            out[f"pooled-{order}-{cores}"] = (lambda o=order, c=cores: PooledPolicy(
+                o, c, infos, layout=layout, env_move_s=w.cluster.env_move_s))
     return out
 
 
@@ -154,9 +168,7 @@ def _cluster(plan: Plan, cpu: int, gpu: int) -> Plan:
 def run_baseline(plan: Plan, name: str, *, size: int | None = None, progress=None) -> SimResult:
     w = plan.workload
     if name == "trajectory-best":
-        infos = service_infos(w)
-        pol = TrajectoryBoundPolicy(size or 1, {k: v.gpu_mem_mb for k, v in infos.items()},
-                                    {k: v.max_batch for k, v in infos.items()})
+        pol = trajectory_bound(w, size or 1)
     else:
         pol = baseline_makers(plan)[name]()
     return simulate(plan, pol, name=name, progress=progress)
@@ -208,6 +220,8 @@ def _simulate_task(plan: Plan, task: SimTask, progress=None) -> SimResult | str:
         return run_baseline(plan, name, size=size, progress=progress)
     except SimulationStalled as e:
         return e.reason
+    except ServiceNotHosted as e:
+        return str(e)
 
 
 def _simulate_all(plan: Plan, tasks: list[SimTask], jobs: int, progress=None) -> dict[SimTask, SimResult | str]:
@@ -273,11 +287,19 @@ def baseline_runs(plan: Plan, progress=None, *, jobs: int = 1,
     return out, meta
 
 
+def trajectory_times(r: SimResult, plan: Plan) -> np.ndarray:
+    """Per trajectory, from its first action's submit to its last action's end: a policy that holds
+    whole trajectories back shows it here, where the wait counts once per action in ACT."""
+    starts = np.concatenate(plan.step_traj_start).astype(np.int64)
+    return np.maximum.reduceat(r.finish, starts) - r.submit[starts]
+
+
 def _summary(r: SimResult, plan: Plan) -> dict[str, Any]:
     a = r.act
     c = plan.workload.cluster
     cap = capacity_bound(r, plan, c.cpu_workers * c.cpu_cores, c.gpu_workers * c.gpu_slots)
-    return {"mean_act": float(a.mean()), "p50_act": float(np.percentile(a, 50)),
+    return {"mean_act": float(a.mean()), "mean_traj_s": float(trajectory_times(r, plan).mean()),
+            "p50_act": float(np.percentile(a, 50)),
             "p99_act": float(np.percentile(a, 99)), "step_s": r.mean_step,
             "steps_s": [float(x) for x in r.step_durations],
             "cpu_core_s": r.cpu_core_s, "gpu_s": r.gpu_s,
@@ -309,7 +331,7 @@ def smallest_cluster(plan: Plan, run: Callable[[Plan], SimResult], target_step: 
         if (cpu, gpu) not in cache:
             try:
                 cache[(cpu, gpu)] = run(_cluster(plan, cpu, gpu))
-            except SimulationStalled:     # the setup cannot run on so few workers (a pool per task)
+            except (SimulationStalled, ServiceNotHosted):   # the setup cannot run on so few workers
                 cache[(cpu, gpu)] = None
         return cache[(cpu, gpu)]
 
@@ -418,6 +440,7 @@ def run_bench(w: Workload, *, search: bool = True, jobs: int = 1,
             continue
         fig["tangram_vs"][k] = {
             "act_ratio": float(r.act.mean() / t.act.mean()),
+            "traj_ratio": fig["policies"][k]["mean_traj_s"] / ts["mean_traj_s"],
             # no scheduler can do better than every action alone on its best cores, unqueued
             "act_ratio_ceiling": float(r.act.mean()) / ts["per_action_bound"],
             "step_ratio": r.mean_step / t.mean_step,
@@ -468,12 +491,13 @@ def seed_spread(figs: list[dict[str, Any]]) -> dict[str, Any]:
     for k in names:
         have = [f["policies"][k] for f in figs if k in f["policies"]]
         policies[k] = {"seeds": len(have), "mean_act": _spread([p["mean_act"] for p in have]),
+                       "mean_traj_s": _spread([p["mean_traj_s"] for p in have]),
                        "step_s": _spread([p["step_s"] for p in have])}
         if k == "tangram":
             continue
         pairs = [(f["policies"][k], f["policies"]["tangram"]) for f in figs if k in f["policies"]]
         vs[k] = {"seeds": len(pairs)}
-        for fig_key, out in (("mean_act", "act"), ("step_s", "step")):
+        for fig_key, out in (("mean_act", "act"), ("mean_traj_s", "traj"), ("step_s", "step")):
             vs[k][f"{out}_ratio"] = _spread([b[fig_key] / t[fig_key] for b, t in pairs])
             vs[k][f"no_worse_{out}"] = sum(t[fig_key] <= b[fig_key] * (1 + TIE_TOLERANCE) for b, t in pairs)
         vs[k]["act_ratio_ceiling"] = _spread([f["tangram_vs"][k]["act_ratio_ceiling"] for f in figs
@@ -492,13 +516,15 @@ def _fmt_seeds(res: dict[str, Any]) -> str:
 
     def rng(s, fmt):
         return f"{format(s['median'], fmt)} [{format(s['min'], fmt)}, {format(s['max'], fmt)}]"
-    lines = [f"{'policy':18s} {'mean ACT: median [min, max]':>30s} {'step s: median [min, max]':>28s}"]
+    lines = [f"{'policy':18s} {'mean ACT: median [min, max]':>30s} {'traj s: median [min, max]':>28s} "
+             f"{'step s: median [min, max]':>28s}"]
     lines.append("-" * len(lines[0]))
     for k, p in sp["policies"].items():
         note = f"  (on {p['seeds']} of {n} seeds)" if p["seeds"] < n else ""
         if k == "trajectory-best":
             note += f"  (sizes {', '.join(map(str, sp['trajectory_best_sizes']))})"
-        lines.append(f"{k:18s} {rng(p['mean_act'], '.3f'):>30s} {rng(p['step_s'], '.1f'):>28s}{note}")
+        lines.append(f"{k:18s} {rng(p['mean_act'], '.3f'):>30s} {rng(p['mean_traj_s'], '.1f'):>28s} "
+                     f"{rng(p['step_s'], '.1f'):>28s}{note}")
     for k, v in sp["infeasible"].items():
         lines.append(f"{k:18s} cannot run here on {v['seeds']} of {n} seeds: {v['why']}")
     lines.append("")
@@ -520,13 +546,14 @@ def _fmt_seeds(res: dict[str, Any]) -> str:
 
 def _fmt_table(fig: dict[str, Any]) -> str:
     lines = []
-    hdr = (f"{'policy':20s} {'mean ACT':>9s} {'p50':>7s} {'p99':>8s} {'step s':>7s} {'core-s':>10s} "
+    hdr = (f"{'policy':20s} {'mean ACT':>9s} {'p50':>7s} {'p99':>8s} {'traj s':>7s} {'step s':>7s} {'core-s':>10s} "
            f"{'GPU-s':>9s} {'CPU util':>8s} {'GPU util':>8s} {'bound':>7s} {'/bound':>6s}")
     lines.append(hdr)
     lines.append("-" * len(hdr))
     for k, s in fig["policies"].items():
         name = f"{k} ({fig['trajectory_best_size']})" if k == "trajectory-best" else k
-        lines.append(f"{name:20s} {s['mean_act']:9.2f} {s['p50_act']:7.2f} {s['p99_act']:8.1f} {s['step_s']:7.0f} "
+        lines.append(f"{name:20s} {s['mean_act']:9.2f} {s['p50_act']:7.2f} {s['p99_act']:8.1f} "
+                     f"{s['mean_traj_s']:7.1f} {s['step_s']:7.0f} "
                      f"{s['cpu_core_s']:10.0f} {s['gpu_s']:9.0f} {s['cpu_util']:8.0%} {s['gpu_util']:8.0%} "
                      f"{s['capacity_bound']:7.2f} {s['bound_ratio']:5.2f}x")
     for k, why in fig.get("infeasible", {}).items():
@@ -541,13 +568,13 @@ def _fmt_table(fig: dict[str, Any]) -> str:
         lines.append(f"tangram moved environments between workers {n:,} times ({n / fig['trajectories']:.1f} per "
                      f"trajectory, {n / fig['actions']:.2f} per action), at {fig['env_move_s']:g} s each")
     lines.append("")
-    lines.append(f"{'baseline / tangram':18s} {'ACT':>8s} {'step':>8s} {'core-s':>8s} {'GPU-s':>8s} "
+    lines.append(f"{'baseline / tangram':18s} {'ACT':>8s} {'traj':>8s} {'step':>8s} {'core-s':>8s} {'GPU-s':>8s} "
                  f"{'ACT, any scheduler at most':>27s}")
 
     def f(x):
         return f"{x:7.2f}x" if x is not None else "       -"
     for k, v in fig["tangram_vs"].items():
-        lines.append(f"{k:18s} {f(v['act_ratio'])} {f(v['step_ratio'])} {f(v['cpu_core_s_ratio'])} "
+        lines.append(f"{k:18s} {f(v['act_ratio'])} {f(v['traj_ratio'])} {f(v['step_ratio'])} {f(v['cpu_core_s_ratio'])} "
                      f"{f(v['gpu_s_ratio'])} {f(v['act_ratio_ceiling']):>27s}")
     lines.append("(at most: the baseline's mean ACT over the per-action bound, what a scheduler that never "
                  "queues an action would reach)")

@@ -16,7 +16,7 @@ from tangram_hpc.policy.elastic import ElasticScheduler
 from tangram_hpc.policy.fifo import FifoPolicy
 from tangram_hpc.policy.predict import Predictor
 from tangram_hpc.sim.baselines import PooledPolicy, TrajectoryBoundPolicy
-from tangram_hpc.sim.engine import Simulation, SimulationStalled, simulate
+from tangram_hpc.sim.engine import Simulation, SimulationStalled, service_infos, simulate
 from tangram_hpc.sim.workload import WorkloadError, load_workload, parse_workload, preset_names
 
 
@@ -67,11 +67,16 @@ def test_services_preloaded_at_start_and_load_time_paid_once():
              actions=[{"name": "score", "kind": "reward", "service": "rm", "final": 1, "duration_s": 2.0},
                       {"name": "judge", "kind": "reward", "service": "big", "final": 2, "duration_s": 2.0}])
     plan = parse_workload(d).sample()
-    r = simulate(plan, ElasticScheduler())
-    # the worker was up before the run with the services that fit (rm): the rm call runs at once;
-    # big evicts rm (idle) and loads for 5 s under the first judge call; the second is warm
-    assert r.act.tolist() == [2.0, 7.0, 2.0]
-    assert r.step_durations == [12.0]
+    r = simulate(plan, ElasticScheduler(services=service_infos(plan.workload)))
+    # the worker was up before the run with the most demanded service that fits (big: two calls),
+    # whatever the file's order: rm evicts it (idle) and loads for 5 s under its call, big comes
+    # back for 5 s under the first judge call; the second is warm
+    assert r.act.tolist() == [7.0, 7.0, 2.0]
+    assert r.step_durations == [17.0]
+    d["services"].reverse()
+    swapped = parse_workload(d).sample()
+    assert simulate(swapped, ElasticScheduler(services=service_infos(swapped.workload))).act.tolist() == \
+        r.act.tolist()
     # trajectory-bound preloads statically, one service per worker when they do not fit together
     t = simulate(plan, TrajectoryBoundPolicy(1, {"rm": 500, "big": 800}), workers={"cpu": 1, "gpu": 2})
     assert t.act.tolist() == [2.0, 2.0, 2.0]
@@ -370,10 +375,10 @@ def test_bench_seeds_are_named_as_lists_and_ranges():
 
 
 def _fig(tangram: tuple[float, float], base: tuple[float, float] | None, size: int = 2) -> dict:
-    pol = {"tangram": {"mean_act": tangram[0], "step_s": tangram[1]}}
+    pol = {"tangram": {"mean_act": tangram[0], "mean_traj_s": 10 * tangram[0], "step_s": tangram[1]}}
     vs = {}
     if base is not None:
-        pol["pooled-sjf-max"] = {"mean_act": base[0], "step_s": base[1]}
+        pol["pooled-sjf-max"] = {"mean_act": base[0], "mean_traj_s": 10 * base[0], "step_s": base[1]}
         vs["pooled-sjf-max"] = {"act_ratio_ceiling": base[0] / 1.5}     # a per-action bound of 1.5 s
     return {"policies": pol, "tangram_vs": vs, "tangram_bound_ratio": 1.0, "trajectory_best_size": size}
 

@@ -8,6 +8,7 @@ the cores the waiting work could use are not handed out before it had its chance
 * :class:`Grant` -- every action at ``min_cores``;
 * :class:`AtMaxCores` -- every elastic action rigid at its ``max_cores`` (it waits until that
   many cores are free on one worker);
+* :class:`GreedyGrant` -- every elastic action grows to what is free on its worker (a baseline);
 * :class:`ElasticGrant` -- the elastic scheduler's load-dependent shares (see "Cores" and
   "Barriers" in :mod:`tangram_hpc.policy.elastic`).
 
@@ -30,7 +31,7 @@ from .records import RUNNING, ActionRecord, WorkerRecord, water_level
 if TYPE_CHECKING:
     from .placement import PlacementPolicy
 
-__all__ = ["Grant", "AtMaxCores", "ElasticGrant", "reserve", "rigid_change", "RIGID_WINDOW_S",
+__all__ = ["Grant", "AtMaxCores", "GreedyGrant", "ElasticGrant", "reserve", "rigid_change", "RIGID_WINDOW_S",
            "RIGID_RESERVE_CORES"]
 
 #: Time constant (seconds) of a worker's average of the cores its environments' fixed-size actions use.
@@ -162,6 +163,15 @@ class AtMaxCores(Grant):
                 rigid = self._rigid[d] = replace(d, min_cores=d.max_cores)
             return replace(action, demand=rigid)
         return action
+
+
+@mypyc_attr(allow_interpreted_subclasses=True)
+class GreedyGrant(Grant):
+    """Every elastic action grows to all it can use of what is free on its worker (up to its
+    ``max_cores``), whatever waits: the baseline of a greedy elastic pool."""
+
+    def grant(self, rec: ActionRecord, w: WorkerRecord) -> int:
+        return min(rec.max_cores, rec.cores + w.free_cores)
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)

@@ -4,7 +4,7 @@ All of them are :class:`~tangram_hpc.policy.base.SchedulingPolicy` objects,
 so the simulator runs them exactly like the real schedulers, on the same plan
 and the same static cluster.  On the GPU side every one of them is a *reward
 server*: the services are loaded before the run and kept loaded (the
-verl/SkyRL setup), on a fixed layout (:func:`static_service_layout`), each
+verl/SkyRL setup), on a fixed layout (:class:`StaticLayout`), each
 replica batching up to its ``max_batch`` requests.
 
 * :class:`TrajectoryBoundPolicy` -- a trajectory gets a sandbox of
@@ -38,48 +38,41 @@ import numpy as np
 
 from ..actions import ActionSpec
 from ..policy.base import Assignment, SchedulingPolicy, mypyc_attr
-from ..policy.grants import AtMaxCores, Grant
+from ..policy.grants import AtMaxCores, Grant, GreedyGrant
 from ..policy.loading import KeepLayout, Layout
 from ..policy.order import ShortestFirst, SubmitOrder
 from ..policy.placement import PlacementPolicy
 from ..policy.predict import Predictor
 from ..resources import ServiceInfo, WorkerInfo
+from .layout import ServiceNotHosted, layout_for, service_layout, workload_layout
 from .workload import Plan, Workload
 
 __all__ = ["TrajectoryBoundPolicy", "PooledPolicy", "TaskIsolatedPolicy", "StaticLayout", "TaskPools",
-           "unconstrained_peaks",
-           "isolated_split", "static_service_layout"]
+           "unconstrained_peaks", "isolated_split", "sandbox_mem_mb"]
 
 
-def static_service_layout(services: Mapping[str, int], gpu_mem_mb: int, index: int) -> list[str]:
-    """Services the ``index``-th GPU worker hosts when every worker is preloaded statically.
+def _default_layout(sizes: Mapping[str, int], gpu_mem_mb: int) -> list[list[str]]:
+    """Without a planned layout: every service alike, one layout per service for the round robin."""
+    return service_layout(sizes, None, gpu_mem_mb, max(1, len(sizes)))
 
-    All of them when they fit together; otherwise worker ``i`` starts at
-    service ``i`` (round robin) and adds the next ones while they fit.
-    """
-    names = sorted(services)
-    if not names:
-        return []
-    if sum(services.values()) <= gpu_mem_mb:
-        return names
-    out, used = [], 0
-    for k in range(len(names)):
-        s = names[(index + k) % len(names)]
-        if used + services[s] <= gpu_mem_mb:
-            out.append(s)
-            used += services[s]
-    return out
+
+def sandbox_mem_mb(w: Workload) -> int:
+    """The memory a trajectory's sandbox reserves: the largest peak of the actions it may run."""
+    return max((a.mem_mb for a in w.actions if not a.service), default=0)
 
 
 class TrajectoryBoundPolicy(SchedulingPolicy):
     def __init__(self, sandbox_cores: int, services: Mapping[str, int],
-                 max_batch: Mapping[str, int] | None = None):
+                 max_batch: Mapping[str, int] | None = None, *, layout: list[list[str]] | None = None,
+                 sandbox_mem_mb: int = 0):
         if sandbox_cores < 1:
             raise ValueError("sandbox_cores must be at least 1")
         self.sandbox_cores = sandbox_cores
+        self.sandbox_mem_mb = sandbox_mem_mb
         self.services = dict(services)
         self.max_batch = dict(max_batch or {})
-        self._cpu: dict[str, list] = {}        # wid -> [free cores, info]
+        self._layout = layout
+        self._cpu: dict[str, list] = {}        # wid -> [free cores, info, free memory (MB; None: not counted)]
         self._gpu: dict[str, list] = {}        # wid -> [free slots, info, deque of pending specs, services, running per service]
         self._gpu_order: list[str] = []
         self._sandbox: dict[str, str] = {}     # trajectory -> worker holding its sandbox
@@ -97,11 +90,13 @@ class TrajectoryBoundPolicy(SchedulingPolicy):
 
     def add_worker(self, info: WorkerInfo, now: float) -> None:
         if info.gpus:
-            svcs = static_service_layout(self.services, info.gpu_mem_mb, len(self._gpu_order))
+            if self._layout is None:
+                self._layout = _default_layout(self.services, info.gpu_mem_mb)
+            svcs = layout_for(self._layout, len(self._gpu_order))
             self._gpu[info.id] = [info.cores, info, deque(), svcs, {}]
             self._gpu_order.append(info.id)
         else:
-            self._cpu[info.id] = [info.cores, info]
+            self._cpu[info.id] = [info.cores, info, info.mem_mb if info.mem_mb > 0 else None]
 
     def preloaded_services(self, worker_id: str, info: WorkerInfo) -> list[str]:
         """The static layout: loaded before the run, never moved."""
@@ -138,7 +133,7 @@ class TrajectoryBoundPolicy(SchedulingPolicy):
             if wid is None or wid not in self._gpu:
                 reps = [w for w in self._gpu_order if w in self._gpu and svc in self._gpu[w][3]]
                 if not reps:
-                    raise ValueError(f"no GPU worker hosts service {svc}")
+                    raise ServiceNotHosted(f"no GPU worker of the static layout hosts service {svc}")
                 k = self._rr.get(svc, 0)
                 self._rr[svc] = k + 1
                 wid = self._bind[key] = reps[k % len(reps)]
@@ -157,7 +152,10 @@ class TrajectoryBoundPolicy(SchedulingPolicy):
         wid = self._sandbox.pop(trajectory, None)
         self._sandbox_free.pop(trajectory, None)
         if wid is not None and wid in self._cpu:
-            self._cpu[wid][0] += self.sandbox_cores
+            st = self._cpu[wid]
+            st[0] += self.sandbox_cores
+            if st[2] is not None:
+                st[2] += self.sandbox_mem_mb
         for key in [k for k in ((trajectory, s) for s in self.services) if k in self._bind]:
             del self._bind[key]
 
@@ -191,11 +189,16 @@ class TrajectoryBoundPolicy(SchedulingPolicy):
         out = []
         while self._waiting:
             t = self._waiting[0]
-            wid = next((w for w, st in self._cpu.items() if st[0] >= self.sandbox_cores), None)
+            # a sandbox reserves its cores and the memory its largest action may peak at
+            wid = next((w for w, st in self._cpu.items() if st[0] >= self.sandbox_cores
+                        and (st[2] is None or st[2] >= self.sandbox_mem_mb)), None)
             if wid is None:
                 break
             self._waiting.popleft()
-            self._cpu[wid][0] -= self.sandbox_cores
+            st = self._cpu[wid]
+            st[0] -= self.sandbox_cores
+            if st[2] is not None:
+                st[2] -= self.sandbox_mem_mb
             self._sandbox[t] = wid
             self._sandbox_free[t] = self.sandbox_cores
             self._ready.extend(self._held.pop(t))
@@ -260,22 +263,28 @@ class TrajectoryBoundPolicy(SchedulingPolicy):
 
 @mypyc_attr(allow_interpreted_subclasses=True)
 class StaticLayout(Layout):
-    """The reward server's layout: GPU workers preloaded by :func:`static_service_layout`, in the
-    order they join; CPU workers serve the kinds they say."""
+    """The reward server's layout: the ``i``-th GPU worker to join is preloaded with
+    ``layout_for(plan, i)`` (the demand-weighted plan every baseline shares; without one, every
+    service alike) and the policy believes exactly that resident; CPU workers serve the kinds they say."""
 
-    def __init__(self, services: Mapping[str, ServiceInfo]):
+    def __init__(self, services: Mapping[str, ServiceInfo], plan: list[list[str]] | None = None):
         self._sizes = {k: v.gpu_mem_mb for k, v in services.items()}
         self._ngpu = 0
+        self._plan = plan
         self._layout: dict[str, list[str]] = {}
 
     def admit(self, info: WorkerInfo) -> WorkerInfo:
         if info.gpus:
             self._layout[info.id] = self._gpu_services(info)
             self._ngpu += 1
+            # the policy believes exactly the static layout resident, as the simulator loads it
+            info = replace(info, services=frozenset(self._layout[info.id]))
         return info
 
     def _gpu_services(self, info: WorkerInfo) -> list[str]:
-        return static_service_layout(self._sizes, info.gpu_mem_mb, self._ngpu)
+        if self._plan is None:
+            self._plan = _default_layout(self._sizes, info.gpu_mem_mb)
+        return layout_for(self._plan, self._ngpu)
 
     def preloaded(self, worker_id: str) -> list[str] | None:
         return self._layout.get(worker_id, [])
@@ -287,7 +296,7 @@ class TaskPools(StaticLayout):
     robin), the ``i``-th GPU worker hosts the services ``gpu_plan[i]``."""
 
     def __init__(self, cpu_plan: list[str], gpu_plan: list[list[str]], services: Mapping[str, ServiceInfo]):
-        super().__init__(services)
+        super().__init__(services, gpu_plan)
         self._cpu_plan = cpu_plan or ["sandbox"]
         self._gpu_plan = gpu_plan
         self._ncpu = 0
@@ -300,28 +309,32 @@ class TaskPools(StaticLayout):
         return replace(info, kinds=frozenset({kind}))
 
     def _gpu_services(self, info: WorkerInfo) -> list[str]:
-        return list(self._gpu_plan[self._ngpu % len(self._gpu_plan)]) if self._gpu_plan else []
+        return layout_for(self._gpu_plan, self._ngpu)
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
 class PooledPolicy(PlacementPolicy):
-    """One shared pool, FIFO or shortest-first, every action at min or at max cores; a reward server.
+    """One shared pool, FIFO or shortest-first, every action at its min or max cores or greedily
+    at as many as are free (up to its max); a reward server; environments move by tangram's rule.
 
     As a set of strategies: :class:`~tangram_hpc.policy.order.SubmitOrder` (``fifo``) or
     :class:`~tangram_hpc.policy.order.ShortestFirst` (``sjf``), :class:`~tangram_hpc.policy.grants.Grant`
-    (``min``) or :class:`~tangram_hpc.policy.grants.AtMaxCores` (``max``),
-    :class:`~tangram_hpc.policy.loading.KeepLayout` on a :class:`StaticLayout` (or ``layout``).
+    (``min``), :class:`~tangram_hpc.policy.grants.AtMaxCores` (``max``) or
+    :class:`~tangram_hpc.policy.grants.GreedyGrant` (``elastic``),
+    :class:`~tangram_hpc.policy.loading.KeepLayout` on a :class:`StaticLayout` of ``layout`` (the
+    plan of every GPU worker's services; a :class:`StaticLayout` itself is taken as it is).
     """
 
     def __init__(self, order: str, cores: str, services: Mapping[str, ServiceInfo],
-                 predictor: Predictor | None = None, layout: StaticLayout | None = None):
-        if order not in ("fifo", "sjf") or cores not in ("min", "max"):
-            raise ValueError("order is fifo or sjf, cores is min or max")
-        self.static_layout = layout if layout is not None else StaticLayout(services)
-        super().__init__(predictor, services=services,
+                 predictor: Predictor | None = None, *, layout: list[list[str]] | StaticLayout | None = None,
+                 env_move_s: float | None = None):
+        if order not in ("fifo", "sjf") or cores not in ("min", "max", "elastic"):
+            raise ValueError("order is fifo or sjf, cores is min, max or elastic")
+        self.static_layout = layout if isinstance(layout, StaticLayout) else StaticLayout(services, layout)
+        grant = AtMaxCores() if cores == "max" else GreedyGrant() if cores == "elastic" else Grant()
+        super().__init__(predictor, services=services, env_move_s=env_move_s,
                          order=SubmitOrder() if order == "fifo" else ShortestFirst(),
-                         grant=AtMaxCores() if cores == "max" else Grant(),
-                         loading=KeepLayout(), layout=self.static_layout)
+                         grant=grant, loading=KeepLayout(), layout=self.static_layout)
 
     def preloaded_services(self, worker_id: str, info: WorkerInfo) -> list[str]:
         """The static layout: loaded before the run, never moved."""
@@ -365,8 +378,10 @@ def unconstrained_peaks(plan: Plan) -> dict[str, float]:
     return out
 
 
-def isolated_split(w: Workload, peaks: dict[str, float]) -> tuple[list[str], list[list[str]]]:
-    """Split the cluster's workers into per-task pools in proportion to peak demand."""
+def isolated_split(w: Workload, peaks: dict[str, float],
+                   layout: list[list[str]] | None = None) -> tuple[list[str], list[list[str]]]:
+    """Split the cluster's workers into per-task pools in proportion to peak demand; with fewer GPU
+    workers than services, the GPU side shares ``layout`` (the static one every baseline has)."""
     def split(n: int, demands: dict[str, float]) -> dict[str, int]:
         keys = sorted(demands)
         if not keys or n == 0:
@@ -390,7 +405,5 @@ def isolated_split(w: Workload, peaks: dict[str, float]) -> tuple[list[str], lis
             g = split(w.cluster.gpu_workers, svc_demand)
             gpu_plan = [[k] for k in sorted(g) for _ in range(g[k])]
         else:
-            mem = w.cluster.gpus * w.cluster.gpu_mem_mb
-            sizes = {s: w.services[s].gpu_mem_mb for s in svc_demand}
-            gpu_plan = [static_service_layout(sizes, mem, i) for i in range(w.cluster.gpu_workers)]
+            gpu_plan = layout if layout is not None else workload_layout(w)
     return cpu_plan, gpu_plan

@@ -45,6 +45,7 @@ from ..policy.base import Assignment, Launch, PoolPolicy, PoolView, Reclaim, Sch
 from ..policy.residency import Resident, choose_victims
 from ..resources import CPU, GPU, ResourceClass, ServiceInfo, WorkerInfo, WorkerShape
 from .calendar import EventCalendar
+from .layout import services_by_demand
 from .stalled import SimulationStalled
 from .workload import Plan, Service, Workload
 
@@ -72,8 +73,10 @@ def cluster_shapes(w: Workload) -> dict[ResourceClass, WorkerShape]:
 
 
 def service_infos(w: Workload) -> dict[str, ServiceInfo]:
-    """The workload's services as the scheduler is told about them (sizes, batch limits, load times)."""
-    return {s.name: ServiceInfo(s.gpu_mem_mb, s.max_batch, s.load_s) for s in w.services.values()}
+    """The workload's services as the scheduler is told about them (sizes, batch limits, load times),
+    the most demanded first: a worker preloads them in this order while they fit."""
+    return {name: ServiceInfo(w.services[name].gpu_mem_mb, w.services[name].max_batch, w.services[name].load_s)
+            for name in services_by_demand(w)}
 
 
 def _info(wid: str, shape: WorkerShape, services: frozenset[str]) -> WorkerInfo:
@@ -627,12 +630,13 @@ class Simulation:
                 self.policy.update_worker(wid, services=frozenset(sw.services), now=now)
 
     def _preload(self, sw: SimWorker, now: float, warm: bool) -> None:
-        """Services the worker loads at start: a static policy's layout, else the run's that fit, in order."""
+        """Services the worker loads at start: a static policy's layout, else the most demanded that fit
+        (the order :func:`service_infos` tells the policy, which believes the same)."""
         if self._preloaded is not None:
             names = list(self._preloaded(sw.id, sw.status.info))
             warm = True                  # a static layout is loaded before the run
         else:
-            names = list(self.svc_defs)
+            names = services_by_demand(self.w)
         cap = sw.status.info.gpu_mem_mb
         for name in names:
             svc = self.svc_defs.get(name)
@@ -704,6 +708,9 @@ class Simulation:
             if row.service is not None:
                 rep = sw.services.get(row.service)
                 if rep is None:
+                    if self._preloaded is not None:      # a static layout never loads: the policy is wrong
+                        raise RuntimeError(f"{self.name}: a static policy sent a {row.service} call to {sw.id}, "
+                                           f"which does not host it")
                     rep = self._sim_load(sw, row.service, now)
                     ready = frozenset(k for k, r in sw.services.items() if r.ready_at <= now)
                     self.policy.update_worker(sw.id, services=ready, now=now)
