@@ -64,8 +64,17 @@ TIE_TOLERANCE = 1e-9
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workload", required=True,
-                        help=f"workload TOML file or preset name ({', '.join(preset_names())})")
+    parser.add_argument("--workload",
+                        help=f"workload TOML file or preset name ({', '.join(preset_names())}); or --family")
+    parser.add_argument("--family", type=_positive(int), metavar="N",
+                        help="instead of one workload, N generated ones (drawn from --family-seed across what "
+                             "the format expresses): how often and by how much each baseline beats tangram")
+    parser.add_argument("--family-seed", type=int, default=0, metavar="S", help="the family's seed (default 0)")
+    parser.add_argument("--family-out", metavar="DIR",
+                        help="write the family's worst runs for tangram here as workload files (default "
+                             "family-S-worst in the current directory)")
+    parser.add_argument("--family-worst", type=int, default=5, metavar="K",
+                        help="how many worst runs to write (default 5)")
     parser.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     parser.add_argument("--plot", metavar="DIR", help="write PNG plots (ACT CDF, utilisation) to DIR")
     parser.add_argument("--scale", type=_positive(float), default=1.0,
@@ -568,13 +577,13 @@ def _fmt_table(fig: dict[str, Any]) -> str:
         lines.append(f"tangram moved environments between workers {n:,} times ({n / fig['trajectories']:.1f} per "
                      f"trajectory, {n / fig['actions']:.2f} per action), at {fig['env_move_s']:g} s each")
     lines.append("")
-    lines.append(f"{'baseline / tangram':18s} {'ACT':>8s} {'traj':>8s} {'step':>8s} {'core-s':>8s} {'GPU-s':>8s} "
+    lines.append(f"{'baseline / tangram':20s} {'ACT':>8s} {'traj':>8s} {'step':>8s} {'core-s':>8s} {'GPU-s':>8s} "
                  f"{'ACT, any scheduler at most':>27s}")
 
     def f(x):
         return f"{x:7.2f}x" if x is not None else "       -"
     for k, v in fig["tangram_vs"].items():
-        lines.append(f"{k:18s} {f(v['act_ratio'])} {f(v['traj_ratio'])} {f(v['step_ratio'])} {f(v['cpu_core_s_ratio'])} "
+        lines.append(f"{k:20s} {f(v['act_ratio'])} {f(v['traj_ratio'])} {f(v['step_ratio'])} {f(v['cpu_core_s_ratio'])} "
                      f"{f(v['gpu_s_ratio'])} {f(v['act_ratio_ceiling']):>27s}")
     lines.append("(at most: the baseline's mean ACT over the per-action bound, what a scheduler that never "
                  "queues an action would reach)")
@@ -647,6 +656,11 @@ def write_plots(runs: dict[str, SimResult], out_dir: str, title: str) -> list[st
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.family is not None:
+        return _main_family(args)
+    if args.workload is None:
+        print("tangram-hpc bench: give --workload FILE-OR-PRESET or --family N", file=sys.stderr)
+        return 2
     try:
         w = load_workload(args.workload)
     except WorkloadError as e:
@@ -676,6 +690,34 @@ def main(args: argparse.Namespace) -> int:
     if args.plot:
         for p in write_plots(runs, args.plot, w.name):
             print(f"wrote {p}", file=sys.stderr)
+    return 0
+
+
+def _main_family(args: argparse.Namespace) -> int:
+    from .bench_family import format_family, run_family, write_worst
+    if args.workload is not None or args.plot or args.scale != 1.0 or args.cluster_scale != 1.0 or args.steps:
+        print("tangram-hpc bench: --family draws its own workloads (no --workload, --plot, --scale, "
+              "--cluster-scale or --steps)", file=sys.stderr)
+        return 2
+    if args.jobs < 0:
+        print("tangram-hpc bench: --jobs must be 0 (one per CPU) or more", file=sys.stderr)
+        return 2
+    jobs = args.jobs or len(os.sched_getaffinity(0))
+    t0 = time.perf_counter()
+    with progress_reporter(args.quiet) as progress:
+        res = run_family(args.family, args.family_seed, args.seed, jobs=jobs, progress=progress)
+    res["bench_wall_s"] = time.perf_counter() - t0
+    seeds = f" at seeds {', '.join(map(str, args.seed))}" if args.seed else " at each one's own seed"
+    print(f"family of {args.family} workloads (family seed {args.family_seed}){seeds}: {res['summary']['runs']} runs, "
+          "no savings search")
+    print(format_family(res))
+    out = args.family_out or f"family-{args.family_seed}-worst"
+    paths = write_worst(res, out, args.family_worst)
+    if paths:
+        print(f"the {len(paths)} runs where a baseline led by most, as workload files: {', '.join(paths)}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
     return 0
 
 

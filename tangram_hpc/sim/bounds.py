@@ -16,6 +16,17 @@ has its own; a bound for a run's own submit times is a true bound for it):
   own capacity.  The max of two lower bounds on the same sum is one too.
   An action the run pipelined (zero cores: a class learned to take under a
   millisecond) used no capacity, so only its per-action bound counts.
+
+The GPU side is also bounded per service, from what its replicas can serve
+(:func:`replica_throughput`): one replica per GPU worker (the most a worker
+holds of a service), each running at most ``max_batch`` requests (and no more
+than the worker's slots allow), a request in a batch of ``b`` taking
+``1 + batch_slowdown * (b - 1) / (full - 1)`` times as long as alone.  A
+service's calls are then at best shortest work first on one machine as fast
+as all those replicas at their best batch together; the sum over services
+bounds the GPU side's sum too, and the larger of the two GPU bounds counts.
+Load times are not counted (a bound for a run whose replicas were all
+resident from the start), so the bound stays below any run's figure.
 """
 from __future__ import annotations
 
@@ -26,7 +37,7 @@ import numpy as np
 from .engine import SimResult, action_specs_for
 from .workload import Plan
 
-__all__ = ["srpt_flow_sum", "capacity_bound"]
+__all__ = ["srpt_flow_sum", "capacity_bound", "replica_throughput"]
 
 
 def srpt_flow_sum(release: np.ndarray, work: np.ndarray, speed: float) -> float:
@@ -58,6 +69,34 @@ def srpt_flow_sum(release: np.ndarray, work: np.ndarray, speed: float) -> float:
     return total
 
 
+def replica_throughput(max_batch: int, batch_slowdown: float, slots: int, request_cores: int) -> float:
+    """Seconds of requests (as each would take alone) one replica serves per second, at its best batch."""
+    full = max_batch or slots
+    most = min(max_batch or slots, slots // max(1, request_cores))
+    best = 1.0
+    for b in range(2, most + 1):
+        best = max(best, b / (1.0 + batch_slowdown * min(1.0, (b - 1) / max(1, full - 1))))
+    return best if most >= 1 else 0.0
+
+
+def _per_service(result: SimResult, plan: Plan, t_min: np.ndarray, mask: np.ndarray) -> float:
+    """The sum over services of each one's bound (see the module docstring)."""
+    w = plan.workload
+    rows = action_specs_for(w)
+    svc_of = np.array([r.service or "" for r in rows])[plan.cls]
+    total = 0.0
+    for name, svc in w.services.items():
+        m = mask & (svc_of == name)
+        if not m.any():
+            continue
+        per_action = float(result.lower_bound[m].sum())
+        cores = max(r.demand.min_cores for r in rows if r.service == name)
+        hosts = w.cluster.gpu_workers if svc.gpu_mem_mb <= w.cluster.gpus * w.cluster.gpu_mem_mb else 0
+        speed = hosts * replica_throughput(svc.max_batch, svc.batch_slowdown, w.cluster.gpu_slots, cores)
+        total += max(per_action, srpt_flow_sum(result.submit[m], t_min[m], speed))
+    return total
+
+
 def capacity_bound(result: SimResult, plan: Plan, cpu_cores: int, gpu_slots: int) -> float:
     """Capacity-aware lower bound on ``result``'s mean ACT (see the module docstring)."""
     rows = action_specs_for(plan.workload)
@@ -75,5 +114,9 @@ def capacity_bound(result: SimResult, plan: Plan, cpu_cores: int, gpu_slots: int
         per_action = float(result.lower_bound[mask].sum())
         bound = mask & ~light
         queueing = srpt_flow_sum(result.submit[bound], work[bound], float(cap))
-        total += max(per_action, queueing + float(result.lower_bound[mask & light].sum()))
+        part = max(per_action, queueing + float(result.lower_bound[mask & light].sum()))
+        if cap is gpu_slots and plan.workload.services:
+            part = max(part, _per_service(result, plan, t_min, mask & ~light)
+                       + float(result.lower_bound[mask & light].sum()))
+        total += part
     return total / max(1, plan.n_actions)
