@@ -514,3 +514,77 @@ def test_event_calendar_pops_in_order_near_and_far(width):
                     push(t, int(rng.integers(0, 3)))
     assert len(popped) == len(pushed) >= 3000
     assert not ref and not q and q.later == 0 and q.near == 0 and not q.far
+
+
+def test_per_trajectory_time_runs_from_first_submit_to_last_end():
+    # two trajectories of two 10 s actions on one core, trajectory-bound: the second waits for the whole first
+    d = _doc(rollout={"steps": 1, "trajectories_per_step": 2, "turns": 2, "think_s": 1.0})
+    plan = parse_workload(d).sample()
+    r = simulate(plan, TrajectoryBoundPolicy(1, {}))
+    # A: submit 1, ends 22; B: submit 1, waits until 22, runs 22-32, thinks, 33-43
+    assert sorted(bench.trajectory_times(r, plan).tolist()) == [21.0, 42.0]
+
+
+def test_replica_throughput_is_the_best_batch_under_its_limits():
+    from tangram_hpc.sim.bounds import replica_throughput
+    assert replica_throughput(0, 0.0, 8, 1) == 8.0               # no limit, no slowdown: every slot
+    assert replica_throughput(4, 1.0, 8, 1) == pytest.approx(2.0)   # a full batch of 4 at half speed
+    assert replica_throughput(4, 0.0, 8, 4) == 2.0               # four-slot requests: two fit
+    assert replica_throughput(1, 0.0, 8, 1) == 1.0
+    assert replica_throughput(4, 10.0, 8, 1) == 1.0              # batching slows more than it serves
+
+
+def test_the_savings_search_survives_a_cluster_too_small_for_the_services(tmp_path, capsys):
+    # two services that each fill a GPU worker: on one worker a static layout cannot host both
+    d = _doc(format_version=2,
+             cluster={"cpu_workers": 1, "cpu_cores": 2, "gpu_workers": 2, "gpus": 1, "gpu_mem_mb": 1000,
+                      "gpu_slots": 4},
+             rollout={"steps": 1, "trajectories_per_step": 4, "turns": 1, "think_s": 1.0},
+             services=[{"name": "a", "gpu_mem_mb": 800, "load_s": 5.0}, {"name": "b", "gpu_mem_mb": 800, "load_s": 5.0}],
+             actions=[{"name": "job", "kind": "sandbox", "weight": 1.0, "duration_s": 1.0},
+                      {"name": "ra", "kind": "reward", "service": "a", "final": 1, "duration_s": 1.0},
+                      {"name": "rb", "kind": "reward", "service": "b", "final": 1, "duration_s": 1.0}])
+    path = tmp_path / "two.toml"
+    from tangram_hpc.sim.family import to_toml
+    path.write_text(to_toml(d))
+    ap = argparse.ArgumentParser()
+    bench.add_arguments(ap)
+    out = tmp_path / "fig.json"
+    assert bench.main(ap.parse_args(["--workload", str(path), "--quiet", "--json", str(out)])) == 0
+    fig = json.loads(out.read_text())
+    for name, sv in fig["savings"].items():     # no cut keeps one GPU worker: both services need their own
+        assert sv["baseline"] is None or sv["baseline"]["gpu_workers"] == 2, name
+
+
+def test_the_family_bench_counts_where_baselines_beat_tangram_and_writes_the_worst(tmp_path, capsys):
+    """The fixed small family CI runs: every run measured, the table printed, the worst runs written
+    as workload files that load and name the baseline that led."""
+    from tangram_hpc import bench_family
+    ap = argparse.ArgumentParser()
+    bench.add_arguments(ap)
+    out = tmp_path / "family.json"
+    args = ap.parse_args(["--family", "4", "--family-seed", "11", "--quiet", "--family-out", str(tmp_path / "worst"),
+                          "--family-worst", "2", "--json", str(out)])
+    assert bench.main(args) == 0
+    res = json.loads(out.read_text())
+    assert res["summary"]["runs"] == 4 and len(res["runs"]) == 4
+    text = capsys.readouterr().out
+    assert "beat by >1%" in text and "pooled-sjf-elastic" in text and "advantage over the best baseline" in text
+    for r in res["runs"]:
+        assert "tangram" in r["policies"] and set(r["policies"]) <= set(bench.BASELINES) | {"tangram"}
+    for k, e in res["summary"]["baselines"].items():
+        if e["runs"]:
+            assert e["beats_0.05"] <= e["beats_0.01"] <= e["runs"]
+    worst = bench_family.worst_runs(res["runs"], 2)
+    files = sorted((tmp_path / "worst").glob("*.toml")) if (tmp_path / "worst").exists() else []
+    assert len(files) == len(worst)
+    for f in files:
+        w = load_workload(str(f))
+        assert "beat tangram by" in w.description
+    # a hand-made run where one baseline leads by 10 % on step counts as beating by >1 % and >5 %
+    t = {"mean_act": 1.0, "mean_traj_s": 1.0, "step_s": 100.0}
+    runs = [{"member": 0, "seed": 1, "policies": {"tangram": t, "pooled-fifo-min": {**t, "step_s": 90.0}},
+             "bound_ratio": 1.0}]
+    sm = bench_family.family_summary(runs)
+    assert sm["baselines"]["pooled-fifo-min"]["beats_0.01"] == 1 == sm["baselines"]["pooled-fifo-min"]["beats_0.05"]
+    assert bench_family.worst_runs(runs, 3)[0][:2] == (pytest.approx(0.1), "pooled-fifo-min")

@@ -178,3 +178,84 @@ def test_presets_use_the_new_features():
     assert judge.rollout.parallel_finals and any(a.followups for a in judge.actions)
     assert any(s.max_batch and s.batch_slowdown for s in judge.services.values())
     assert any(a.hint_sigma for a in swe.actions)
+
+
+# -- the static GPU layout, memory-bound sandboxes, the generated family --------------------------
+
+def _two_services(judge_calls: int, rm_calls: int) -> dict:
+    return _doc(cluster={"cpu_workers": 1, "cpu_cores": 1, "gpu_workers": 3, "gpus": 1, "gpu_mem_mb": 1000,
+                         "gpu_slots": 4},
+                rollout={"steps": 1, "trajectories_per_step": 1, "turns": 0, "think_s": 1.0},
+                services=[{"name": "rm", "gpu_mem_mb": 300, "load_s": 5.0},
+                          {"name": "judge", "gpu_mem_mb": 600, "load_s": 5.0}],
+                actions=[{"name": "score", "kind": "reward", "service": "rm", "final": rm_calls, "duration_s": 2.0},
+                         {"name": "grade", "kind": "reward", "service": "judge", "final": judge_calls,
+                          "duration_s": 2.0}])
+
+
+def test_the_static_layout_follows_demand_not_file_order():
+    from tangram_hpc.sim.layout import service_demand, workload_layout
+    heavy_judge = parse_workload(_two_services(judge_calls=4, rm_calls=1))
+    d = service_demand(heavy_judge)
+    assert d["judge"] == pytest.approx(4 * d["rm"])
+    layout = workload_layout(heavy_judge)
+    # every service has a replica; the more demanded one has more; nothing fits beside a judge but an rm
+    assert sum("judge" in h for h in layout) == 3 and sum("rm" in h for h in layout) == 3
+    doc = _two_services(judge_calls=4, rm_calls=1)
+    doc["services"].reverse()
+    assert workload_layout(parse_workload(doc)) == layout
+    # four GPU workers of 600 MB: one service each, three for the judge
+    small = heavy_judge.with_cluster(gpu_workers=4, gpu_mem_mb=600)
+    assert sorted(map(tuple, workload_layout(small))) == [("judge",)] * 3 + [("rm",)]
+    heavy_rm = parse_workload(_two_services(judge_calls=1, rm_calls=4)).with_cluster(gpu_workers=4, gpu_mem_mb=600)
+    assert sorted(map(tuple, workload_layout(heavy_rm))) == [("judge",)] + [("rm",)] * 3
+
+
+def test_a_static_policy_that_would_load_a_service_fails_loudly():
+    from tangram_hpc.sim.baselines import PooledPolicy
+    plan = parse_workload(_two_services(judge_calls=1, rm_calls=1)).with_cluster(gpu_workers=1).sample()
+    infos = service_infos(plan.workload)
+
+    class Lying(PooledPolicy):          # believes both loaded, keeps only rm
+        def preloaded_services(self, worker_id, info):
+            return ["rm"]
+    with pytest.raises(RuntimeError, match="static policy sent a judge call"):
+        simulate(plan, Lying("fifo", "min", infos, layout=[["rm", "judge"]]))
+    # as the bench builds it, the policy believes exactly what is loaded, and never loads
+    r = simulate(plan, PooledPolicy("fifo", "min", infos, layout=[["judge", "rm"]]))
+    assert r.act.tolist() == [2.0, 2.0]
+
+
+def test_trajectory_sandboxes_reserve_their_largest_actions_memory():
+    from tangram_hpc.sim.baselines import sandbox_mem_mb
+    d = _doc(cluster={"cpu_workers": 1, "cpu_cores": 4, "cpu_mem_mb": 1000},
+             rollout={"steps": 1, "trajectories_per_step": 2, "turns": 1, "think_s": 1.0},
+             actions=[{"name": "job", "kind": "sandbox", "weight": 1.0, "duration_s": 10.0, "mem_mb": 600}])
+    plan = parse_workload(d).sample()
+    assert sandbox_mem_mb(plan.workload) == 600
+    # four free cores, but one sandbox's memory: the second trajectory waits for the first
+    r = simulate(plan, TrajectoryBoundPolicy(1, {}, sandbox_mem_mb=600))
+    assert sorted(r.act.tolist()) == [10.0, 20.0]
+    r = simulate(plan, TrajectoryBoundPolicy(1, {}))
+    assert r.act.tolist() == [10.0, 10.0]
+
+
+def test_the_family_is_drawn_from_its_seed_and_each_member_is_a_workload_file():
+    from tangram_hpc.sim.family import LOAD_RANGE, draw_family, offered_load, to_toml
+    from tangram_hpc.sim.workload import _toml_loads
+    fam = draw_family(40, 3)
+    assert [d for d, _ in draw_family(10, 3)] == [d for d, _ in fam[:10]]     # a prefix of the larger family
+    assert [d for d, _ in draw_family(10, 4)] != [d for d, _ in fam[:10]]
+    for doc, w in fam:
+        back = parse_workload(_toml_loads(to_toml(doc)))
+        assert (back.rollout, back.cluster, back.actions, back.services) == (w.rollout, w.cluster, w.actions,
+                                                                              w.services)
+    loads = [offered_load(w) for _, w in fam]
+    inside = sum(LOAD_RANGE[0] * 0.8 <= x <= LOAD_RANGE[1] * 1.2 for x in loads)
+    assert inside >= 0.85 * len(fam) and max(loads) > 2 and min(loads) < 0.5
+    # the space is covered: GPU services and none, barriers, parallel finals, lognormal turns, timeouts
+    assert any(w.services for _, w in fam) and any(not w.services for _, w in fam)
+    assert any(w.rollout.sync_turns for _, w in fam) and any(w.rollout.parallel_finals for _, w in fam)
+    assert any(w.rollout.turns.lognormal for _, w in fam)
+    assert any(a.timeout_s for _, w in fam for a in w.actions)
+    assert any(a.followups for _, w in fam for a in w.actions)
