@@ -489,6 +489,33 @@ def test_srpt_orders_short_before_long_and_priority_counts():
     assert [a.action_id for a in f.schedule(1)] == ["long"]
 
 
+def _burst_order(**kw) -> str:
+    """Which of A (2 s, submitted at 0) and B (1 s, submitted 4 s later) starts first on one core
+    behind a long action, with a queue of fifty 10 s actions."""
+    p = ElasticScheduler(**kw)
+    p.add_worker(WorkerInfo("w", 1, kinds=CPU), 0)
+    p.submit(ActionSpec("sandbox", id="block", duration_hint=100, label="b"), 0)
+    p.schedule(0)
+    for i in range(50):
+        p.submit(ActionSpec("sandbox", id=f"q{i}", duration_hint=10, label="q"), 0)
+    p.submit(ActionSpec("sandbox", id="A", duration_hint=2, label="a"), 0)
+    p.submit(ActionSpec("sandbox", id="B", duration_hint=1, label="c"), 4)
+    p.finished("block", 100, run_time=100)
+    [a] = p.schedule(100)
+    return a.action_id
+
+
+def test_aging_follows_the_queue_drain_time():
+    # a fixed rate of 0.5: four seconds of waiting outweigh A's extra second, first come first served
+    assert _burst_order(aging_floor=0.5) == "A"
+    # behind fifty queued actions on one core the clock runs at 1/50: sizes decide, shortest first
+    assert _burst_order() == "B"
+    # the wait stays bounded: by the floor's rate
+    assert ElasticScheduler(aging_floor=0.01).wait_bound(1.0, 0) == pytest.approx(100.0)
+    with pytest.raises(ValueError, match="aging_floor"):
+        ElasticScheduler(aging_floor=0)
+
+
 def test_elastic_grows_when_idle_and_shares_under_a_queue():
     p = ElasticScheduler(Predictor(prior_parallel=0.95))
     p.add_worker(WorkerInfo("w", 16, kinds=CPU), 0)

@@ -21,7 +21,17 @@ Order -- SRPT with static aging.
     an action submitted after ``t0 + (size + priority_weight * dp) / aging``
     has a larger key than one submitted at ``t0``, so the older one is overtaken
     only by the finitely many actions submitted before that instant (``dp``: at
-    most ``2 * priority_clamp`` levels).  Priorities are folded in as a head
+    most ``2 * priority_clamp`` levels).
+
+    The rate follows the queue (:class:`~tangram_hpc.policy.order.DrainAging`): ``aging * submit_time``
+    is an aged clock that runs at ``capacity / queued`` predicted seconds per
+    second (the kind's cores over its waiting actions), between
+    ``aging_floor`` and ``aging``.  Waiting one drain time of the queue (its
+    work over its capacity) is then worth one mean queued size: in a burst of
+    thousands of short actions sizes still decide (shortest first), where a
+    fixed rate would let waiting dominate and serve them first come first
+    served; with a short queue the rate is ``aging``.  Keys stay static (the
+    clock only moves forward), and the wait bound holds at ``aging_floor``.  Priorities are folded in as a head
     start of ``priority_weight`` seconds per level, clamped to
     ``+-priority_clamp`` levels, so even a stream of high-priority actions cannot
     starve a low-priority one forever.
@@ -129,7 +139,9 @@ class ElasticScheduler(PlacementPolicy):
     ----------
     predictor: shared duration/speedup model (a fresh one by default).
     shapes: worker shapes the pool can provide (for :meth:`unplaceable`).
-    aging: seconds of predicted size one second of waiting is worth.
+    aging: seconds of predicted size one second of waiting is worth, at most.
+    aging_floor: ... at least, however long the queue (see :class:`~tangram_hpc.policy.order.DrainAging`); ``aging`` or
+        more keeps the rate fixed at ``aging``.
     priority_weight: seconds of head start per priority level.
     priority_clamp: priority levels beyond this count as this.
     min_gain: smallest relative speedup one more core must bring to be granted.
@@ -152,14 +164,16 @@ class ElasticScheduler(PlacementPolicy):
 
     def __init__(self, predictor: Predictor | None = None, *, shapes: Sequence[WorkerShape] = (),
                  services: Mapping[str, ServiceInfo] | None = None,
-                 aging: float = 0.5, priority_weight: float = 30.0, priority_clamp: int = 16,
+                 aging: float = 0.5, aging_floor: float = 0.01, priority_weight: float = 30.0,
+                 priority_clamp: int = 16,
                  min_gain: float = 0.005, service_util: float = 0.85, rate_window_s: float = 30.0,
                  pipeline_below_s: float | None = None, env_move_s: float | None = None,
                  barriers: bool = False):
         self.barriers = barriers
         super().__init__(predictor, shapes=shapes, services=services, pipeline_below_s=pipeline_below_s,
                          env_move_s=env_move_s,
-                         order=AgedSrpt(aging, priority_weight, priority_clamp, in_class_order=barriers),
+                         order=AgedSrpt(aging, priority_weight, priority_clamp, in_class_order=barriers,
+                                        aging_floor=aging_floor),
                          grant=ElasticGrant(min_gain, barriers), loading=LoadWhenWorthIt(service_util, rate_window_s))
 
     def wait_bound(self, size: float, priority_gap: int) -> float:

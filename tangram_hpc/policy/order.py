@@ -7,7 +7,8 @@ at which the queues are read.
 * :class:`SubmitOrder` -- first come, first served;
 * :class:`ShortestFirst` -- shortest predicted run time at ``min_cores`` first;
 * :class:`AgedSrpt` -- the elastic scheduler's order: shortest predicted first, with static
-  aging and priorities (see :mod:`tangram_hpc.policy.elastic`).
+  aging (at a rate :class:`DrainAging` sets from the queue) and priorities (see
+  :mod:`tangram_hpc.policy.elastic`).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from .records import ActionRecord
 if TYPE_CHECKING:
     from .placement import PlacementPolicy
 
-__all__ = ["Order", "SubmitOrder", "ShortestFirst", "AgedSrpt"]
+__all__ = ["Order", "SubmitOrder", "ShortestFirst", "AgedSrpt", "DrainAging"]
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
@@ -52,21 +53,47 @@ class ShortestFirst(Order):
         return rec.time_at(rec.min_cores)
 
 
+class DrainAging:
+    """The aged clock of the SRPT keys: it runs at the kind's capacity over its queued actions,
+    clamped to ``[floor, ceiling]`` (see "Order" in :mod:`tangram_hpc.policy.elastic`)."""
+
+    __slots__ = ("ceiling", "floor", "clock", "at", "rate")
+
+    def __init__(self, ceiling: float, floor: float):
+        self.ceiling = ceiling
+        self.floor = min(floor, ceiling)
+        self.clock = 0.0
+        self.at = 0.0
+        self.rate = ceiling
+
+    def stamp(self, now: float, queued: int, capacity: int) -> float:
+        """The clock at ``now`` (never backwards); then the rate the queue sets from here on."""
+        if now > self.at:
+            self.clock += self.rate * (now - self.at)
+            self.at = now
+        self.rate = min(self.ceiling, max(self.floor, capacity / queued)) if queued > 0 else self.ceiling
+        return self.clock
+
+
 @mypyc_attr(allow_interpreted_subclasses=True)
 class AgedSrpt(Order):
-    """``predicted size + aging * submit time - priority_weight * priority`` (clamped), the
+    """``predicted size + aged clock at submit - priority_weight * priority`` (clamped), the
     elastic scheduler's order; see "Order" in :mod:`tangram_hpc.policy.elastic` for why it
-    bounds every wait.
+    bounds every wait.  The clock (:class:`DrainAging`) runs at the kind's capacity over its
+    queued actions, between ``aging_floor`` and ``aging`` seconds of size per second of waiting
+    (``aging_floor`` at ``aging`` or above: a fixed rate of ``aging``).
 
     ``in_class_order`` (barrier mode): an action without a hint ranks no earlier than the last
     action of its class waiting in the same queue (see :meth:`_in_class_order`).
     """
 
     def __init__(self, aging: float = 0.5, priority_weight: float = 30.0, priority_clamp: int = 16,
-                 in_class_order: bool = False):
-        if aging <= 0:
-            raise ValueError("aging must be positive (it bounds the wait of every action)")
+                 in_class_order: bool = False, aging_floor: float | None = None):
+        floor = aging if aging_floor is None else aging_floor
+        if aging <= 0 or floor <= 0:
+            raise ValueError("aging and aging_floor must be positive (they bound the wait of every action)")
         self.aging = aging
+        self.aged = DrainAging(aging, floor)
         self.priority_weight = priority_weight
         self.priority_clamp = priority_clamp
         self.in_class_order = in_class_order
@@ -85,14 +112,15 @@ class AgedSrpt(Order):
         ``priority_gap``: how many priority levels newer actions may have above it.
         """
         gap = min(max(priority_gap, 0), 2 * self.priority_clamp)
-        return (size + self.priority_weight * gap) / self.aging
+        return (size + self.priority_weight * gap) / self.aged.floor
 
     def key(self, rec: ActionRecord) -> float:
         spec = rec.spec
         prio = spec.priority
         if prio > self.priority_clamp or prio < -self.priority_clamp:
             prio = max(-self.priority_clamp, min(self.priority_clamp, prio))
-        rank = rec.time_at(rec.min_cores) + self.aging * rec.submit
+        kl = rec.load
+        rank = rec.time_at(rec.min_cores) + self.aged.stamp(rec.submit, kl.queued, kl.capacity)
         if self.in_class_order:
             rank = self._in_class_order(rec, rank)
         return rank - self.priority_weight * prio
