@@ -572,7 +572,7 @@ def test_the_family_bench_counts_where_baselines_beat_tangram_and_writes_the_wor
     assert "beat by >1%" in text and "pooled-sjf-elastic" in text and "advantage over the best baseline" in text
     for r in res["runs"]:
         assert "tangram" in r["policies"] and set(r["policies"]) <= set(bench.BASELINES) | {"tangram"}
-    for k, e in res["summary"]["baselines"].items():
+    for e in res["summary"]["baselines"].values():
         if e["runs"]:
             assert e["beats_0.05"] <= e["beats_0.01"] <= e["runs"]
     worst = bench_family.worst_runs(res["runs"], 2)
