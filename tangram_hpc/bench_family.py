@@ -44,7 +44,8 @@ def run_family(n: int, family_seed: int, seeds: list[int] | None = None, *, jobs
     """The bench on each of ``n`` members of the family of ``family_seed``, at each of ``seeds``
     (None: each member's own seed); ``jobs`` runs at once, each in a process of its own."""
     family = draw_family(n, family_seed)
-    calls = [(doc, i, s) for i, (doc, _) in enumerate(family) for s in (seeds or [None])]
+    at: list[int | None] = list(seeds) if seeds else [None]
+    calls = [(doc, i, s) for i, (doc, _) in enumerate(family) for s in at]
     if jobs > 1 and len(calls) > 1:
         runs = _in_processes(_member_run, calls, jobs, f"family of {n}: {len(calls)} runs", progress)
     else:

@@ -67,6 +67,7 @@ DEPENDS = (
     "tangram_hpc.actions",
     "tangram_hpc.errors",
     "tangram_hpc.resources",
+    "tangram_hpc.sim.layout",
     "tangram_hpc.sim.stalled",
     "tangram_hpc.sim.workload",
 )
