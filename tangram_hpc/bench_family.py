@@ -19,6 +19,7 @@ import numpy as np
 
 from .bench import BASELINES, _in_processes, run_bench
 from .sim.family import draw_family, to_toml
+from .sim.stalled import SimulationStalled
 from .sim.workload import parse_workload
 
 __all__ = ["run_family", "family_summary", "format_family", "write_worst", "BEAT_MARGINS"]
@@ -32,7 +33,11 @@ def _member_run(doc: dict[str, Any], index: int, seed: int | None) -> dict[str, 
     w = parse_workload(doc, doc["name"])
     if seed is not None:
         w = replace(w, seed=seed)
-    fig, _ = run_bench(w, search=False)
+    try:
+        fig, _ = run_bench(w, search=False)
+    except SimulationStalled as e:      # tangram could not finish: a loss, kept apart from the figures
+        return {"member": index, "workload": doc["name"], "seed": w.seed, "tangram_stalled": e.reason,
+                "policies": {}}
     return {"member": index, "workload": doc["name"], "seed": w.seed, "trajectories": fig["trajectories"],
             "actions": fig["actions"], "load": doc.get("description", ""),
             "policies": {k: {f: p[f] for f in _FIGURES} for k, p in fig["policies"].items()},
@@ -65,7 +70,10 @@ def _beat(b: dict[str, float], t: dict[str, float], margin: float) -> bool:
 
 def family_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Per baseline: runs it could run, how often it beat tangram (:data:`BEAT_MARGINS`), and the
-    median and least of its figures over tangram's; tangram's median advantage over each run's best."""
+    median and least of its figures over tangram's; tangram's median advantage over each run's best.
+    Runs where tangram stalled are counted apart (``tangram_stalled``)."""
+    stalled = [r for r in runs if "tangram_stalled" in r]
+    runs = [r for r in runs if "tangram_stalled" not in r]
     per: dict[str, Any] = {}
     for k in BASELINES:
         pairs = [(r["policies"][k], r["policies"]["tangram"]) for r in runs if k in r["policies"]]
@@ -85,15 +93,18 @@ def family_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
         if others and r["policies"]["tangram"]["mean_act"] > 0:
             best.append(min(others) / r["policies"]["tangram"]["mean_act"])
     bounds = [r["bound_ratio"] for r in runs]
-    return {"runs": len(runs), "baselines": per,
+    return {"runs": len(runs), "tangram_stalled": len(stalled), "baselines": per,
             "advantage_over_best": ({"median": float(np.median(best)), "min": float(min(best))} if best else None),
             "bound_ratio": {"median": float(np.median(bounds)), "max": float(max(bounds))} if bounds else None}
 
 
 def worst_runs(runs: list[dict[str, Any]], count: int) -> list[tuple[float, str, dict[str, Any]]]:
     """The ``count`` runs where a baseline beat tangram by most: (its lead, the baseline, the run)."""
-    scored = []
+    scored: list[tuple[float, str, dict[str, Any]]] = []
     for r in runs:
+        if "tangram_stalled" in r:
+            scored.append((float("inf"), "every baseline (tangram stalled)", r))
+            continue
         t = r["policies"]["tangram"]
         lead, who = 0.0, ""
         for k, b in r["policies"].items():
@@ -116,7 +127,9 @@ def write_worst(res: dict[str, Any], out_dir: str, count: int) -> list[str]:
     for lead, who, r in worst_runs(res["runs"], count):
         doc = dict(res["documents"][r["member"]])
         doc["seed"] = r["seed"]
-        doc["description"] = f"{doc.get('description', '')}; {who} beat tangram by {lead:.1%}"
+        doc["description"] = (f"{doc.get('description', '')}; tangram stalled: {r['tangram_stalled']}"
+                              if "tangram_stalled" in r else
+                              f"{doc.get('description', '')}; {who} beat tangram by {lead:.1%}")
         p = os.path.join(out_dir, f"family-{res['family_seed']}-{r['member']}-seed{r['seed']}.toml")
         with open(p, "w") as f:
             f.write(_header(res) + to_toml(doc))
@@ -147,6 +160,9 @@ def format_family(res: dict[str, Any]) -> str:
                      f"{e[f'beats_{BEAT_MARGINS[1]:g}']:12d} {rat(e['mean_act_ratio']):>18s} "
                      f"{rat(e['mean_traj_s_ratio']):>18s} {rat(e['step_s_ratio']):>18s}")
     lines.append("")
+    if sm["tangram_stalled"]:
+        lines.append(f"tangram stalled (could not finish) in {sm['tangram_stalled']} more runs: "
+                     + ", ".join(f"{r['workload']} seed {r['seed']}" for r in res["runs"] if "tangram_stalled" in r))
     adv = sm["advantage_over_best"]
     if adv:
         lines.append(f"tangram's mean-ACT advantage over the best baseline of each run: median {adv['median']:.3f}x, "

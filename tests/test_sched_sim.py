@@ -588,3 +588,12 @@ def test_the_family_bench_counts_where_baselines_beat_tangram_and_writes_the_wor
     sm = bench_family.family_summary(runs)
     assert sm["baselines"]["pooled-fifo-min"]["beats_0.01"] == 1 == sm["baselines"]["pooled-fifo-min"]["beats_0.05"]
     assert bench_family.worst_runs(runs, 3)[0][:2] == (pytest.approx(0.1), "pooled-fifo-min")
+
+
+def test_a_run_with_a_pool_where_nothing_ever_starts_stalls_instead_of_ticking_for_ever(monkeypatch):
+    from tangram_hpc.sim.engine import IDLE_STALL_S
+    plan = parse_workload(_doc()).sample()
+    monkeypatch.setattr(ElasticScheduler, "schedule", lambda self, now: [])
+    with pytest.raises(SimulationStalled, match="nothing started for") as e:
+        bench.tangram_run(plan)
+    assert IDLE_STALL_S < e.value.at <= IDLE_STALL_S + 60 and e.value.waiting == 2

@@ -59,6 +59,9 @@ _UP: Final = 2
 _STEP: Final = 3
 _TICK: Final = 4
 _MOVED: Final = 5
+#: Simulated seconds with actions waiting, none running, no worker starting and nothing started,
+#: after which a run with a pool counts as stalled (its ticks would go on for ever).
+IDLE_STALL_S: Final = 6 * 3600.0
 
 CPU_KINDS = frozenset({"sandbox", "function"})
 GPU_KINDS = frozenset({"reward"})
@@ -301,6 +304,7 @@ class Simulation:
         self.retired: list[SimWorker] = []
         self.counters = {CPU: 0, GPU: 0}
         self.starting: list[tuple[WorkerShape, float]] = []
+        self.last_start = 0.0          # when the policy last started something (see _on_pool_tick)
         self.withdrawn: dict[tuple[WorkerShape, float], int] = {}   # withdrawn starts whose _UP is still due
         self.failures: list[tuple[float, str]] = []
         self.fail_left = start_failures
@@ -598,6 +602,11 @@ class Simulation:
             aid, why = stuck[0]
             raise SimulationStalled(self.name, now, self.policy.pending_count, self.policy.running_count,
                                     f"action {aid} cannot be placed: {why}")
+        if (now - self.last_start > IDLE_STALL_S and self.policy.pending_count and not self.policy.running_count
+                and not self.starting):
+            raise SimulationStalled(self.name, now, self.policy.pending_count, 0,
+                                    f"nothing started for {now - self.last_start:.0f} s with actions waiting "
+                                    f"(each waits for something another holds?)")
         offered = self._offered(now) if self._offered is not None else None
         view = PoolView(now, self.policy.pending_actions(), list(self.statuses), list(self.starting),
                         list(self.failures), step=self.step, offered_load=offered)
@@ -686,6 +695,7 @@ class Simulation:
     # -- starts ------------------------------------------------------------------
     def _dispatch(self, starts: list[Assignment], now: float) -> None:
         """Start what the policy placed (``schedule`` was asked after the instant's events)."""
+        self.last_start = now
         workers = self.workers
         classes = self.classes
         rows = self.rows
