@@ -597,3 +597,16 @@ def test_a_run_with_a_pool_where_nothing_ever_starts_stalls_instead_of_ticking_f
     with pytest.raises(SimulationStalled, match="nothing started for") as e:
         bench.tangram_run(plan)
     assert IDLE_STALL_S < e.value.at <= IDLE_STALL_S + 60 and e.value.waiting == 2
+
+
+def test_a_load_done_is_reported_to_the_policy_as_a_heartbeat_would():
+    """Member 25 of family seed 7: four services on one 40 GB GPU; calls that found the worker's
+    memory held by a replica still loading are looked at again once that load is done (the
+    simulator reports it at the next pool tick, as a live worker's heartbeat does). Before, they
+    waited for ever and the run stalled."""
+    from tangram_hpc.sim.family import draw_family
+    _, w = draw_family(26, 7)[25]
+    assert w.cluster.gpu_workers == 1 and sum(s.gpu_mem_mb for s in w.services.values()) > 2 * 40000
+    plan = w.sample()
+    r = bench.tangram_run(plan)
+    assert (r.finish > r.submit).all() and len(r.step_durations) == 1

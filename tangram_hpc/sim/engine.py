@@ -305,6 +305,7 @@ class Simulation:
         self.counters = {CPU: 0, GPU: 0}
         self.starting: list[tuple[WorkerShape, float]] = []
         self.last_start = 0.0          # when the policy last started something (see _on_pool_tick)
+        self.last_tick = 0.0
         self.withdrawn: dict[tuple[WorkerShape, float], int] = {}   # withdrawn starts whose _UP is still due
         self.failures: list[tuple[float, str]] = []
         self.fail_left = start_failures
@@ -607,6 +608,13 @@ class Simulation:
             raise SimulationStalled(self.name, now, self.policy.pending_count, 0,
                                     f"nothing started for {now - self.last_start:.0f} s with actions waiting "
                                     f"(each waits for something another holds?)")
+        # loads done since the last tick are reported, as a live worker's heartbeat does: a queue
+        # that found every replica busy loading is looked at again
+        for sw in self.workers.values():
+            if sw.services and any(self.last_tick < r.ready_at <= now for r in sw.services.values()):
+                self.policy.update_worker(sw.id, services=frozenset(k for k, r in sw.services.items()
+                                                                    if r.ready_at <= now), now=now)
+        self.last_tick = now
         offered = self._offered(now) if self._offered is not None else None
         view = PoolView(now, self.policy.pending_actions(), list(self.statuses), list(self.starting),
                         list(self.failures), step=self.step, offered_load=offered)
