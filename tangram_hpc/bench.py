@@ -122,7 +122,8 @@ def tangram_run(plan: Plan, *, cpu_workers: int | None = None, gpu_workers: int 
     cfg = PoolConfig(list(shapes.values()), max_workers={CPU: cpu, GPU: gpu}, startup_s=w.cluster.startup_s,
                      idle_ttl_s=w.cluster.idle_ttl_s)
     sched = ElasticScheduler(pred, shapes=list(shapes.values()), services=service_infos(w),
-                             env_move_s=w.cluster.env_move_s, barriers=w.rollout.sync_turns)
+                             env_move_s=w.cluster.env_move_s, barriers=w.rollout.sync_turns,
+                             gpu_layout=workload_layout(w, gpu))
     return simulate(plan, sched, pool=PoolController(cfg, pred), name=name,
                     workers={CPU: cpu, GPU: gpu}, progress=progress)
 

@@ -123,7 +123,7 @@ from typing import Mapping, Sequence
 from ..resources import ServiceInfo, WorkerShape
 from .base import mypyc_attr
 from .grants import ElasticGrant
-from .loading import LoadWhenWorthIt
+from .loading import LoadWhenWorthIt, PlannedLayout
 from .order import AgedSrpt
 from .placement import PlacementPolicy
 from .predict import Predictor
@@ -152,6 +152,10 @@ class ElasticScheduler(PlacementPolicy):
     env_move_s: predicted seconds to move an environment to another worker
         (save and restore); None keeps every environment where it started
         (see :mod:`tangram_hpc.policy.moves`).
+    gpu_layout: the services each GPU worker should start with, one list per worker in the order
+        they join (round robin past the end), e.g. weighted by expected demand
+        (:func:`~tangram_hpc.sim.layout.service_layout`); None: the declared services that fit, in
+        the order given.  Loads and evictions go on as usual from there (:class:`PlannedLayout`).
     barriers: the rollouts are synchronous -- a turn starts only when every
         trajectory finished the one before (per-turn barriers), so a turn ends
         with its slowest action.  The user's RL loop decides this and the
@@ -168,19 +172,29 @@ class ElasticScheduler(PlacementPolicy):
                  priority_clamp: int = 16,
                  min_gain: float = 0.005, service_util: float = 0.85, rate_window_s: float = 30.0,
                  pipeline_below_s: float | None = None, env_move_s: float | None = None,
-                 barriers: bool = False):
+                 barriers: bool = False, gpu_layout: Sequence[Sequence[str]] | None = None):
         self.barriers = barriers
         super().__init__(predictor, shapes=shapes, services=services, pipeline_below_s=pipeline_below_s,
                          env_move_s=env_move_s,
                          order=AgedSrpt(aging, priority_weight, priority_clamp, in_class_order=barriers,
                                         aging_floor=aging_floor),
-                         grant=ElasticGrant(min_gain, barriers), loading=LoadWhenWorthIt(service_util, rate_window_s))
+                         grant=ElasticGrant(min_gain, barriers), loading=LoadWhenWorthIt(service_util, rate_window_s),
+                         layout=PlannedLayout(gpu_layout) if gpu_layout else None)
 
     def wait_bound(self, size: float, priority_gap: int) -> float:
         """Time after which no newly submitted action outranks one of ``size`` (:meth:`AgedSrpt.wait_bound`)."""
         order = self.order
         assert isinstance(order, AgedSrpt)
         return order.wait_bound(size, priority_gap)
+
+    def planned_services(self, worker_id: str) -> list[str] | None:
+        """What a GPU worker starts with under ``gpu_layout``: its share that the placement state
+        made resident (None: no layout, or not such a worker; the simulator loads this)."""
+        layout = self.layout
+        if not isinstance(layout, PlannedLayout) or worker_id not in layout.shares:
+            return None
+        w = self.workers.get(worker_id)
+        return list(w.services) if w is not None else list(layout.shares[worker_id])
 
     def arrival_rate(self, service: str, now: float) -> float:
         """Requests per second for ``service`` lately (:meth:`LoadWhenWorthIt.arrival_rate`)."""

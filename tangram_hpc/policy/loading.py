@@ -13,12 +13,13 @@ another replica now (where, and what it evicts, is the placement state's search,
   longer than the load, or when the arrivals would keep the replicas busier than ``service_util``.
 
 :class:`Layout` is the pool's side of it: the kinds a worker serves and the services it is
-started with (a static layout for the baselines, none for the schedulers).
+started with (a static layout for the baselines; for the schedulers none, or a
+:class:`PlannedLayout` that only sets where loading starts from).
 """
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 from ..resources import WorkerInfo
 from .base import mypyc_attr
@@ -28,7 +29,7 @@ from .residency import Resident, choose_victims
 if TYPE_CHECKING:
     from .placement import PlacementPolicy
 
-__all__ = ["Loading", "LoadAtOnce", "KeepLayout", "LoadWhenWorthIt", "Layout"]
+__all__ = ["Loading", "LoadAtOnce", "KeepLayout", "LoadWhenWorthIt", "Layout", "PlannedLayout"]
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
@@ -154,6 +155,34 @@ class Layout:
         """The worker as placed (a layout may narrow the kinds it serves)."""
         return info
 
+    def starts_with(self, info: WorkerInfo) -> frozenset[str]:
+        """The services the (admitted) worker is placed with as resident, loading from its start:
+        those it is configured with (``info.services``, which also says what it may host)."""
+        return info.services
+
     def preloaded(self, worker_id: str) -> list[str] | None:
         """The services the layout loads on ``worker_id`` before the run (None: no layout)."""
         return None
+
+
+@mypyc_attr(allow_interpreted_subclasses=True)
+class PlannedLayout(Layout):
+    """GPU workers start with their share of a planned layout instead of the services they are
+    configured with: the ``i``-th GPU worker to join gets ``plan[i]`` (round robin past the end),
+    e.g. weighted by expected demand (:func:`~tangram_hpc.sim.layout.service_layout`).  Only the
+    start: the worker may still host any service it is configured with, and loads and evictions
+    go on as usual from there (the services the placement state knows that fit, in its order)."""
+
+    def __init__(self, plan: Sequence[Sequence[str]]):
+        if not plan:
+            raise ValueError("a planned layout needs at least one worker's services")
+        self._plan = [list(h) for h in plan]
+        self.shares: dict[str, list[str]] = {}      # GPU worker -> its share of the plan
+
+    def starts_with(self, info: WorkerInfo) -> frozenset[str]:
+        if not info.gpus:
+            return info.services
+        mine = self.shares.get(info.id)
+        if mine is None:
+            mine = self.shares[info.id] = self._plan[len(self.shares) % len(self._plan)]
+        return frozenset(mine)

@@ -176,8 +176,9 @@ class PlacementPolicy(SchedulingPolicy):
         for k in w.kinds:
             self.kind_load(k).capacity += w.cores
         replicas = self.replicas
-        for name, s in replicas.info.items():   # the worker preloads what it is configured with
-            if name in info.services and w.gpu_mem - w.gpu_used >= s.gpu_mem_mb:
+        starts = self.layout.starts_with(info)  # what the worker preloads (what it is configured with)
+        for name, s in replicas.info.items():
+            if name in starts and w.gpu_mem - w.gpu_used >= s.gpu_mem_mb:
                 replicas.make_resident(w, name, s.gpu_mem_mb, now + self.predictor.load_time(name))
         self._touch(w)
 

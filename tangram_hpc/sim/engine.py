@@ -340,6 +340,7 @@ class Simulation:
         self._close_env = getattr(policy, "close_env", None)
         self._traj_done = getattr(policy, "trajectory_done", None)
         self._preloaded = getattr(policy, "preloaded_services", None)
+        self._planned = getattr(policy, "planned_services", None)
         self._offered = getattr(policy, "offered_load", None)
         self._env_moves = getattr(policy, "env_moves", None)
 
@@ -653,7 +654,8 @@ class Simulation:
             names = list(self._preloaded(sw.id, sw.status.info))
             warm = True                  # a static layout is loaded before the run
         else:
-            names = services_by_demand(self.w)
+            planned = self._planned(sw.id) if self._planned is not None else None
+            names = services_by_demand(self.w) if planned is None else planned
         cap = sw.status.info.gpu_mem_mb
         for name in names:
             svc = self.svc_defs.get(name)
