@@ -507,7 +507,7 @@ def _burst_order(**kw) -> str:
 
 def test_aging_follows_the_queue_drain_time():
     # a fixed rate of 0.5: four seconds of waiting outweigh A's extra second, first come first served
-    assert _burst_order(aging_floor=0.5) == "A"
+    assert _burst_order(aging=0.5, aging_floor=0.5) == "A"
     # behind fifty queued actions on one core the clock runs at 1/50: sizes decide, shortest first
     assert _burst_order() == "B"
     # the wait stays bounded: by the floor's rate

@@ -26,12 +26,15 @@ Order -- SRPT with static aging.
     The rate follows the queue (:class:`~tangram_hpc.policy.order.DrainAging`): ``aging * submit_time``
     is an aged clock that runs at ``capacity / queued`` predicted seconds per
     second (the kind's cores over its waiting actions), between
-    ``aging_floor`` and ``aging``.  Waiting one drain time of the queue (its
+    ``aging_floor`` and ``aging`` (0.001 and 0.05 by default: across a generated
+    family of workloads a ceiling of 0.05 lost fewer runs to shortest-first
+    baselines than 0.5, and no preset got worse).  Waiting one drain time of the queue (its
     work over its capacity) is then worth one mean queued size: in a burst of
     thousands of short actions sizes still decide (shortest first), where a
     fixed rate would let waiting dominate and serve them first come first
     served; with a short queue the rate is ``aging``.  Keys stay static (the
-    clock only moves forward), and the wait bound holds at ``aging_floor``.  Priorities are folded in as a head
+    clock only moves forward), and the wait bound holds at ``aging_floor``.
+    Priorities are folded in as a head
     start of ``priority_weight`` seconds per level, clamped to
     ``+-priority_clamp`` levels, so even a stream of high-priority actions cannot
     starve a low-priority one forever.
@@ -168,7 +171,7 @@ class ElasticScheduler(PlacementPolicy):
 
     def __init__(self, predictor: Predictor | None = None, *, shapes: Sequence[WorkerShape] = (),
                  services: Mapping[str, ServiceInfo] | None = None,
-                 aging: float = 0.5, aging_floor: float = 0.01, priority_weight: float = 30.0,
+                 aging: float = 0.05, aging_floor: float = 0.001, priority_weight: float = 30.0,
                  priority_clamp: int = 16,
                  min_gain: float = 0.005, service_util: float = 0.85, rate_window_s: float = 30.0,
                  pipeline_below_s: float | None = None, env_move_s: float | None = None,
