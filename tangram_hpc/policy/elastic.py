@@ -26,9 +26,10 @@ Order -- SRPT with static aging.
     The rate follows the queue (:class:`~tangram_hpc.policy.order.DrainAging`): ``aging * submit_time``
     is an aged clock that runs at ``capacity / queued`` predicted seconds per
     second (the kind's cores over its waiting actions), between
-    ``aging_floor`` and ``aging`` (0.001 and 0.05 by default: across a generated
+    ``aging_floor`` and ``aging`` (0.001 and 0.05 by default: on a generated
     family of workloads a ceiling of 0.05 lost fewer runs to shortest-first
-    baselines than 0.5, and no preset got worse).  Waiting one drain time of the queue (its
+    baselines than 0.5 and a few more to first-come-first-served ones; no
+    preset got worse; see docs/scheduler.md).  Waiting one drain time of the queue (its
     work over its capacity) is then worth one mean queued size: in a burst of
     thousands of short actions sizes still decide (shortest first), where a
     fixed rate would let waiting dominate and serve them first come first
