@@ -18,13 +18,14 @@ from __future__ import annotations
 import math
 from typing import Mapping, Sequence
 
+from ..errors import TangramError
 from .workload import Workload
 
 __all__ = ["ServiceNotHosted", "expected_turns", "service_demand", "service_layout", "workload_layout", "layout_for",
            "services_by_demand"]
 
 
-class ServiceNotHosted(ValueError):
+class ServiceNotHosted(TangramError, ValueError):
     """A static layout with no replica of a service the run calls: the setup cannot run this workload."""
 
 
