@@ -45,7 +45,7 @@ def run(preset: str, trajectories: int, steps: int, learn: bool) -> dict:
                              env_move_s=w.cluster.env_move_s)
     c0 = time.process_time()
     r = simulate(plan, sched, pool=PoolController(cfg, pred),
-                 workers={"cpu": w.cluster.cpu_workers, "gpu": w.cluster.gpu_workers})
+                 workers={"cpu": w.cluster.cpu_workers, "gpu": w.cluster.gpu_workers}, clock=time.perf_counter)
     return {"trajectories": plan.n_trajectories, "actions": plan.n_actions, "sample_s": sample_s,
             "wall_s": r.wall_s, "cpu_s": time.process_time() - c0, "events": r.events,
             "mean_act": float(r.act.mean()), "step_s": r.mean_step, "workers": w.cluster.cpu_workers,

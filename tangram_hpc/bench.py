@@ -125,7 +125,7 @@ def tangram_run(plan: Plan, *, cpu_workers: int | None = None, gpu_workers: int 
                              env_move_s=w.cluster.env_move_s, barriers=w.rollout.sync_turns,
                              gpu_layout=workload_layout(w, gpu))
     return simulate(plan, sched, pool=PoolController(cfg, pred), name=name,
-                    workers={CPU: cpu, GPU: gpu}, progress=progress)
+                    workers={CPU: cpu, GPU: gpu}, progress=progress, clock=time.perf_counter)
 
 
 def _sandbox_sizes(w: Workload) -> list[int]:
@@ -181,7 +181,7 @@ def run_baseline(plan: Plan, name: str, *, size: int | None = None, progress=Non
         pol = trajectory_bound(w, size or 1)
     else:
         pol = baseline_makers(plan)[name]()
-    return simulate(plan, pol, name=name, progress=progress)
+    return simulate(plan, pol, name=name, progress=progress, clock=time.perf_counter)
 
 
 #: one simulation of the bench: a baseline (with its sandbox size for the trajectory-bound ones) or tangram

@@ -38,14 +38,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .actions import BUILTIN_KINDS
-from .backends.base import HANDLE_ENV
 from .connection import CONNECTION_FILE_ENV
 from .errors import ConfigError
-from .managers.devices import CPU_BUDGET_ENV, DEFAULT_CPU_BUDGET_MB
-from .managers.limits import Limits
-from .policy.placement import PlacementPolicy
-from .policy.pool import PoolConfig
-from .resources import WorkerShape
 from .protocol import MAX_FRAME_BYTES
 
 if sys.version_info >= (3, 11):
@@ -83,8 +77,15 @@ def key(default: Any, help: str, *, env: str | None = None, flag: str | None = N
     return field(default=default, metadata=meta)
 
 
-_LIMITS = Limits()
-_POOL = PoolConfig([WorkerShape(1)])   # its defaults, stated once there
+# Defaults and variable names of the objects the callers build from these settings.  config is
+# core and imports no policy, manager or backend (docs/architecture.md, "Layers"), so they are
+# written here as plain values; tests/test_config.py checks each equals its owner's.
+_LIMITS_DEFAULTS = {"timeout_s": 600.0, "memory_mb": 4096, "disk_mb": 10240, "disk_files": 1_000_000}  # managers.limits.Limits
+_POOL_DEFAULTS = {"target_util": 0.75, "hold_steps": True, "hold_idle_s": None}     # policy.pool.PoolConfig
+PIPELINE_BELOW_S = 0.001                          # policy.placement.PlacementPolicy.PIPELINE_BELOW_S
+DEFAULT_CPU_BUDGET_MB = 4096                      # managers.devices.DEFAULT_CPU_BUDGET_MB
+CPU_BUDGET_ENV = "TANGRAM_SERVICE_CPU_BUDGET_MB"  # managers.devices.CPU_BUDGET_ENV
+HANDLE_ENV = "TANGRAM_WORKER_HANDLE"              # backends.base.HANDLE_ENV
 
 
 # -- the sections ----------------------------------------------------------------
@@ -112,7 +113,7 @@ class CoordinatorSettings:
     backend: str = key("local", "who starts workers: processes on this machine, Slurm jobs, or nobody (workers "
                        "started by hand with 'tangram-hpc worker')", choices=("local", "slurm", "none"))
     policy: str = key("elastic", "placement policy", env="TANGRAM_POLICY", choices=("elastic", "fifo"))
-    pipeline_below_s: float = key(PlacementPolicy.PIPELINE_BELOW_S, "core-bound actions whose class is learned to "
+    pipeline_below_s: float = key(PIPELINE_BELOW_S, "core-bound actions whose class is learned to "
                                   "take less than this run pipelined, binding no core (0: never)", minimum=0)
     env_moves: bool = key(True, "let the scheduler move a stateful environment to another worker when its "
                           "waiting action would finish sooner there, or off a crowded worker while its agent "
@@ -247,13 +248,13 @@ class SandboxSettings:
                                     "coordinator names, STATE_DIR/snapshots)", flag="--snapshot-dir")
     seccomp: bool = key(True, "syscall filter in every sandbox: no nested user namespaces, keyrings, bpf, "
                         "io_uring, perf events, userfaultfd or fallocate")
-    # 0 turns a limit off; the defaults are Limits' own (managers/limits.py), stated there once.
-    timeout_s: float = key(_LIMITS.timeout_s, "seconds an action may run when it names no timeout (0: none)",
+    # 0 turns a limit off; the defaults are Limits' own (managers/limits.py).
+    timeout_s: float = key(_LIMITS_DEFAULTS["timeout_s"], "seconds an action may run when it names no timeout (0: none)",
                            flag="--sandbox-timeout", minimum=0)
-    memory_mb: int = key(_LIMITS.memory_mb, "memory of an action that declares no mem_mb, in MiB (0: none)",
+    memory_mb: int = key(_LIMITS_DEFAULTS["memory_mb"], "memory of an action that declares no mem_mb, in MiB (0: none)",
                          flag="--sandbox-memory-mb", minimum=0)
-    disk_mb: int = key(_LIMITS.disk_mb, "disk space of one environment, in MiB (0: none)", minimum=0)
-    disk_files: int = key(_LIMITS.disk_files, "files and directories one environment may hold (0: none)",
+    disk_mb: int = key(_LIMITS_DEFAULTS["disk_mb"], "disk space of one environment, in MiB (0: none)", minimum=0)
+    disk_files: int = key(_LIMITS_DEFAULTS["disk_files"], "files and directories one environment may hold (0: none)",
                           minimum=0)
 
 
@@ -298,12 +299,12 @@ class SlurmSettings:
     startup_s: float = key(30.0, "seconds from submitting a worker job to its joining, until the pool has seen "
                            "some (it then uses the median it saw): the pool asks for enough workers to clear the "
                            "backlog in about this time", flag="--slurm-startup", minimum=0.1)
-    target_util: float = key(_POOL.target_util, "busy share of the pool's cores it aims for under a steady load "
+    target_util: float = key(_POOL_DEFAULTS["target_util"], "busy share of the pool's cores it aims for under a steady load "
                              "(lower: more headroom, shorter queues)", flag="--slurm-target-util", minimum=0.05)
-    hold_steps: bool = key(_POOL.hold_steps, "keep the current and the previous RL step's peak capacity while "
+    hold_steps: bool = key(_POOL_DEFAULTS["hold_steps"], "keep the current and the previous RL step's peak capacity while "
                            "the run is active, so the next step's burst finds its workers up",
                            flag="--no-slurm-hold-steps")
-    hold_idle_s: float | None = key(_POOL.hold_idle_s, "quiet time after which the held step capacity is let "
+    hold_idle_s: float | None = key(_POOL_DEFAULTS["hold_idle_s"], "quiet time after which the held step capacity is let "
                                     "go (default: idle_s)", flag="--slurm-hold-idle", minimum=0)
 
 

@@ -22,12 +22,13 @@ from pathlib import Path
 import zmq
 
 from .backends.guards import LaunchThrottle
-from .config import ConfigError, CoordinatorSettings, Settings, default_run_dir
+from .config import ConfigError, CoordinatorSettings, Settings, SlurmSettings, default_run_dir
 from .config_cli import add_arguments, settings_from_args, worker_flags
 from .connection import ConnectionInfo, wait_for_file
 from .daemon import tune_gc
 from .coordinator import Coordinator
 from .policy.base import SchedulingPolicy
+from .policy.pool import PoolConfig, PoolController
 from .policy.static import StaticPool
 from .resources import ServiceInfo, WorkerShape
 from .security import CurveKeys, is_loopback
@@ -80,7 +81,7 @@ def build_coordinator(settings: Settings, *, reuse_ports: bool = True) -> Coordi
         reward = WorkerShape(cores=1, gpu_mem_mb=int(settings.services.budget_mb))
         pool = StaticPool([shape] * ps.workers + [reward] * ps.reward_workers)
     elif cfg.backend == "slurm":
-        from .backends.slurm import backend_from_settings, pool_from_settings
+        from .backends.slurm import backend_from_settings
         backend = backend_from_settings(settings.slurm, run_dir=cfg.run_dir)
         # The pool sizes itself with the durations the scheduler learns.
         pool = pool_from_settings(settings.slurm, getattr(policy, "predictor", None))
@@ -95,6 +96,21 @@ def build_coordinator(settings: Settings, *, reuse_ports: bool = True) -> Coordi
         policy.set_shapes(pool.shapes, hosted=[s.name for s in specs])
     return Coordinator(cfg, policy, pool=pool, backend=backend, curve=curve, cpu_worker_args=tuple(common),
                        service_worker_args=tuple(service_args), throttle=LaunchThrottle(settings.launch))
+
+
+def pool_from_settings(s: SlurmSettings, predictor=None) -> PoolController:
+    """The pool controller for the coordinator's Slurm workers (``predictor``: the scheduler's).
+
+    Built here, where the policies are chosen, not by the Slurm backend: a backend submits
+    what it is asked to and builds no policy."""
+    from .backends.slurm import slurm_shapes
+    max_workers = {"cpu": s.max_workers, "gpu": s.gpu_workers}
+    cfg = PoolConfig(slurm_shapes(s), max_workers=max_workers, min_workers={"cpu": s.min_workers},
+                     startup_s=s.startup_s, idle_ttl_s=s.idle_s,
+                     env_idle_ttl_s=s.env_idle_s if s.env_idle_s is not None else 2 * s.idle_s,
+                     time_limit_margin_s=s.replace_before_s, target_util=s.target_util,
+                     hold_steps=s.hold_steps, hold_idle_s=s.hold_idle_s)
+    return PoolController(cfg, predictor)
 
 
 def _service_specs(settings: Settings) -> list:

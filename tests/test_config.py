@@ -214,3 +214,24 @@ def test_barrier_mode_is_a_coordinator_setting_that_reaches_the_elastic_policy(t
         plain.close()
         flag.close()
     assert load(write(tmp_path, "[coordinator]\nbarriers = true\n"), environ={}).coordinator.barriers is True
+
+
+def test_the_defaults_config_states_are_those_of_the_objects_built_from_it():
+    """config imports no policy, manager or backend, so it writes their defaults and variable
+    names as plain values: each equals its owner's."""
+    from tangram_hpc import config
+    from tangram_hpc.backends.base import HANDLE_ENV
+    from tangram_hpc.managers import devices
+    from tangram_hpc.managers.limits import Limits
+    from tangram_hpc.policy.placement import PlacementPolicy
+    from tangram_hpc.policy.pool import PoolConfig
+    from tangram_hpc.resources import WorkerShape
+
+    limits, pool = Limits(), PoolConfig([WorkerShape(1)])
+    assert config._LIMITS_DEFAULTS == {k: getattr(limits, k) for k in config._LIMITS_DEFAULTS}
+    assert config._POOL_DEFAULTS == {k: getattr(pool, k) for k in config._POOL_DEFAULTS}
+    assert config.PIPELINE_BELOW_S == PlacementPolicy.PIPELINE_BELOW_S
+    assert (config.DEFAULT_CPU_BUDGET_MB, config.CPU_BUDGET_ENV) == (devices.DEFAULT_CPU_BUDGET_MB, devices.CPU_BUDGET_ENV)
+    assert config.HANDLE_ENV == HANDLE_ENV
+    s = config.Settings()
+    assert s.sandbox.timeout_s == limits.timeout_s and s.slurm.target_util == pool.target_util

@@ -20,8 +20,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tangram_hpc import LocalCluster, function
 from tangram_hpc.actions import ActionSpec, Demand
+from tangram_hpc.backends.guards import LaunchThrottle
 from tangram_hpc.backends.local import LocalBackend
-from tangram_hpc.config import CoordinatorSettings
+from tangram_hpc.config import CoordinatorSettings, LaunchSettings
 from tangram_hpc.coordinator import ActionLedger, PoolDriver
 from tangram_hpc.coordinator.metrics import CoordinatorMetrics
 from tangram_hpc.coordinator.exporter import LoopHandoff
@@ -192,7 +193,7 @@ def test_the_pool_driver_counts_launches_and_reclaims_and_keeps_its_recent_decis
     try:
         ledger = ActionLedger(CoordinatorSettings(), FifoPolicy())
         driver = PoolDriver(ledger.config, StaticPool([WorkerShape(cores=1)]), backend, ledger,
-                            connection_file=str(tmp_path / "none.json"))
+                            connection_file=str(tmp_path / "none.json"), throttle=LaunchThrottle(LaunchSettings()))
         driver.decide(100.0)
         [handle] = driver.starting
         deadline = time.monotonic() + 20

@@ -12,9 +12,10 @@ import pytest
 from slurm_support import TESTS_DIR, dev_cluster, wait_until  # noqa: F401
 from tangram_hpc.backends.base import WorkerLaunchSpec
 from tangram_hpc.backends.slurm import (
-    SLURM_JOBS_LOG, LaunchRefused, SlurmBackend, SlurmBackendConfig, backend_config, pool_from_settings)
+    SLURM_JOBS_LOG, LaunchRefused, SlurmBackend, SlurmBackendConfig, backend_config)
 from tangram_hpc.config import ConfigError
 from tangram_hpc.config_cli import add_arguments, settings_from_args
+from tangram_hpc.launch import pool_from_settings
 from tangram_hpc.resources import WorkerShape
 from tangram_hpc.slurm.cli_view import CliClusterView
 

@@ -29,9 +29,12 @@ from collections import deque
 from dataclasses import dataclass
 from datetime import datetime
 from enum import Enum
+from typing import TYPE_CHECKING
 
-from ..config import LaunchSettings
 from ..errors import LaunchRefused
+
+if TYPE_CHECKING:     # handed in: the pool driver, which uses a throttle, stays clear of config's imports
+    from ..config import LaunchSettings
 
 __all__ = ["LaunchThrottle", "ThrottleState", "ThrottleStatus", "LaunchRefused", "local_time"]
 
@@ -63,8 +66,8 @@ def local_time(t: float) -> str:
 
 
 class LaunchThrottle:
-    def __init__(self, settings: LaunchSettings | None = None):
-        self.settings = s = settings or LaunchSettings()
+    def __init__(self, settings: LaunchSettings):
+        self.settings = s = settings
         self._tokens = float(s.burst)
         self._refilled: float | None = None
         self._short_at: float | None = None           # last time fewer launches were allowed than wanted

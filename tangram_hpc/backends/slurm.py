@@ -31,14 +31,13 @@ from typing import Callable
 import msgpack
 
 from ..config import ConfigError, SlurmSettings
-from ..policy.pool import PoolConfig, PoolController
 from ..resources import ClusterCapacity, PartitionFree, WorkerShape
 from ..slurm import ClusterView, JobInfo, PartitionInfo, SlurmCommandError, cluster_view
 from .base import HANDLE_ENV, BackendEvent, JobState, WorkerBackend, WorkerLaunchSpec
 from .guards import LaunchRefused
 
 __all__ = ["SlurmBackend", "SlurmBackendConfig", "LaunchRefused", "backend_config", "backend_from_settings",
-           "check_time_limits", "pool_from_settings", "slurm_shapes", "run_worker", "SIGNAL_DELAY_S",
+           "check_time_limits", "slurm_shapes", "run_worker", "SIGNAL_DELAY_S",
            "SLURM_JOBS_LOG"]
 
 log = logging.getLogger(__name__)
@@ -548,17 +547,6 @@ def backend_config(s: SlurmSettings, run_dir: str | os.PathLike | None = None) -
         partition=s.partition, gpu_partition=s.gpu_partition, account=s.account, qos=s.qos, time_min=s.time_min,
         mem_per_core_mb=s.mem_per_core_mb, extra_sbatch=extra, setup=tuple(s.setup), setup_file=setup_file,
         run_dir=str(run_dir) if run_dir else None, cluster_view=s.view)
-
-
-def pool_from_settings(s: SlurmSettings, predictor=None) -> PoolController:
-    """The pool controller for the coordinator's Slurm workers (``predictor``: the scheduler's)."""
-    max_workers = {"cpu": s.max_workers, "gpu": s.gpu_workers}
-    cfg = PoolConfig(slurm_shapes(s), max_workers=max_workers, min_workers={"cpu": s.min_workers},
-                     startup_s=s.startup_s, idle_ttl_s=s.idle_s,
-                     env_idle_ttl_s=s.env_idle_s if s.env_idle_s is not None else 2 * s.idle_s,
-                     time_limit_margin_s=s.replace_before_s, target_util=s.target_util,
-                     hold_steps=s.hold_steps, hold_idle_s=s.hold_idle_s)
-    return PoolController(cfg, predictor)
 
 
 def backend_from_settings(s: SlurmSettings, run_dir: str | os.PathLike | None = None, *,

@@ -34,10 +34,9 @@ from __future__ import annotations
 
 import heapq
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import protocol as P
-from ..config import CoordinatorSettings
 from ..actions import ID_MAX, ActionSpec, EnvState, Status, ValidationError
 from ..policy.base import SchedulingPolicy
 from ..resources import WorkerInfo
@@ -46,6 +45,9 @@ from .answers import ClientAnswers
 from .lifecycle import EnvironmentLifecycle
 from .outbox import Counters, Outbox
 from .registry import WorkerRecord, WorkerRegistry, WorkerState
+
+if TYPE_CHECKING:     # the settings object is handed in; config itself stays out of the core's imports
+    from ..config import CoordinatorSettings
 
 
 log = logging.getLogger("tangram.coordinator")

@@ -22,15 +22,18 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .. import protocol as P
 from ..backends.base import JobState, WorkerBackend, WorkerLaunchSpec
 from ..backends.guards import LaunchThrottle, ThrottleState, ThrottleStatus, local_time
-from ..config import CoordinatorSettings
 from ..policy.base import Launch, PoolPolicy, PoolView, Reclaim, Withdraw, WorkerStatus
 from ..resources import WorkerShape
 from .ledger import ActionLedger
 from .registry import WorkerRecord, WorkerState
+
+if TYPE_CHECKING:     # the settings object is handed in; config itself stays out of the core's imports
+    from ..config import CoordinatorSettings
 
 log = logging.getLogger("tangram.coordinator")
 
@@ -78,12 +81,12 @@ class Allocation:
 class PoolDriver:
     def __init__(self, config: CoordinatorSettings, pool: PoolPolicy, backend: WorkerBackend, ledger: ActionLedger,
                  *, connection_file: str, cpu_worker_args: tuple[str, ...] = (),
-                 service_worker_args: tuple[str, ...] = (), throttle: LaunchThrottle | None = None):
+                 service_worker_args: tuple[str, ...] = (), throttle: LaunchThrottle):
         self.config = config
         self.pool = pool
         self.backend = backend
         self.ledger = ledger
-        self.throttle = throttle or LaunchThrottle()
+        self.throttle = throttle
         self.connection_file = connection_file
         self.cpu_worker_args = tuple(cpu_worker_args)
         self.service_worker_args = tuple(service_worker_args)

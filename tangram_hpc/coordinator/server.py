@@ -22,7 +22,7 @@ from .. import protocol as P
 from ..actions import new_action_id
 from ..backends.base import WorkerBackend
 from ..backends.guards import LaunchThrottle
-from ..config import CoordinatorSettings
+from ..config import CoordinatorSettings, LaunchSettings
 from ..connection import ConnectionInfo
 from ..errors import ConfigError
 from ..netaddr import advertised_host
@@ -78,7 +78,8 @@ class Coordinator:
             self.pool_driver = PoolDriver(config, pool, backend, self.ledger,
                                           connection_file=str(config.connection_file),
                                           cpu_worker_args=cpu_worker_args,
-                                          service_worker_args=service_worker_args, throttle=throttle)
+                                          service_worker_args=service_worker_args,
+                                          throttle=throttle or LaunchThrottle(LaunchSettings()))
         self._stop = False
         self._closing = False       # STOP sent to every worker: one registering now is told to stop too
         self._started = time.time()

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import msgpack
 
-from ..managers.environments import env_dirname, is_plain_dir, snapshot_identity
+from ..envfiles import NOFOLLOW_DIR, env_dirname, snapshot_identity
 from ..runlog import read_records
 from .environments import EnvironmentDirectory, EnvStatus
 
@@ -166,7 +166,7 @@ class StateDir:
                 p = Path(path)
                 if p.name.endswith(".tar.gz") and p.parent.resolve() == self.snapshots.resolve():
                     p.unlink(missing_ok=True)
-            elif is_plain_dir(Path(path), env_dirname(env)):
+            elif _is_plain_subdir(Path(path), env_dirname(env)):
                 shutil.rmtree(Path(path) / env_dirname(env), ignore_errors=True)
                 (Path(path) / (env_dirname(env) + ".journal")).unlink(missing_ok=True)
         except OSError as e:
@@ -185,3 +185,19 @@ class StateDir:
         with open(tmp, "wb") as f:
             f.write(b"".join(packer.pack(r) for r in records))
         os.replace(tmp, path)
+
+
+def _is_plain_subdir(root: Path, name: str) -> bool:
+    """Whether ``root/name`` is a directory reached without symlinks (a worker's environment,
+    not a link planted to make the coordinator delete something else)."""
+    try:
+        fd = os.open(root, NOFOLLOW_DIR)
+    except OSError:
+        return False
+    try:
+        os.close(os.open(name, NOFOLLOW_DIR, dir_fd=fd))
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)

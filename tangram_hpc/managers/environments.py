@@ -49,6 +49,7 @@ from typing import Any, Iterable, Mapping, Protocol
 
 import msgpack
 
+from ..envfiles import PAX_ENV, PAX_GEN, env_dirname, snapshot_identity  # noqa: F401 (re-exported)
 from ..errors import TangramError
 from .env_bases import Base, BaseRef, scan_base, settled_now, unchanged
 from . import env_layers
@@ -76,7 +77,7 @@ JOURNAL_MAX_BYTES = 8 << 20
 #: the action ran, and how it ended; a result that large was sent already, or was not sendable).
 JOURNAL_RECORD_BYTES = 4 << 20
 # pax header keys of a snapshot: the environment id, its generation, its journal (base64 msgpack)
-_PAX_ENV, _PAX_GEN, _PAX_JOURNAL = "TANGRAM.env", "TANGRAM.generation", "TANGRAM.journal"
+_PAX_ENV, _PAX_GEN, _PAX_JOURNAL = PAX_ENV, PAX_GEN, "TANGRAM.journal"
 _PAX_TEMPLATE, _PAX_BASE, _PAX_DELETED = "TANGRAM.template", "TANGRAM.base", "TANGRAM.deleted"
 _BASES_DIR = "bases"
 _FINGERPRINT = re.compile(r"[0-9a-f]{32}")
@@ -211,14 +212,6 @@ class Environment:
     journal: dict | None = field(default=None, repr=False)  # action id -> outcome record, once read
     journal_appends: int = field(default=0, repr=False)     # records appended since the file was written whole
     base: BaseRef | None = field(default=None, repr=False)  # the template base it is a copy of (delta snapshots)
-
-
-_SAFE = re.compile(r"[^A-Za-z0-9_.-]")
-
-
-def env_dirname(env_id: str) -> str:
-    """The directory name of an environment under a worker's root (readable, and unique by its hash)."""
-    return f"{_SAFE.sub('_', env_id)[:48]}-{hashlib.sha1(env_id.encode()).hexdigest()[:12]}"
 
 
 
@@ -862,17 +855,6 @@ def _uid_of(pid: str) -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
-
-
-def snapshot_identity(path: str | os.PathLike) -> tuple[str, int] | None:
-    """(environment id, generation) a snapshot was saved as, from its pax header; None if unreadable."""
-    try:
-        with tarfile.open(path, "r:*") as tar:
-            env_id = tar.pax_headers.get(_PAX_ENV)
-            gen = int(tar.pax_headers.get(_PAX_GEN, "0"))
-    except (OSError, tarfile.TarError, ValueError, EOFError):
-        return None
-    return (env_id, gen) if env_id else None
 
 
 def bounded_record(record: list, size: int) -> list:
