@@ -20,8 +20,9 @@ __all__ = ["fidelity", "add_arguments", "main"]
 
 
 def fidelity(workload: Workload, *, time_scale: float = 1.0, policy: str = "elastic",
-             progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Run ``workload`` on a local live cluster and in the simulator; return both mean ACTs."""
+             progress: Callable[[str], None] | None = None, run_dir: str | None = None) -> dict[str, Any]:
+    """Run ``workload`` on a local live cluster and in the simulator; return both mean ACTs
+    (``run_dir``: the live coordinator's, default a new one under the runs root)."""
     from .launch import LocalCluster
     from .policy.elastic import ElasticScheduler
     from .policy.fifo import FifoPolicy
@@ -33,7 +34,7 @@ def fidelity(workload: Workload, *, time_scale: float = 1.0, policy: str = "elas
     # Both sides start from the workload's guess of what moving an environment costs; live, the
     # coordinator then learns it from the moves it makes, as in production.
     move_s = c.env_move_s if any(a.uses_env for a in workload.actions) else None
-    with LocalCluster(workers=c.cpu_workers, cores=c.cpu_cores, policy=policy,
+    with LocalCluster(workers=c.cpu_workers, cores=c.cpu_cores, policy=policy, run_dir=run_dir,
                       extra_args=["--env-move-s", str(move_s)] if move_s else []) as cluster, \
             cluster.client() as client:
         cost = sandbox_cost(client) if any(a.kind == "sandbox" for a in workload.actions) else 0.0

@@ -1,11 +1,28 @@
 import os
+import shutil
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+# Nothing the suite runs writes outside temporary directories: the session, and every process it
+# starts, gets a fresh home directory (set before tangram_hpc reads it), and at the end nothing
+# may have made ~/.tangram in it (a coordinator run, a Slurm job's folder, left to its default).
+HOME = Path(tempfile.mkdtemp(prefix="tangram-test-home-"))
+os.environ["HOME"] = str(HOME)
+
 from tangram_hpc.launch import LocalCluster  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_written_under_home():
+    yield
+    made = sorted(str(p.relative_to(HOME)) for p in (HOME / ".tangram").glob("*/*"))
+    shutil.rmtree(HOME, ignore_errors=True)
+    assert not made, f"the tests wrote under the home directory (give them a tmp_path): {made}"
 
 
 @pytest.fixture(scope="module")

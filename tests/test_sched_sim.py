@@ -210,12 +210,12 @@ def test_bench_command_writes_json_and_plots(tmp_path, capsys):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("preset,time_scale", [("mini", 0.25), ("mini-env", 1.0)])
-def test_fidelity_live_and_simulated_act_agree_within_15_percent(preset, time_scale):
+def test_fidelity_live_and_simulated_act_agree_within_15_percent(preset, time_scale, tmp_path):
     """mini: function actions on one worker; mini-env: real sandboxes in per-trajectory
     environments on two workers, where environments pin actions to a worker and may move."""
     from tangram_hpc.fidelity import fidelity
     w = load_workload(preset)
-    res = fidelity(w, time_scale=time_scale)
+    res = fidelity(w, time_scale=time_scale, run_dir=str(tmp_path / "run"))
     assert res["live_failed"] == 0
     assert res["actions"] == w.sample().n_actions
     assert len(res["live_step_s"]) == 2 and res["live_mean_act"] > 0
