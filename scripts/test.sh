@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite, from a clean clone: installs what it needs, starts the loopback
-# Slurm cluster, runs pytest.  Extra arguments go to pytest (e.g. scripts/test.sh -m "not slurm").
+# Slurm cluster, checks lint and types, runs pytest on the Python sources, then the policy and
+# simulator tests again compiled.  Extra arguments go to pytest (e.g. scripts/test.sh -m "not slurm").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WITH_MODEL=1 scripts/setup-env.sh --languages
@@ -8,6 +9,13 @@ if [ -x scripts/dev-cluster.sh ]; then
     scripts/dev-cluster.sh start
 fi
 export TANGRAM_REQUIRE_ALL=1   # tests whose prerequisites are missing fail instead of skipping
+unset TANGRAM_NATIVE
+
+# Lint and types first (pinned in the test extras; configured in pyproject.toml).
+.venv/bin/python -m ruff check tangram_hpc tests benchmarks
+.venv/bin/python -m mypy
+# The compiled build must exist for the second run below: no build is a failure here, not a skip.
+.venv/bin/python -m tangram_hpc.cli native build
 
 # The fresh-machine case, wherever this runs: while the tests run, `python3` and `python` on PATH
 # are the system interpreter without any site-packages (-S), so a template, script or job that
@@ -21,4 +29,10 @@ for name in python3 python; do
 done
 export PATH="$bare:$PATH" PYTHONNOUSERSITE=1 TANGRAM_BARE_PYTHON="$bare/python3"
 
-exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+# Every process runs the Python sources (the build is opt-in, for bench and the simulator) ...
+.venv/bin/python -m pytest -q -p no:cacheprovider --ignore=tests/test_native.py "$@"
+# ... and the policies, the simulator and the ledger that drives the policies run compiled too,
+# with the tests of the build itself (docs/architecture.md, "The native build").
+TANGRAM_NATIVE=1 exec .venv/bin/python -m pytest -q -p no:cacheprovider tests/test_native.py \
+    tests/test_sched_policies.py tests/test_sched_predict_pool.py tests/test_sched_sim.py tests/test_sched_workload.py \
+    tests/test_ledger.py tests/test_env_fencing.py "$@"

@@ -6,7 +6,7 @@ The public API::
 """
 from .native import activate as _activate_native
 
-_activate_native()      # before anything imports a policy: a compiled build of the sources, where one exists
+_activate_native()      # before anything imports a policy: the compiled build when TANGRAM_NATIVE=1 asks for it
 
 from .actions import (ActionFailed, ActionResult, ActionSpec, Demand, EnvState, Status,  # noqa: E402
                       ValidationError, function, register_kind, reward, sandbox)

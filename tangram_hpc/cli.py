@@ -13,6 +13,7 @@ import os
 import re
 import sys
 
+from . import native
 from .errors import ConfigError
 
 #: subcommand -> (module, one-line help)
@@ -28,7 +29,7 @@ COMMANDS = {
     "fidelity": ("tangram_hpc.fidelity", "run a small workload live on local workers and in the simulator; compare ACT"),
     "demo": ("tangram_hpc.demo", "run a synthetic agentic-RL step on a local coordinator and print ACT statistics"),
     "config": ("tangram_hpc.config_cli", "show the effective configuration (defaults, file, environment) and its sources"),
-    "native": ("tangram_hpc.native", "compile the policies and the simulator (about 2x faster), or show whether they run compiled"),
+    "native": ("tangram_hpc.native", "compile the policies and the simulator for bench (about 2x faster; TANGRAM_NATIVE=1 runs it), or show whether a build matches"),
     "serve": ("tangram_hpc.serve.command", "HTTP in front of a coordinator: SandboxFusion's /run_code and OpenRLHF's remote reward (/reward/SERVICE)"),
 }
 
@@ -89,6 +90,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    refused = native.refuse_live(args._command)
+    if refused:
+        print(f"tangram-hpc {args._command}: error: {refused}", file=sys.stderr)
+        return 2
     _, main_name = _ENTRY.get(args._command, ("add_arguments", "main"))
     mod = importlib.import_module(args._module)
     try:

@@ -25,6 +25,7 @@ from .backends.guards import LaunchThrottle
 from .config import ConfigError, CoordinatorSettings, Settings, SlurmSettings, default_run_dir
 from .config_cli import add_arguments, settings_from_args, worker_flags
 from .connection import ConnectionInfo, wait_for_file
+from . import native
 from .daemon import tune_gc
 from .coordinator import Coordinator
 from .policy.base import SchedulingPolicy
@@ -155,6 +156,7 @@ def coordinator_main(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, lambda *_: coord.stop())
     print(f"coordinator {info.coordinator_id} listening: clients {info.client_address}, "
           f"workers {info.worker_address}; connection file {coord.config.connection_file}", flush=True)
+    log.info("policies: %s", native.status())     # which code runs, once (cli refuses the build here)
     tune_gc()
     coord.serve()
     return 0
@@ -180,7 +182,10 @@ class LocalCluster:
         cmd += list(extra_args or [])
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._log = open(self.run_dir / "coordinator.log", "ab")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        # a live coordinator runs the Python sources, even beside a compiled simulator (fidelity)
+        env = {k: v for k, v in os.environ.items() if k != native.ENV}
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env=env)
         self.workers = workers + reward_workers
         try:
             deadline = time.monotonic() + timeout

@@ -2,22 +2,28 @@
 
 The policies and the simulator's event loop are pure Python, and at 100,000 trajectories the
 simulator spends minutes in them.  The same sources compiled with mypyc run two to almost three
-times faster and behave identically (the suite checks that the simulator's results are bit-identical),
-so where a build exists every process uses it: the coordinator, the simulator and the benchmark
-run the same policy code, compiled or not.
+times faster and give the same results (the suite checks that the simulator's are bit-identical).
+
+The build is opt-in, for the benchmark and the simulator only: ``TANGRAM_NATIVE=1`` asks for it,
+and then a process runs it or does not start (an error that says why: none built, stale, does
+not load here, imported too late).  Without the variable every process runs the Python sources;
+the live commands (coordinator, worker, serve, demo) refuse to run compiled, so which code a
+production coordinator runs never depends on the node or the install's history
+(docs/architecture.md, "The native build").
 
 A build is kept under ``tangram_hpc/_native_builds/<key>/``, where the key names the Python
 version and hashes it with the sources of the compiled modules and of the modules they import
-(``DEPENDS``).  Edit one of them and the key changes: the build no longer matches and the Python
-sources run until the next ``tangram-hpc native build`` (a stale build is never loaded; neither
-is one that does not load here).  ``TANGRAM_NATIVE=0`` turns the build off for one process.
+(``DEPENDS``).  Edit one of them and the key changes: the build no longer matches, and asking for
+it is an error until the next ``tangram-hpc native build`` (a stale build is never loaded; neither
+is one that does not load here).
 
 Compiled classes check the types their fields and arguments are annotated with (an ``int``
 field given a float raises TypeError where Python would take it), take no attributes they do not
 declare and no monkeypatched methods; the frozen dataclasses pickle through their constructors.
 
     tangram-hpc native build     # compile (mypy and a C compiler; scripts/setup-env.sh does it)
-    tangram-hpc native status    # whether this process runs the build, and why not
+    tangram-hpc native status    # whether a build matches these sources, and why not
+    TANGRAM_NATIVE=1 tangram-hpc bench ...   # the benchmark, compiled
 """
 from __future__ import annotations
 
@@ -34,7 +40,15 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
-__all__ = ["COMPILED", "DEPENDS", "active", "activate", "build", "build_dir", "status"]
+from .errors import TangramError
+
+__all__ = ["COMPILED", "DEPENDS", "ENV", "LIVE_COMMANDS", "active", "activate", "build", "build_dir", "status",
+           "NativeBuildError"]
+
+#: The variable that asks for the build ("1"); anything else, or unset: the Python sources.
+ENV = "TANGRAM_NATIVE"
+#: Commands that run live (a coordinator, a worker, a server in front of one): always the sources.
+LIVE_COMMANDS = frozenset({"coordinator", "worker", "serve", "demo"})
 
 #: The modules compiled.  Every class one of them subclasses is compiled too (a compiled class
 #: cannot inherit from a plain one), and none of them defines an exception class (those stay
@@ -82,7 +96,12 @@ BUILDS = _PACKAGE / "_native_builds"
 _SUFFIX = importlib.machinery.EXTENSION_SUFFIXES[0]
 _PREFIX = sys.implementation.cache_tag + "-"      # a build directory's name: this, then the hash
 
-_state = {"active": False, "why": "not activated"}
+_state: dict = {"active": False, "why": "not activated"}
+
+
+class NativeBuildError(TangramError, ImportError):
+    """TANGRAM_NATIVE=1 asked for the build and this process cannot run it (the message says why);
+    raised while ``import tangram_hpc`` runs."""
 
 
 def _source(module: str) -> Path:
@@ -117,41 +136,55 @@ class _BuildFinder(importlib.abc.MetaPathFinder):
 
 
 def activate() -> bool:
-    """Use the build that matches the sources, if there is one (called once, on ``import tangram_hpc``)."""
+    """Run the build if ``TANGRAM_NATIVE=1`` asks for it (called once, on ``import tangram_hpc``).
+
+    Asked for and not usable: :class:`NativeBuildError`, never the Python sources in its place."""
     if _state["active"]:
         return True
-    if os.environ.get("TANGRAM_NATIVE", "") == "0":
-        _state["why"] = "turned off (TANGRAM_NATIVE=0)"
+    if os.environ.get(ENV, "") != "1":
+        _state["why"] = f"the build is opt-in ({ENV}=1, for bench and the simulator)"
         return False
-    if not BUILDS.is_dir():
-        _state["why"] = "no build (tangram-hpc native build)"
-        return False
-    try:
-        key = build_key()
-    except OSError as e:        # a source missing: an odd install, run what is there
-        _state["why"] = f"sources unreadable ({e})"
-        return False
-    d = BUILDS / key
-    files = {m: str(f) for m, f in _build_files(d).items()}
-    if not all(os.access(f, os.R_OK) for f in files.values()):
-        _state["why"] = _why_no_build(key)
-        return False
-    if any(m in sys.modules for m in COMPILED):
-        _state["why"] = "too late: the Python modules were imported first"
-        return False
-    finder = _BuildFinder(files)
+    finder = _finder()
+    if isinstance(finder, str):
+        _state["why"] = finder
+        raise NativeBuildError(f"{ENV}=1 but {finder}; build it without {ENV}=1 set, or unset it")
     sys.meta_path.insert(0, finder)
+    d = Path(next(iter(finder.files.values()))).parent
     try:
         # load the shared library now: one that cannot load here (a truncated file, a node with
-        # another C library) leaves the Python sources to run instead of failing every import
+        # another C library) fails at once, not at the first policy import
         importlib.import_module(_LIB)
-    except Exception as e:          # noqa: BLE001 -- whatever the loader says, the sources still run
+    except Exception as e:          # noqa: BLE001 -- whatever the loader says, it is the reason
         sys.meta_path.remove(finder)
         sys.modules.pop(_LIB, None)
         _state["why"] = f"the build in {d} does not load here ({e})"
-        return False
+        raise NativeBuildError(f"{ENV}=1 but {_state['why']}") from e
     _state.update(active=True, why=str(d), dir=d)
     return True
+
+
+def _finder() -> _BuildFinder | str:
+    """A finder for the build matching the sources, or why there is none usable."""
+    if not BUILDS.is_dir():
+        return "no build (tangram-hpc native build)"
+    try:
+        key = build_key()
+    except OSError as e:        # a source missing: an odd install
+        return f"sources unreadable ({e})"
+    files = {m: str(f) for m, f in _build_files(BUILDS / key).items()}
+    if not all(os.access(f, os.R_OK) for f in files.values()):
+        return _why_no_build(key)
+    if any(m in sys.modules for m in COMPILED):
+        return "too late: the Python modules were imported first"
+    return _BuildFinder(files)
+
+
+def refuse_live(command: str) -> str | None:
+    """Why ``command`` may not run in this process (a live one, compiled), or None."""
+    if command in LIVE_COMMANDS and active():
+        return (f"the native build is for bench and the simulator only; run {command} without {ENV}=1 "
+                "(live processes run the Python sources)")
+    return None
 
 
 def _why_no_build(key: str) -> str:
@@ -178,7 +211,23 @@ def build_dir() -> Path | None:
 
 
 def status() -> str:
+    """Which code this process runs, and why."""
     return ("native (compiled with mypyc): " if active() else "pure Python: ") + str(_state["why"])
+
+
+def build_status() -> str:
+    """Whether a build matching these sources exists here (what ``TANGRAM_NATIVE=1`` would run)."""
+    if active():
+        return f"built, and running in this process: {_state['why']}"
+    if not BUILDS.is_dir():
+        return "not built (tangram-hpc native build)"
+    try:
+        key = build_key()
+    except OSError as e:
+        return f"sources unreadable ({e})"
+    if all(f.exists() for f in _build_files(BUILDS / key).values()):
+        return f"built for these sources: {BUILDS / key} ({ENV}=1 runs it)"
+    return _why_no_build(key)
 
 
 def can_build() -> str | None:
@@ -267,13 +316,15 @@ def _prune(dest: Path) -> None:
 def add_arguments(p) -> None:
     p.add_argument("what", choices=["build", "status"],
                    help="build: compile the policies and the simulator for these sources; "
-                        "status: whether a process runs the build, and why not")
+                        f"status: which code this process runs, and whether a build matches the sources "
+                        f"({ENV}=1 runs it)")
 
 
 def main(args) -> int:
     if args.what == "status":
         import tangram_hpc.policy.placement  # noqa: F401  (what any process loads)
         print(status())
+        print("build: " + build_status())
         return 0
     try:
         build()

@@ -1,5 +1,8 @@
-"""The native build (tangram_hpc.native): used where it matches the sources, never when stale,
-and the compiled policies and simulator give the same results as the Python sources."""
+"""The native build (tangram_hpc.native): opt-in (TANGRAM_NATIVE=1), run only where it matches the
+sources and loads, an error otherwise (never the Python sources in its place), refused by the live
+commands; the compiled policies and simulator give the same results as the Python sources.
+
+scripts/test.sh runs this file with TANGRAM_NATIVE=1, after building."""
 from __future__ import annotations
 
 import json
@@ -18,16 +21,31 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _need_build() -> None:
     if not native.active():
-        # scripts/test.sh builds it (scripts/setup-env.sh); there a missing build fails the suite
-        pytest.skip(f"no native build in this process ({native.status()})")
+        # scripts/test.sh runs this file with TANGRAM_NATIVE=1 after building: there this runs
+        pytest.skip(f"this process does not run the build ({native.status()})")
+
+
+def _run(args: list[str], *, native_on: bool, path: Path = ROOT, timeout: float = 300):
+    env = {k: v for k, v in os.environ.items() if k != "TANGRAM_NATIVE"}
+    if native_on:
+        env["TANGRAM_NATIVE"] = "1"
+    env["PYTHONPATH"] = str(path)
+    return subprocess.run([sys.executable, *args], cwd=path, env=env, capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def _python(code: str, *, native_on: bool, path: Path = ROOT, timeout: float = 300) -> str:
-    env = dict(os.environ, TANGRAM_NATIVE="1" if native_on else "0", PYTHONPATH=str(path))
-    p = subprocess.run([sys.executable, "-c", code], cwd=path, env=env, capture_output=True, text=True,
-                       timeout=timeout)
+    p = _run(["-c", code], native_on=native_on, path=path, timeout=timeout)
     assert p.returncode == 0, p.stderr[-3000:]
     return p.stdout
+
+
+def _refused(code: str, path: Path) -> str:
+    """What TANGRAM_NATIVE=1 says when it cannot run the build: an error, no Python sources."""
+    p = _run(["-c", code], native_on=True, path=path)
+    assert p.returncode != 0 and "NativeBuildError: TANGRAM_NATIVE=1 but" in p.stderr, (p.stdout, p.stderr[-3000:])
+    assert p.stdout == ""
+    return p.stderr
 
 
 def test_this_process_runs_the_compiled_policies():
@@ -49,32 +67,49 @@ def _copy(dest: Path) -> Path:
 
 @pytest.mark.parametrize("edited", ["policy/pool.py", "resources.py"])
 def test_a_build_runs_only_the_sources_it_was_built_from(tmp_path, edited):
-    """A copy of the package with its build: the build loads; after a compiled source, or a module
-    whose types it compiled in, changes (an edit, a checkout), the Python sources run, and status
-    says why."""
+    """A copy of the package with its build: asked for, the build loads; not asked for, the Python
+    sources run; after a compiled source, or a module whose types it compiled in, changes (an
+    edit, a checkout), asking for it is an error that says the build is stale."""
     _need_build()
     _copy(tmp_path)
     where, how = _python(_STATUS, native_on=True, path=tmp_path).splitlines()
     assert where.startswith(str(tmp_path / "tangram_hpc" / "_native_builds")) and how.startswith("native")
     off_where, off_how = _python(_STATUS, native_on=False, path=tmp_path).splitlines()
-    assert off_where.endswith("placement.py") and "TANGRAM_NATIVE=0" in off_how
+    assert off_where.endswith("placement.py") and "opt-in" in off_how
     with open(tmp_path / "tangram_hpc" / edited, "a") as f:
         f.write("\n# edited\n")
-    stale_where, stale_how = _python(_STATUS, native_on=True, path=tmp_path).splitlines()
-    assert stale_where == str(tmp_path / "tangram_hpc" / "policy" / "placement.py")
-    assert stale_how.startswith("pure Python: stale")
+    assert "stale" in _refused(_STATUS, tmp_path)
+    said = _python("from tangram_hpc.cli import main; main(['native', 'status'])", native_on=False, path=tmp_path)
+    assert "build: stale" in said
 
 
-def test_a_build_that_does_not_load_leaves_the_python_sources_running(tmp_path):
-    """A damaged shared library (or one built for another node's C library): every import still
-    works, on the Python sources, and status says what the loader said."""
+def test_a_build_that_does_not_load_is_an_error_not_the_python_sources(tmp_path):
+    """A damaged shared library (or one built for another node's C library): asking for the
+    build fails at import, saying what the loader said."""
     _need_build()
     _copy(tmp_path)
     build = tmp_path / "tangram_hpc" / "_native_builds" / native.build_dir().name
     [lib] = build.glob(f"{native._LIB}*")
     lib.write_bytes(b"not a shared library")
-    where, how = _python(_STATUS, native_on=True, path=tmp_path).splitlines()
-    assert where.endswith("placement.py") and "does not load here" in how
+    assert "does not load here" in _refused(_STATUS, tmp_path)
+
+
+def test_no_build_is_an_error_when_asked_for_and_the_python_sources_otherwise(tmp_path):
+    shutil.copytree(ROOT / "tangram_hpc", tmp_path / "tangram_hpc",
+                    ignore=shutil.ignore_patterns("__pycache__", "_native_builds"))
+    assert "no build" in _refused(_STATUS, tmp_path)
+    where, how = _python(_STATUS, native_on=False, path=tmp_path).splitlines()
+    assert where.endswith("placement.py") and how.startswith("pure Python")
+
+
+@pytest.mark.parametrize("command", sorted(native.LIVE_COMMANDS))
+def test_the_live_commands_refuse_to_run_compiled(command, tmp_path):
+    """The coordinator, a worker, serve and the demo run the Python sources only."""
+    _need_build()
+    p = _run(["-m", "tangram_hpc.cli", command, "--help"], native_on=False)
+    assert p.returncode == 0, p.stderr[-2000:]
+    p = _run(["-m", "tangram_hpc.cli", command], native_on=True)
+    assert p.returncode == 2 and "for bench and the simulator only" in p.stderr, p.stderr[-2000:]
 
 
 def test_a_rebuild_keeps_the_build_a_running_process_imports_from(tmp_path):
@@ -155,17 +190,6 @@ def test_compiled_and_python_benchmarks_are_identical(preset, tmp_path):
         out[on] = _strip(raw)
     assert "cpu_saving" in json.dumps(out[True]) and "mean_act" in json.dumps(out[True])
     assert json.dumps(out[True], sort_keys=True) == json.dumps(out[False], sort_keys=True)
-
-
-def test_the_policy_tests_pass_on_the_python_sources_too():
-    """The rest of the suite runs the build; the policies' own tests also run as Python."""
-    env = {k: v for k, v in os.environ.items() if k != "TANGRAM_REQUIRE_ALL"}
-    env["TANGRAM_NATIVE"] = "0"
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_sched_policies.py",
-                        "tests/test_sched_predict_pool.py", "tests/test_ledger.py", "tests/test_env_fencing.py"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stdout[-3000:]
-    assert " passed" in p.stdout and " skipped" not in p.stdout and " failed" not in p.stdout
 
 
 def test_the_hashed_modules_are_the_compiled_ones_and_all_they_import():
