@@ -18,7 +18,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from .errors import ActionFailed, ValidationError
 
@@ -282,7 +282,9 @@ class Status(str, Enum):
     ENV_LOST = "env_lost"  # its environment's state cannot be reached any more (docs/reliability.md)
 
     __str__ = str.__str__        # "ok", not "Status.OK", in messages and f-strings
-    __format__ = str.__format__
+    if TYPE_CHECKING:
+        FINAL: ClassVar[frozenset[Status]]
+    __format__ = str.__format__  # type: ignore[assignment]
 
 
 Status.FINAL = frozenset(Status)  # every status is final; kept as a set for membership tests of wire values
@@ -298,7 +300,9 @@ class EnvState(str, Enum):
     REPLAYED = "replayed"    # not run again: the environment's journal held its outcome
 
     __str__ = str.__str__
-    __format__ = str.__format__
+    if TYPE_CHECKING:
+        ALL: ClassVar[frozenset[EnvState]]
+    __format__ = str.__format__  # type: ignore[assignment]
 
 
 EnvState.ALL = frozenset(EnvState)

@@ -33,7 +33,8 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import replace
-from typing import Any, Callable
+from functools import partial
+from typing import Any, Callable, cast
 
 import numpy as np
 
@@ -165,8 +166,8 @@ def baseline_makers(plan: Plan) -> dict[str, Callable[[], Any]]:
     }
     for order in ("fifo", "sjf"):
         for cores in ("min", "max", "elastic"):
-            out[f"pooled-{order}-{cores}"] = (lambda o=order, c=cores: PooledPolicy(
-                o, c, infos, layout=layout, env_move_s=w.cluster.env_move_s))
+            out[f"pooled-{order}-{cores}"] = partial(PooledPolicy, order, cores, infos, layout=layout,
+                                                     env_move_s=w.cluster.env_move_s)
     return out
 
 
@@ -209,7 +210,7 @@ def _in_processes(fn: Callable[..., Any], calls: list[tuple], jobs: int, label: 
     n = min(jobs, len(calls))
     bar = getattr(progress, "task", None)
     bar = bar(f"{label}, {n} at a time", len(calls)) if bar else None
-    init = (_set_plan, (plan,)) if plan is not None else (None, ())
+    init: tuple[Any, tuple] = (_set_plan, (plan,)) if plan is not None else (None, ())
     # spawned, not forked: the progress display's thread may hold a lock at the moment of a fork
     with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn"), initializer=init[0],
                              initargs=init[1]) as pool:
@@ -293,7 +294,7 @@ def baseline_runs(plan: Plan, progress=None, *, jobs: int = 1,
         else:
             out[name] = r
     if tangram:
-        out["tangram"] = done[("tangram", None)]
+        out["tangram"] = cast(SimResult, done[("tangram", None)])
     return out, meta
 
 
@@ -497,7 +498,8 @@ def seed_spread(figs: list[dict[str, Any]]) -> dict[str, Any]:
     of each baseline's ratio to tangram, and on how many seeds tangram's were no worse than the
     baseline's (within :data:`TIE_TOLERANCE`).  A policy infeasible on some seeds counts over the rest."""
     names = list(dict.fromkeys(k for f in figs for k in f["policies"]))
-    policies, vs = {}, {}
+    policies: dict[str, Any] = {}
+    vs: dict[str, dict[str, Any]] = {}
     for k in names:
         have = [f["policies"][k] for f in figs if k in f["policies"]]
         policies[k] = {"seeds": len(have), "mean_act": _spread([p["mean_act"] for p in have]),

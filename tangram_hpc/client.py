@@ -611,7 +611,7 @@ class AsyncClient(_ClientBase):
         # The process-wide context: an AsyncClient dropped without close() after its loop ended
         # must not block the garbage collector terminating a context of its own.
         self._sock = _dealer(zmq.Context.instance(), self._ident, self._address, self._conn)
-        self._fd = self._sock.getsockopt(zmq.FD)
+        self._fd = int(self._sock.getsockopt(zmq.FD))
         self._loop.add_reader(self._fd, self._on_readable)
         self._sock.send(ClientSession.hello_frame(self.name))
         self._last_heard = time.monotonic()
@@ -641,7 +641,7 @@ class AsyncClient(_ClientBase):
             return
         on_frame = self._session.on_frame
         got = False
-        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # type: ignore[arg-type]  # an int (the stubs: int | bytes | str)
             try:
                 frame = sock.recv(zmq.NOBLOCK)
             except zmq.Again:

@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
 def _help(f: DeclaredKey) -> str:
     # a flag that turns a default-on key off says so: its help text describes the key being on
     parts = [("turn off: " if f.type is bool and f.default else "") + f.key.help]
-    if f.default not in (None, [], "") and not (f.type is bool):
+    if f.default not in (None, [], "") and f.type is not bool:
         parts.append(f"default {','.join(f.default) if f.type is list else f.default}")
     if f.key.env:
         parts.append(f"env ${f.key.env}")

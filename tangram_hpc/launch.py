@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -28,17 +29,21 @@ from .connection import ConnectionInfo, wait_for_file
 from . import native
 from .daemon import tune_gc
 from .coordinator import Coordinator
-from .policy.base import SchedulingPolicy
+from .policy.base import PoolPolicy
 from .policy.pool import PoolConfig, PoolController
 from .policy.static import StaticPool
 from .resources import ServiceInfo, WorkerShape
 from .security import CurveKeys, is_loopback
 
+if TYPE_CHECKING:
+    from .backends.base import WorkerBackend
+    from .policy.placement import PlacementPolicy
+
 log = logging.getLogger("tangram.launch")
 
 
 def make_policy(name: str, pipeline_below_s: float | None = None, env_move_s: float | None = None,
-                barriers: bool = False) -> SchedulingPolicy:
+                barriers: bool = False) -> PlacementPolicy:
     """The named placement policy; ``env_move_s`` (the first guess of a move's cost) None: environments never move;
     ``barriers``: the rollouts have per-turn barriers (the elastic policy's barrier mode; FIFO has none)."""
     if name == "fifo":
@@ -72,7 +77,8 @@ def build_coordinator(settings: Settings, *, reuse_ports: bool = True) -> Coordi
     # Workers it launches read the same file, and reward workers get the services set here.
     common = ["--config", str(settings.file)] if settings.file else []
     service_args = common + worker_flags(settings, "services") + ["--kinds", "reward"]
-    backend = pool = None
+    backend: WorkerBackend | None = None
+    pool: PoolPolicy | None = None
     policy = make_policy(cfg.policy, cfg.pipeline_below_s, cfg.env_move_s if cfg.env_moves else None, cfg.barriers)
     if cfg.backend == "local":
         from .backends.local import LocalBackend

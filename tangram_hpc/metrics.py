@@ -163,6 +163,7 @@ def _prometheus_families(families: Iterable[Family]):
     require_prometheus()
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
     for f in families:
+        m: Any      # one of the three families
         if f.kind == "counter":
             # CounterMetricFamily adds the _total suffix itself.
             m = CounterMetricFamily(f.name.removesuffix("_total"), f.help, labels=f.labels)

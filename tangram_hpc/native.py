@@ -292,8 +292,8 @@ def _build_locked(log) -> Path:
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(staging, 0o777 & ~umask)   # mkdtemp's 0700 would hide it from other users of the install
-        for m, f in _build_files(staging).items():
-            shutil.copy2(Path(tmp, *m.split(".")).with_suffix(_SUFFIX), f)
+        for m, built in _build_files(staging).items():
+            shutil.copy2(Path(tmp, *m.split(".")).with_suffix(_SUFFIX), built)
         if dest.exists():                   # an incomplete one (a file removed by hand)
             shutil.rmtree(dest)
         os.rename(staging, dest)            # whole or not at all: a process never sees half a build

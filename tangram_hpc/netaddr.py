@@ -45,7 +45,7 @@ def is_loopback_name(host: str) -> bool:
         infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
     except OSError:
         return False
-    addrs = {ipaddress.ip_address(i[4][0].split("%")[0]) for i in infos}
+    addrs = {ipaddress.ip_address(str(i[4][0]).split("%")[0]) for i in infos}
     return bool(addrs) and all(a.is_loopback for a in addrs)
 
 

@@ -24,6 +24,7 @@ import sys
 import time
 from collections import deque
 from datetime import datetime
+from typing import Any
 
 from .commands import _client, _connection_args
 from .metrics import Histogram
@@ -33,7 +34,7 @@ __all__ = ["TopView", "add_arguments", "main"]
 #: the window of rates and percentiles, in seconds
 WINDOW_S = 60.0
 
-_TABLE = {"show_edge": False, "pad_edge": False, "header_style": "bold", "title_style": "bold cyan"}
+_TABLE: dict[str, Any] = {"show_edge": False, "pad_edge": False, "header_style": "bold", "title_style": "bold cyan"}
 #: Columns of a frame written to a pipe or a file (the widest frame the view draws).
 _PIPE_WIDTH = 132
 

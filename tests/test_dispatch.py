@@ -11,7 +11,7 @@ from concurrent.futures import as_completed
 import pytest
 
 from support import wait_until
-from tangram_hpc import ActionSpec, AsyncClient, Client, Demand, Status, function, reward, sandbox
+from tangram_hpc import ActionSpec, AsyncClient, Demand, Status, function, reward, sandbox
 from tangram_hpc.client import CoordinatorError
 
 

@@ -4,7 +4,6 @@ connection file, as scripts/launch-coordinator.sh does.  Every action appends it
 environment's log; each log must end up holding each ok action's id exactly once."""
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import subprocess

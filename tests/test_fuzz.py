@@ -12,7 +12,6 @@ must keep getting exactly the right results.
 from __future__ import annotations
 
 import os
-import time
 
 import msgpack
 import pytest

@@ -6,7 +6,6 @@ live here, so they are tested here, case by case.
 """
 from __future__ import annotations
 
-import pytest
 
 from tangram_hpc import protocol as P
 from tangram_hpc.actions import ActionSpec, Demand, Status, function

@@ -164,7 +164,7 @@ def test_writes_outside_environment_fail(mgr, run_dir):
         assert r.status == Status.OK, r
         assert r.output["stdout"].strip() == "['denied'] False"
         assert not (run_dir / "evil").exists() and not Path("/evil").exists()
-        assert not os.path.exists(f"/tmp/private") or Path("/tmp/private").read_text() != "tmp is private and writable"
+        assert not os.path.exists("/tmp/private") or Path("/tmp/private").read_text() != "tmp is private and writable"
         envdir = next(p for p in (run_dir / "envs").iterdir() if p.name.startswith("w-"))
         assert (envdir / "ok").read_text() == "fine"
     finally:

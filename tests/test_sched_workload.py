@@ -171,7 +171,7 @@ def test_service_batch_limit_and_slowdown():
 
 
 def test_presets_use_the_new_features():
-    swe, math_, judge = load_workload("swe"), load_workload("math"), load_workload("judge")
+    swe, _math, judge = load_workload("swe"), load_workload("math"), load_workload("judge")
     assert swe.rollout.turns.lognormal and any(a.timeout_s for a in swe.actions)
     assert any(a.mem_mean_mb < a.mem_mb for a in swe.actions)
     assert load_workload("tir").rollout.sync_turns

@@ -36,7 +36,7 @@ class JobState(str, Enum):
     TIMEOUT = "timeout"        # hit its time limit
 
     __str__ = str.__str__
-    __format__ = str.__format__
+    __format__ = str.__format__  # type: ignore[assignment]
 
     @property
     def live(self) -> bool:

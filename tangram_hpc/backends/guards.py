@@ -50,7 +50,7 @@ class ThrottleState(str, Enum):
     PAUSED = "paused"                # an operator paused launches
 
     __str__ = str.__str__
-    __format__ = str.__format__
+    __format__ = str.__format__  # type: ignore[assignment]
 
 
 @dataclass(slots=True, frozen=True)

@@ -44,7 +44,7 @@ class EnvStatus(str, Enum):
     LOST = "lost"
 
     __str__ = str.__str__
-    __format__ = str.__format__
+    __format__ = str.__format__  # type: ignore[assignment]
 
 
 #: Environments whose actions may be given to the scheduling policy.
@@ -145,9 +145,9 @@ class EnvironmentDirectory:
                 return None
             grant = [rec.gen, P.GRANT_HELD, None]
         elif rec.status is EnvStatus.SAVED or rec.status is EnvStatus.ORPHANED:
-            grant = [self._next_gen(), P.GRANT_RESTORE if rec.status is EnvStatus.SAVED else P.GRANT_ADOPT,
-                     rec.source]
-            rec.gen, rec.status, rec.source = grant[0], EnvStatus.LIVE, None
+            gen = self._next_gen()
+            grant = [gen, P.GRANT_RESTORE if rec.status is EnvStatus.SAVED else P.GRANT_ADOPT, rec.source]
+            rec.gen, rec.status, rec.source = gen, EnvStatus.LIVE, None
             self._hold(rec, worker)
         else:
             return None

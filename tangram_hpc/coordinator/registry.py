@@ -21,7 +21,7 @@ class WorkerState(str, Enum):
     DRAINING = "draining"      # takes none; reclaimed once its running actions end
 
     __str__ = str.__str__
-    __format__ = str.__format__
+    __format__ = str.__format__  # type: ignore[assignment]
 
 
 class WorkerRecord:

@@ -15,6 +15,7 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import zmq
 
@@ -72,7 +73,7 @@ class Coordinator:
         self.workers = self.ledger.workers
         self.counters = self.ledger.counters
         self.metrics = CoordinatorMetrics()
-        self._metrics_server = None        # the Prometheus endpoint, when metrics_port is set
+        self._metrics_server: Any = None   # the Prometheus endpoint (exporter.MetricsServer), when metrics_port is set
         self.pool_driver = None
         if pool is not None and backend is not None:
             self.pool_driver = PoolDriver(config, pool, backend, self.ledger,
@@ -465,10 +466,10 @@ class Coordinator:
             self._send_workers(P.KILL, out)
         # Clients last: a worker lost while sending above may have finalised actions.
         if ob.results:
-            out, ob.results = ob.results, {}
+            replies, ob.results = ob.results, {}
             send = self.clients.send_multipart
             limit = self.config.max_frame_bytes
-            for ident, results in out.items():
+            for ident, results in replies.items():
                 for i in range(0, len(results), _RESULT_SLICE):
                     # within the frame limit (the client's too): large outputs go in more frames
                     for frame in P.encode_within(P.RESULT, results[i:i + _RESULT_SLICE], limit):

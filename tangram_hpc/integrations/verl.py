@@ -51,8 +51,8 @@ def _batcher(service: str, connection_file: str | None, max_batch: int, batch_wi
     loop = asyncio.get_running_loop()
     entry = _loops.get(id(loop))
     if entry is None or entry[0] is not loop:
-        for key in [k for k, (other, _) in _loops.items() if other.is_closed()]:
-            del _loops[key]  # loops that ended (each asyncio.run makes one)
+        for ended in [k for k, (other, _) in _loops.items() if other.is_closed()]:
+            del _loops[ended]  # loops that ended (each asyncio.run makes one)
         entry = _loops[id(loop)] = (loop, {})
     batchers = entry[1]
     key = (id(client), service, max_batch, batch_window_ms, timeout_s, wait_s, gpu_mem_mb)

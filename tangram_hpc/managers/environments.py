@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import base64
 import errno
-import hashlib
 import logging
 import os
 import random

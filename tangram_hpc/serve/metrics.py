@@ -68,8 +68,8 @@ class RequestMetrics:
             req.add(n, route, status)
         out = Family("tangram_serve_run_code_outcomes_total", "counter",
                      "run_code answers by SandboxFusion status (Success, Failed, SandboxError)", ("status",))
-        for status, n in sorted(self.outcomes.items()):
-            out.add(n, status)
+        for outcome, n in sorted(self.outcomes.items()):
+            out.add(n, outcome)
         lat = Family("tangram_serve_request_duration_seconds", "histogram",
                      "time from a request's arrival to its answer, by route", ("route",))
         for route, h in sorted(self.latency.items()):

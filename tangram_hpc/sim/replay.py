@@ -85,6 +85,7 @@ def _spec_for(plan: Plan, i: int, traj: str, step: int, sandbox_cost_s: float) -
                             f"the live replay runs CPU actions only")
     lo, hi = w.action_cores(a)
     hint = float(plan.hint[i])
+    payload: dict[str, Any]
     if a.kind == "sandbox":
         kind, payload = "sandbox", {"cmd": sleep_command(float(plan.d1[i]), a.parallel_fraction, sandbox_cost_s)}
     else:
