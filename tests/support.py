@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import random
 import stat
 import sys
 import textwrap
@@ -21,6 +22,21 @@ def wait_until(pred, timeout: float = 30.0, interval: float = 0.2, what: str = "
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
         time.sleep(interval)
+
+
+def unique_sleep() -> str:
+    """An argument for ``sleep`` no other process on the machine uses: far longer than any test
+    waits, so a command that should be stopped is found stopped or the wait fails."""
+    return f"900.{random.randrange(10**9):09d}"
+
+
+def sleeping(arg: str) -> bool:
+    """Whether a ``sleep ARG`` process runs on this machine (see :func:`unique_sleep`)."""
+    import psutil
+    for p in psutil.process_iter(["cmdline"]):
+        if p.info["cmdline"] == ["sleep", arg]:
+            return True
+    return False
 
 
 def tree_of(root: Path) -> dict[str, tuple]:

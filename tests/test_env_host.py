@@ -18,7 +18,7 @@ from tangram_hpc.managers import SandboxManager
 from tangram_hpc.managers.bwrap import probe_bwrap
 from tangram_hpc.managers.env_host import EnvHost
 from tangram_hpc.managers.environments import JOURNAL_KEEP, env_dirname, snapshot_identity
-from support import act, wait_until
+from support import act, sleeping, unique_sleep, wait_until
 
 pytestmark = [
     pytest.mark.sandbox,
@@ -220,20 +220,22 @@ from tangram_hpc.actions import ActionSpec
 m = SandboxManager({root!r})
 m.run(ActionSpec("sandbox", {{"cmd": "echo before >> log"}}, env="e"), [{cpu}])
 print("ready", flush=True)
-m.run(ActionSpec("sandbox", {{"cmd": "sleep 1.5; echo after-death >> log"}}, env="e"), [{cpu}])
+m.run(ActionSpec("sandbox", {{"cmd": "sleep {nap}; echo after-death >> log"}}, env="e"), [{cpu}])
 """
 
 
 def test_a_sandbox_dies_with_its_worker_and_cannot_write_into_an_adopted_copy(tmp_path, hosts):
     """SIGKILL of a worker mid-action: its command must not go on writing into the environment."""
     root = tmp_path / "dead" / "envs"
-    victim = subprocess.Popen([sys.executable, "-c", _VICTIM.format(repo=str(REPO), root=str(root), cpu=CPU[0])],
+    nap = unique_sleep()        # found by its argument: whether it died is a state, not a race
+    victim = subprocess.Popen([sys.executable, "-c", _VICTIM.format(repo=str(REPO), root=str(root), cpu=CPU[0],
+                                                                    nap=nap)],
                               stdout=subprocess.PIPE, text=True)
     assert victim.stdout.readline().strip() == "ready"
-    time.sleep(0.5)                                     # inside its sleep
+    wait_until(lambda: sleeping(nap), 120, 0.05, "the command inside its sleep")
     victim.kill()
     victim.wait()
-    time.sleep(2.0)                                     # past the time it would have written
+    wait_until(lambda: not sleeping(nap), 120, 0.05, "the command dead with its worker")
     assert (root / env_dirname("e") / "log").read_text() == "before\n"
     h = hosts("w2")
     (st, out, _), state = run_in(h, act("cat log", env="e"), [3, P.GRANT_ADOPT, str(root)])

@@ -17,7 +17,7 @@ import pytest
 from tangram_hpc import Client, sandbox
 from tangram_hpc.connection import ConnectionInfo
 from tangram_hpc.managers.bwrap import probe_bwrap
-from support import wait_until
+from support import sleeping, unique_sleep, wait_until
 
 pytestmark = [
     pytest.mark.slow, pytest.mark.sandbox,
@@ -197,7 +197,11 @@ def test_a_worker_started_by_hand_follows_its_coordinator_to_new_ports(tmp_path)
 @pytest.mark.parametrize("how", ["future", "id"])
 def test_an_action_cancelled_while_the_coordinator_is_down_does_not_take_effect(tmp_path, how):
     """Running in its environment when the coordinator is SIGKILLed, cancelled while it is down: the
-    cancel reaches the restarted coordinator, which stops the attempt still running on the worker."""
+    cancel reaches the restarted coordinator, which stops the attempt still running on the worker.
+
+    The command sleeps far longer than the test may take (a sleep of its own, found by its
+    argument), so whether it is stopped is a state to wait for, not a race with the restart."""
+    nap = unique_sleep()
     run, conn = tmp_path / "run", tmp_path / "run" / "connection.json"
     coord = _coordinator(run, conn, "--backend", "none")
     worker = None
@@ -208,8 +212,8 @@ def test_an_action_cancelled_while_the_coordinator_is_down_does_not_take_effect(
         with Client(connection_file=str(conn), reconnect_after_s=1.0) as c:
             wait_until(lambda: len(c.status()["workers"]) == 1, 30, 0.1, "the worker")
             assert c.submit(sandbox("echo first >> log.txt", env="e")).result(60).ok
-            fut = c.submit(sandbox("sleep 4 && echo CANCELLED-RAN >> log.txt", env="e"))
-            wait_until(lambda: c.status()["running"] == 1, 30, 0.05, "the action running")
+            fut = c.submit(sandbox(f"sleep {nap} && echo CANCELLED-RAN >> log.txt", env="e"))
+            wait_until(lambda: sleeping(nap), 120, 0.05, "the action's command running")
             old = ConnectionInfo.read(conn).coordinator_id
             coord.send_signal(signal.SIGKILL)
             coord.wait()
@@ -220,9 +224,9 @@ def test_an_action_cancelled_while_the_coordinator_is_down_does_not_take_effect(
             coord = _coordinator(run, conn, "--backend", "none")
             _wait_coordinator(conn, old)
             if how == "id":
-                assert fut.result(60).status == "cancelled"
-            time.sleep(6)                                   # past the command's end, had it run on
-            log = c.submit(sandbox("cat log.txt", env="e")).result(60)
+                assert fut.result(120).status == "cancelled"
+            wait_until(lambda: not sleeping(nap), 120, 0.1, "the cancelled command stopped")
+            log = c.submit(sandbox("cat log.txt", env="e")).result(120)
             assert log.ok and log.output["stdout"] == "first\n", log.output
     finally:
         _stop(*(p for p in (coord, worker) if p is not None))

@@ -10,6 +10,7 @@ the right one.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import stat
@@ -318,7 +319,7 @@ def test_backend_failing_to_start_workers_keeps_actions_pending(tmp_path):
 def test_poison_actions_among_good_ones_fail_alone(tmp_path):
     """Actions that kill their worker fail after max attempts; the others, submitted with them, all finish."""
     with LocalCluster(workers=2, cores=1, run_dir=tmp_path / "run",
-                      extra_args=["--worker-timeout", "3", "--max-attempts", "2"]) as cl, cl.client() as c:
+                      extra_args=["--worker-timeout", "10", "--max-attempts", "2"]) as cl, cl.client() as c:
         deliveries = _track(c)
         specs = []
         for i in range(30):
@@ -331,19 +332,25 @@ def test_poison_actions_among_good_ones_fail_alone(tmp_path):
             else:
                 specs.append(function(NOOP, i))
         futs = c.submit_many(specs)
-        results = _exactly_once(c, deliveries, specs, futs, timeout=90)
+        results = _exactly_once(c, deliveries, specs, futs, timeout=300)
         by_index = dict(enumerate(results))
         for i, reason in ((3, "exit status 3"), (11, "killed by signal 9")):
             r = by_index.pop(i)
             assert r.status == Status.ERROR and r.attempts == 2, (r.status, r.attempts, r.error)
-            assert "gave up after 2 attempts" in r.error and r.error.count(reason) == 2, r.error
+            assert r.error.startswith("gave up after 2 attempts: "), r.error
+            failures = re.split(r"; (?=attempt \d on )", r.error.split(": ", 1)[1])
+            assert [f.split(" on ")[0] for f in failures] == ["attempt 1", "attempt 2"], r.error
+            # each attempt lost its worker, as whichever true observation came first: the backend's
+            # exit status, the closed connection or the missing heartbeats (a loaded machine decides)
+            assert all(any(why in f for why in (reason, "connection closed", "no heartbeat for"))
+                       for f in failures), r.error
         for i, r in by_index.items():
             # one-core workers: a good action never shares a worker with a poison one, so never reruns
             assert r.ok and r.attempts == 1, (i, r.status, r.error)
             assert (r.output["stdout"] if i % 4 == 0 else r.output) == (f"{i}\n" if i % 4 == 0 else i)
-        st = cl.wait_for_workers(2, timeout=30)
+        st = cl.wait_for_workers(2, timeout=120)
         assert st["workers_lost"] == 4 and st["failed"] == 2
-        assert c.submit(function(NOOP, "after")).result(30).output == "after"
+        assert c.submit(function(NOOP, "after")).result(120).output == "after"
 
 
 # -- the coordinator dies while results stream ----------------------------------
@@ -354,10 +361,11 @@ def test_coordinator_killed_while_streaming_to_many_clients(tmp_path):
     workers: list[subprocess.Popen] = []
     clients: list[Client] = []
     try:
-        wait_for_file(conn, 30)
+        # deadlines, not expectations: generous, so a loaded machine only makes this slower
+        wait_for_file(conn, 120)
         workers = [_hand_worker(conn, tmp_path / f"w{i}.log", cores=2) for i in range(2)]
         clients = [Client(connection_file=str(conn), name=f"trainer{k}") for k in range(4)]
-        _wait(lambda: len(clients[0].status()["workers"]) == 2, 30, "two workers")
+        _wait(lambda: len(clients[0].status()["workers"]) == 2, 120, "two workers")
         work = []
         for k, c in enumerate(clients):
             deliveries = _track(c)
@@ -365,14 +373,14 @@ def test_coordinator_killed_while_streaming_to_many_clients(tmp_path):
                      for i in range(50)]
             work.append((c, deliveries, specs, c.submit_many(specs)))
         total = sum(len(s) for _, _, s, _ in work)
-        _wait(lambda: sum(f.done() for *_, fs in work for f in fs) >= total // 5, 60, "results to stream")
+        _wait(lambda: sum(f.done() for *_, fs in work for f in fs) >= total // 5, 240, "results to stream")
         coord.kill()
         coord.wait()
         done_before = sum(f.done() for *_, fs in work for f in fs)
         assert done_before < total, "the coordinator died after the stream had ended"
         coord = _coordinator(tmp_path)  # same run dir: same connection file and ports
         for k, (c, deliveries, specs, futs) in enumerate(work):
-            results = _exactly_once(c, deliveries, specs, futs, timeout=90, duplicates_allowed=True)
+            results = _exactly_once(c, deliveries, specs, futs, timeout=300, duplicates_allowed=True)
             assert all(r.ok for r in results), [r.error for r in results if not r.ok]
             assert [r.output["stdout"] if i % 2 else r.output for i, r in enumerate(results)] == \
                    [f"{k}-{i}\n" if i % 2 else [k, i] for i in range(50)]
