@@ -6,8 +6,8 @@ the peak resident memory of the process, and tangram's mean ACT, so a scale
 sweep also shows whether the scheduler's quality holds at scale (with the
 learned parallel fraction, and with ``--fixed-p`` the prior alone).  The
 cluster grows with the trajectories, keeping the preset's load per core.
-It first says whether the native build runs (``TANGRAM_NATIVE=0`` for the
-Python sources, to compare).
+It first says whether the native build runs (``TANGRAM_NATIVE=1`` runs it;
+without, the Python sources, to compare).
 
     python3 benchmarks/sim_speed.py                         # 100,000 trajectories of swe, one step
     python3 benchmarks/sim_speed.py --trajectories 1000,10000,100000 --fixed-p

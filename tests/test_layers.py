@@ -32,9 +32,10 @@ TOOLS = {"launch", "cli", "__main__", "bench", "sim", "report", "demo", "fidelit
 #: The socket-free core: the coordinator's bookkeeping, the policies, the simulator's engine.
 SOCKET_FREE = ("tangram_hpc.coordinator.ledger", "tangram_hpc.coordinator.registry",
                "tangram_hpc.coordinator.environments", "tangram_hpc.coordinator.pool_driver",
-               "tangram_hpc.coordinator.outbox", "tangram_hpc.coordinator.lifecycle",
-               "tangram_hpc.coordinator.answers", "tangram_hpc.sim.engine", "tangram_hpc.sim.baselines",
-               "tangram_hpc.sim.calendar", "tangram_hpc.sim.layout", "tangram_hpc.sim.ledger_driver")
+               "tangram_hpc.coordinator.outbox", "tangram_hpc.coordinator.metrics",
+               "tangram_hpc.coordinator.lifecycle", "tangram_hpc.coordinator.answers",
+               "tangram_hpc.sim.engine", "tangram_hpc.sim.baselines", "tangram_hpc.sim.calendar",
+               "tangram_hpc.sim.layout", "tangram_hpc.sim.ledger_driver")
 #: Sockets, clocks, processes, threads (and what wraps them).  Not datetime: the launch throttle
 #: formats times it is given with it (backends/guards.py, local_time) and reads no clock.
 IO_MODULES = {"socket", "ssl", "selectors", "asyncio", "zmq", "time", "threading", "_thread",
