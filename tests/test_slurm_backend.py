@@ -232,7 +232,7 @@ def test_cli_arguments_build_the_config(tmp_path, monkeypatch):
     site = tmp_path / "site setup.sh"
     site.write_text("export FROM_SITE=1\n")
     monkeypatch.setenv("TANGRAM_SETUP", str(site))
-    cfg = backend_config(slurm("--slurm-setup", "export FROM_CONFIG=1"))
+    cfg = backend_config(slurm("--slurm-setup", "export FROM_CONFIG=1"), tmp_path / "run")
     setup = SlurmBackend(cfg, view=CountingView())._parameters(WorkerShape(cores=1), "tgw-x-1")["setup"]
     assert setup[1:] == [f"source '{site}'", "export FROM_CONFIG=1"], setup
     site.unlink()
