@@ -213,7 +213,6 @@ class Environment:
     base: BaseRef | None = field(default=None, repr=False)  # the template base it is a copy of (delta snapshots)
 
 
-
 class EnvStore:
     """Registry of the environments of one manager (thread-safe)."""
 

@@ -365,6 +365,7 @@ class Simulation:
 
     def _run(self) -> SimResult:
         clock = self.clock or _no_clock
+        timed = self.clock is not None
         t_wall = clock()
         for res in (CPU, GPU):
             for _ in range(self.warm.get(res, 0)):
@@ -412,7 +413,7 @@ class Simulation:
                     self._move_envs(envs, now)
             if starts:
                 self._dispatch(starts, now)
-            if progress is not None and events & 0x3FFF == 0 and (clock() > next_report or events & 0xFFFFF == 0):
+            if progress is not None and events & 0x3FFF == 0 and (clock() > next_report if timed else events & 0xFFFFF == 0):
                 next_report = clock() + 2.0
                 progress(f"{self.name}: t={now:,.0f}s step {len(self.step_durations) + 1}/"
                          f"{self.w.rollout.steps}, {events:,} events, {policy.pending_count} waiting, "
