@@ -318,7 +318,7 @@ def decode(frame: bytes, allowed: frozenset[int], max_bytes: int = MAX_FRAME_BYT
     return _BY_VALUE[mtype], body
 
 
-_BODY_SHAPE = {
+_BODY_SHAPE: dict[int, type] = {
     HELLO: dict, WELCOME: dict, SUBMIT: list, CANCEL: list, RESULT: list, STATUS: dict,
     HEARTBEAT: dict, ERROR: dict, REGISTER: dict, ASSIGN: list, DONE: list, KILL: list, STOP: dict, POOL: dict,
     CLOSE_ENV: list, ENV: list, OUTCOMES: list,

@@ -179,6 +179,7 @@ class Worker:
         if grant is not None and spec.env is not None and self.envs is not None and spec.kind == "sandbox":
             self._execute_in_env(spec, attempt, cpus, slots, gen, grant, started)
             return
+        outcome: tuple[Any, ...]
         if handler is None:
             outcome = (Status.ERROR, None, f"this worker has no handler for kind {spec.kind!r}")
         else:

@@ -147,9 +147,8 @@ class WorkerSession:
         its batch), its outcome is packed here, within the size limit, so that the thread that sends
         it never handles a user-sized result."""
         status, output, error = outcome
-        item = [aid, attempt, status, output, error, started, finished, env_state]
-        if not _is_small(item):
-            item = P.pack_outcome(item, self._item_limit())
+        fields = [aid, attempt, status, output, error, started, finished, env_state]
+        item = fields if _is_small(fields) else P.pack_outcome(fields, self._item_limit())
         self.done.append((aid, attempt, item, slots, gen))
 
     def take(self) -> list:

@@ -24,11 +24,12 @@ CORE = {"actions", "resources", "protocol", "errors", "config", "config_cli", "c
 POLICY = {"policy"}
 SIDES = {
     "client": {"client", "client_session", "commands", "integrations"},
-    "worker": {"worker", "handlers", "managers"},
+    "worker": {"worker", "worker_config", "worker_session", "handlers", "managers"},
     "coordinator": {"coordinator", "backends", "slurm"},
 }
 TOOLS = {"launch", "cli", "__main__", "bench", "sim", "report", "demo", "fidelity", "top", "native", "serve",
          ""}      # "": the package's __init__, the public facade
+_THREAD_NAMES = {"get_ident", "local"}
 #: The socket-free core: the coordinator's bookkeeping, the policies, the simulator's engine.
 SOCKET_FREE = ("tangram_hpc.coordinator.ledger", "tangram_hpc.coordinator.registry",
                "tangram_hpc.coordinator.environments", "tangram_hpc.coordinator.pool_driver",
@@ -37,7 +38,9 @@ SOCKET_FREE = ("tangram_hpc.coordinator.ledger", "tangram_hpc.coordinator.regist
                "tangram_hpc.sim.engine", "tangram_hpc.sim.baselines", "tangram_hpc.sim.calendar",
                "tangram_hpc.sim.layout", "tangram_hpc.sim.ledger_driver")
 #: Sockets, clocks, processes, threads (and what wraps them).  Not datetime: the launch throttle
-#: formats times it is given with it (backends/guards.py, local_time) and reads no clock.
+#: formats times it is given with it (backends/guards.py, local_time) and reads no clock.  Naming
+#: the current thread is not running one: ``from threading import get_ident`` (or ``local``) is
+#: read as its own name (protocol.py keys its packers by thread).
 IO_MODULES = {"socket", "ssl", "selectors", "asyncio", "zmq", "time", "threading", "_thread",
               "subprocess", "multiprocessing", "concurrent", "signal", "http", "urllib", "requests", "aiohttp"}
 
@@ -84,6 +87,9 @@ def imports(module: str) -> frozenset[str]:
                 mod = ".".join(base + ([node.module] if node.module else []))
             else:
                 mod = node.module or ""
+            if mod == "threading" and {a.name for a in node.names} <= _THREAD_NAMES:
+                out |= {f"threading:{a.name}" for a in node.names}
+                continue
             for a in node.names:
                 out.add(f"{mod}.{a.name}" if f"{mod}.{a.name}" in MODULES else mod)
     return frozenset(out)
