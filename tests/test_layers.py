@@ -27,7 +27,7 @@ SIDES = {
     "worker": {"worker", "worker_config", "worker_session", "handlers", "managers"},
     "coordinator": {"coordinator", "backends", "slurm"},
 }
-TOOLS = {"launch", "cli", "__main__", "bench", "sim", "report", "demo", "fidelity", "top", "native", "serve",
+TOOLS = {"launch", "cli", "__main__", "bench", "bench_family", "sim", "report", "demo", "fidelity", "top", "native", "serve",
          ""}      # "": the package's __init__, the public facade
 _THREAD_NAMES = {"get_ident", "local"}
 #: The socket-free core: the coordinator's bookkeeping, the policies, the simulator's engine.
@@ -36,7 +36,7 @@ SOCKET_FREE = ("tangram_hpc.coordinator.ledger", "tangram_hpc.coordinator.regist
                "tangram_hpc.coordinator.outbox", "tangram_hpc.coordinator.metrics",
                "tangram_hpc.coordinator.lifecycle", "tangram_hpc.coordinator.answers",
                "tangram_hpc.sim.engine", "tangram_hpc.sim.baselines", "tangram_hpc.sim.calendar",
-               "tangram_hpc.sim.layout", "tangram_hpc.sim.ledger_driver")
+               "tangram_hpc.sim.layout")
 #: Sockets, clocks, processes, threads (and what wraps them).  Not datetime: the launch throttle
 #: formats times it is given with it (backends/guards.py, local_time) and reads no clock.  Naming
 #: the current thread is not running one: ``from threading import get_ident`` (or ``local``) is

@@ -11,10 +11,14 @@ Socket-free, like the ledger that owns it: answers go into the :class:`~.outbox.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from .. import protocol as P
 from ..actions import ActionSpec, Status
-from ..config import CoordinatorSettings
 from .outbox import Counters, Outbox
+
+if TYPE_CHECKING:     # the settings object is handed in; config itself stays out of the core's imports
+    from ..config import CoordinatorSettings
 
 
 class RecentMap:
