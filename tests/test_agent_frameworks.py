@@ -4,6 +4,7 @@ Many agents share one coordinator, each in its own environment."""
 from __future__ import annotations
 
 import shutil
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -69,9 +70,15 @@ def test_many_mini_swe_agents_share_one_coordinator(cluster):
     with ThreadPoolExecutor(AGENTS) as pool:
         runs = list(pool.map(lambda i: _agent_run(str(cluster.connection_file), i), range(AGENTS)))
     with cluster.client() as c:
-        st = c.status()
-        # every agent's files live on the one 2-core worker at once, and no core is bound now
-        assert sum(w["envs"] for w in st["workers"]) == AGENTS and st["running"] == 0
+        # every agent's files live on the one 2-core worker at once, and no core is bound now; a
+        # worker reports its environments with its heartbeats, so status shows them a beat later
+        deadline = time.monotonic() + 60
+        while True:
+            st = c.status()
+            if sum(w["envs"] for w in st["workers"]) == AGENTS and st["running"] == 0:
+                break
+            assert time.monotonic() < deadline, st
+            time.sleep(0.2)
         env_ids = [env_id for _, _, env_id in runs]
         assert len(set(env_ids)) == AGENTS
         c.close_env(env_ids)
