@@ -1,9 +1,10 @@
 """What a worker writes about an environment and the coordinator reads: the environment's
-directory name under a worker's root and the identity in a snapshot's header.
+directory name under a worker's root and the identity in a snapshot's header; and the flags
+that open a directory without following a symlink, which both sides use.
 
-Core, shared by ``managers/environments.py`` (which writes them) and ``coordinator/state_dir.py``
-(which finds snapshots and removes a lost worker's environments), so that the coordinator does
-not import the sandbox manager.
+Core, shared by ``managers/environments.py`` and ``managers/env_snapshots.py`` (which write them)
+and ``coordinator/state_dir.py`` (which finds snapshots and removes a lost worker's environments),
+so that the coordinator does not import the sandbox manager.
 """
 from __future__ import annotations
 

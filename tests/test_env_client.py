@@ -12,7 +12,7 @@ from tangram_hpc import AsyncClient, LocalCluster, sandbox
 from tangram_hpc import protocol as P
 from tangram_hpc.client_session import ClientSession
 from tangram_hpc.managers.bwrap import probe_bwrap
-from tangram_hpc.managers.environments import env_dirname
+from tangram_hpc.envfiles import env_dirname
 from support import wait_until
 
 needs_bwrap = pytest.mark.skipif(probe_bwrap(shutil.which("bwrap") or "") is not None,

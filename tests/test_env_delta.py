@@ -10,7 +10,8 @@ import pytest
 from tangram_hpc.actions import Status
 from tangram_hpc.managers import SandboxManager, TreeTemplate
 from tangram_hpc.managers.bwrap import probe_bwrap
-from tangram_hpc.managers.environments import EnvError, EnvStore
+from tangram_hpc.managers.environments import EnvStore
+from tangram_hpc.managers.fs_inside import EnvError
 from support import act, tree_of
 
 CPU = [sorted(os.sched_getaffinity(0))[0]]

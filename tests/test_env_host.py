@@ -17,7 +17,8 @@ from tangram_hpc.actions import ActionSpec, EnvState, Status
 from tangram_hpc.managers import SandboxManager
 from tangram_hpc.managers.bwrap import probe_bwrap
 from tangram_hpc.managers.env_host import EnvHost
-from tangram_hpc.managers.environments import JOURNAL_KEEP, env_dirname, snapshot_identity
+from tangram_hpc.envfiles import env_dirname, snapshot_identity
+from tangram_hpc.managers.env_snapshots import JOURNAL_KEEP
 from support import act, sleeping, unique_sleep, wait_until
 
 pytestmark = [
@@ -109,7 +110,7 @@ def test_the_journal_keeps_the_last_outcomes_and_stays_small(hosts):
 
 def test_the_journal_keeps_large_outputs_within_its_byte_bound(hosts):
     """32 outcomes of 2 MiB each cost 64 MiB per environment (worker memory, disk, every snapshot)."""
-    from tangram_hpc.managers.environments import JOURNAL_MAX_BYTES
+    from tangram_hpc.managers.env_snapshots import JOURNAL_MAX_BYTES
     h = hosts("w1")
     run_in(h, act("true", env="e"), [1, P.GRANT_NEW, None])
     big = "x" * (1 << 20)
@@ -126,7 +127,7 @@ def test_the_journal_keeps_large_outputs_within_its_byte_bound(hosts):
 
 
 def test_a_record_too_large_for_the_journal_keeps_its_outcome_without_its_output(hosts):
-    from tangram_hpc.managers.environments import JOURNAL_RECORD_BYTES
+    from tangram_hpc.managers.env_snapshots import JOURNAL_RECORD_BYTES
     h = hosts("w1")
     run_in(h, act("true", env="e"), [1, P.GRANT_NEW, None])
     h.record("e", ["big", 1, "failed", {"stdout": "y" * (24 << 20)}, "exit code 1", 0.0, 1.0])

@@ -13,7 +13,7 @@ from tangram_hpc.managers import SandboxManager
 from tangram_hpc.managers.bwrap import probe_bwrap
 from tangram_hpc.managers.env_host import EnvHost
 from tangram_hpc.managers.env_layers import overlay_supported
-from tangram_hpc.managers.environments import env_dirname
+from tangram_hpc.envfiles import env_dirname
 from support import act, tree_of
 
 pytestmark = [

@@ -51,7 +51,7 @@ def test_every_public_exception_class_in_the_package_is_a_tangram_error():
 
 @pytest.mark.parametrize("where, name, builtin", [
     ("sim.workload", "WorkloadError", ValueError), ("sim.stalled", "SimulationStalled", RuntimeError),
-    ("managers.environments", "EnvError", RuntimeError), ("managers.limits", "LimitsError", ValueError),
+    ("managers.fs_inside", "EnvError", RuntimeError), ("managers.limits", "LimitsError", ValueError),
     ("managers.sandbox", "PayloadError", ValueError), ("managers.sandboxfusion", "RunCodeError", ValueError),
     ("integrations.batching", "RewardError", RuntimeError), ("serve.translate", "FieldError", ValueError),
 ])

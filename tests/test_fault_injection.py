@@ -27,7 +27,7 @@ from tangram_hpc import Client, Status, function, sandbox
 from tangram_hpc import protocol as P
 from tangram_hpc.connection import ConnectionInfo, wait_for_file
 from tangram_hpc.launch import LocalCluster
-from tangram_hpc.managers.environments import env_dirname
+from tangram_hpc.envfiles import env_dirname
 from tangram_hpc.security import CurveKeys
 
 from support import wait_until

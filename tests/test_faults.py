@@ -190,11 +190,11 @@ def test_a_failed_eviction_is_logged_and_the_model_reloaded_when_next_used(caplo
 def test_a_torn_journal_tail_is_logged_and_the_records_before_it_kept(tmp_path, caplog):
     import msgpack
 
-    from tangram_hpc.managers.environments import _read_journal
+    from tangram_hpc.managers.env_snapshots import _read_journal
     rec = ["a", 1, Status.OK, None, None, 0.0, 1.0]
     path = tmp_path / "journal"
     path.write_bytes(msgpack.packb(rec) + msgpack.packb(rec)[:-3])
-    with caplog.at_level("WARNING", logger="tangram_hpc.managers.environments"):
+    with caplog.at_level("WARNING", logger="tangram_hpc.managers.env_snapshots"):
         assert _read_journal(path) == [rec]
     assert [r.getMessage() for r in caplog.records if "torn last record" in r.getMessage()]
     path.write_bytes(msgpack.packb(rec) * 2)

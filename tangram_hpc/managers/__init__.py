@@ -1,5 +1,5 @@
 """Worker-side resource managers: sandboxes on CPU workers."""
-from .environments import EmptyTemplate, PythonEnvTemplate, TreeTemplate
+from .env_templates import EmptyTemplate, PythonEnvTemplate, TreeTemplate
 from .limits import Limits
 from .sandbox import BwrapUnavailable, SandboxManager, SandboxOutcome
 

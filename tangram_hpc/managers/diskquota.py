@@ -43,7 +43,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .env_layers import NOFOLLOW_DIR, is_opaque
+from ..envfiles import NOFOLLOW_DIR
+from .env_layers import is_opaque
 
 __all__ = ["DiskUsage", "Measured", "measure", "QuotaWatch", "MAX_DEPTH", "held_deleted"]
 

@@ -33,7 +33,8 @@ from typing import Any, Callable
 
 from .. import protocol as P
 from ..actions import ActionSpec, EnvState, Status
-from .environments import EnvError, UnknownTemplate
+from .env_templates import UnknownTemplate
+from .fs_inside import EnvError
 
 log = logging.getLogger("tangram.worker")
 

@@ -28,11 +28,10 @@ import shutil
 import stat
 from pathlib import Path
 
-__all__ = ["NOFOLLOW_DIR", "ATTEMPT_SUFFIX", "overlay_supported", "mount_argv", "prepare", "settle", "merge",
-           "layered_root", "is_opaque"]
+from ..envfiles import NOFOLLOW_DIR
 
-#: Flags that open a directory inside an environment: never through a symlink, never blocking.
-NOFOLLOW_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+__all__ = ["ATTEMPT_SUFFIX", "overlay_supported", "mount_argv", "prepare", "settle", "merge",
+           "layered_root", "is_opaque"]
 
 #: The directory of an environment's pending attempt: ``<env dir><suffix>/{upper,work,action}``.
 ATTEMPT_SUFFIX = ".attempt"

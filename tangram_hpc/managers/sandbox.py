@@ -58,7 +58,9 @@ from . import seccomp
 from .cgroups import Cgroups, CgroupScope
 from .diskquota import QuotaWatch, held_deleted
 from . import env_layers
-from .environments import EnvError, EnvStore, Environment, UnknownTemplate, is_plain_dir, read_inside, size_inside
+from .env_templates import UnknownTemplate
+from .environments import EnvStore, Environment
+from .fs_inside import EnvError, is_plain_dir, read_inside, size_inside
 from .limits import WRAPPER_ENVIRON, Limits, LimitsError, wrapper_argv
 from .process import ProcResult, run_bounded
 
@@ -180,7 +182,7 @@ class SandboxManager:
     snapshot_dir: where :meth:`snapshot` writes (a shared filesystem on a cluster).
     unsafe: run commands as plain subprocesses when bubblewrap is unusable
         (limits still apply; no filesystem, network or PID isolation).
-    templates: name -> template (:mod:`tangram_hpc.managers.environments`) or config map
+    templates: name -> template (:mod:`tangram_hpc.managers.env_templates`) or config map
         ``{"kind": "tree", "source": "/path"}``; ``"empty"`` always exists.
     default_template: template of environments whose first action names none.
     env_ttl: seconds an idle environment is kept before :meth:`gc` removes it (None: forever).

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ..errors import TangramError
-from .environments import EnvError, _parts as relative_parts  # the rule the worker writes files by
+from .fs_inside import EnvError, _parts as relative_parts  # the rule the worker writes files by
 
 __all__ = ["RunCodeRequest", "RunCodeError", "LANGUAGES", "RUN_CODE_FIELDS", "MAX_TIMEOUT_S",
            "parse_run_code", "is_run_code", "command_result", "response", "utf8"]
