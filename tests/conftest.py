@@ -34,6 +34,23 @@ def cluster(tmp_path_factory):
 
 
 @pytest.fixture
+def hosts(tmp_path):
+    """Makes worker-side environment hosts (``hosts("w1")``) over one snapshot directory, closed after the test."""
+    from tangram_hpc.managers import SandboxManager
+    from tangram_hpc.managers.env_host import EnvHost
+    made = []
+
+    def host(name: str) -> EnvHost:
+        h = EnvHost(SandboxManager(tmp_path / name / "envs", tmp_path / "snapshots"), lambda: None)
+        made.append(h)
+        return h
+    yield host
+    for h in made:
+        h.close()
+        h.mgr.close()
+
+
+@pytest.fixture
 def client(cluster):
     with cluster.client() as c:
         yield c

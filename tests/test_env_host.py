@@ -14,7 +14,6 @@ import pytest
 
 from tangram_hpc import protocol as P
 from tangram_hpc.actions import ActionSpec, EnvState, Status
-from tangram_hpc.managers import SandboxManager
 from tangram_hpc.managers.bwrap import probe_bwrap
 from tangram_hpc.managers.env_host import EnvHost
 from tangram_hpc.envfiles import env_dirname, snapshot_identity
@@ -29,21 +28,6 @@ pytestmark = [
 
 CPU = [sorted(os.sched_getaffinity(0))[0]]
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture
-def hosts(tmp_path):
-    made = []
-
-    def host(name: str) -> EnvHost:
-        mgr = SandboxManager(tmp_path / name / "envs", tmp_path / "snapshots")
-        h = EnvHost(mgr, lambda: None)
-        made.append(h)
-        return h
-    yield host
-    for h in made:
-        h.close()
-        h.mgr.close()
 
 
 def run_in(h: EnvHost, spec: ActionSpec, grant: list, attempt: int = 1):

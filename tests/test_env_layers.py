@@ -26,20 +26,6 @@ pytestmark = [
 CPU = [sorted(os.sched_getaffinity(0))[0]]
 
 
-@pytest.fixture
-def hosts(tmp_path):
-    made = []
-
-    def host(name: str) -> EnvHost:
-        h = EnvHost(SandboxManager(tmp_path / name / "envs", tmp_path / "snapshots"), lambda: None)
-        made.append(h)
-        return h
-    yield host
-    for h in made:
-        h.close()
-        h.mgr.close()
-
-
 def run_in(h: EnvHost, spec, grant: list, attempt: int = 1, *, journal: bool = True):
     """What the worker does with an assignment; ``journal=False``: it dies before the record."""
     h.begin(spec.env)
