@@ -90,6 +90,7 @@ class Service:
     busy: bool = False               # a thread is loading, moving or scoring it
     doomed: bool = False             # chosen for eviction: no new batch starts until it is evicted
     preload: bool = False
+    fill: bool = False               # the preload of a worker's start: resident only where it fits as is
     queue: deque = field(default_factory=deque)
     queued_items: int = 0
     last_used: float = 0.0

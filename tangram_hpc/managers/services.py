@@ -25,11 +25,11 @@ from typing import Any, Iterable
 
 from ..actions import Status
 from ..policy.residency import choose_victims
-from .devices import HOST, Device, DeviceOps, discover_devices
+from .devices import Device, DeviceOps, discover_devices
+from .service_moves import ServiceMoves
 from .service_spec import ServiceSpec, ServiceSpecError
-from .service_state import (DoneCallback, Job, Request, Service, Slot, call_score, deliver,
-                            describe)
-from .weights import HostCopy, PinnedBudget, torch_weights
+from .service_state import DoneCallback, Job, Request, Service, Slot, call_score, deliver, describe
+from .weights import PinnedBudget
 
 __all__ = ["ServiceManager", "DoneCallback"]
 
@@ -72,6 +72,7 @@ class ServiceManager:
         self._pinned = PinnedBudget(pinned_mb)
         self._slots = [Slot(d) for d in devices]
         self._cv = threading.Condition(threading.Lock())
+        self._moves = ServiceMoves(self._services, self._slots, self._cv, self._ops, self._pinned)
         self._closing = False
         self._threads = [threading.Thread(target=self._run_slot, args=(slot, loading), daemon=True,
                                           name=f"tangram-{'loader' if loading else 'service'}-{slot.device.name}")
@@ -137,16 +138,19 @@ class ServiceManager:
     def preload(self, names: Iterable[str] | None = None) -> None:
         """Ask for services to be loaded and made resident in the background (never blocks).
 
-        The prefetch hook: told what comes next (calls queued elsewhere, a burst
-        of final calls predicted), the loading thread starts the copy before
-        the calls arrive.  A preload evicts only services with nothing queued,
-        and never waits for or stops a batch being scored.
+        ``names``: the prefetch hook (the scheduler's PREFETCH): told what comes next, the loading
+        thread starts the copy before the calls arrive, evicting only services with nothing queued
+        (idle ones first: it never stops a batch being scored).  None (a worker's start): every
+        service into host RAM, and resident in the order declared while they fit, evicting
+        nothing -- the services the scheduler counts a new worker as starting with.
         """
         with self._cv:
             for name in (self._services if names is None else names):
                 if name not in self._services:
                     raise KeyError(f"unknown service {name!r}")
-                self._services[name].preload = True
+                svc = self._services[name]
+                svc.preload = True
+                svc.fill = names is None
             self._cv.notify_all()
 
     def resident(self) -> frozenset[str]:
@@ -226,9 +230,9 @@ class ServiceManager:
                 continue
             try:
                 if job.kind == "host_load":
-                    self._host_load(job.service)
+                    self._moves.host_load(job.service)
                 elif job.kind == "place":
-                    self._place(slot, job)
+                    self._moves.place(slot, job)
                 else:
                     self._score(slot, job)
             except Exception as e:  # a bug here must not leave callers waiting forever
@@ -306,13 +310,22 @@ class ServiceManager:
                 # at again soon all the same: free memory read from a card moves without notice.
                 deferred = _RECHECK_S
                 continue
+            elif svc.fill and not svc.queue:
+                svc.preload = svc.fill = False   # a start's preload evicts nothing: host RAM only
+                if svc.model is None:
+                    svc.busy = True
+                    return Job("host_load", svc), None, rejected
+                continue
             else:
                 rank = svc.rank()
                 movable = [s for s in on_slot if not s.queue or s.queue[0].submitted > rank]
                 if svc.spec.whole_device:
                     names = [s.spec.name for s in movable] if len(movable) == len(on_slot) else None
                 else:
-                    names = choose_victims([s.as_resident(now) for s in movable], need, room)
+                    # idle residents first: a busy one is evicted only after its batch
+                    names = choose_victims([s.as_resident(now) for s in movable if not s.busy], need, room)
+                    if names is None:
+                        names = choose_victims([s.as_resident(now) for s in movable], need, room)
                 if names is None:
                     held = sum(s.held_mb for s in on_slot)
                     if room + held < need and not self._could_fit(svc):
@@ -363,179 +376,6 @@ class ServiceManager:
         if svc.preload:
             _log.warning("%s (preload given up)", msg)
         svc.preload = False
-
-    def _host_load(self, svc: Service) -> None:
-        """Load a service whose size is not declared, to learn its size."""
-        error = None
-        try:
-            self._cold_load(svc)
-        except Exception as e:
-            error = f"service {svc.spec.name} failed to load: {describe(e)}"
-            _log.warning("%s (the next request for it tries again)", error)
-        with self._cv:
-            svc.busy = False
-            if error:
-                svc.preload = False     # tried once: a request retries it, not this thread in a loop
-            failed = svc.take_queue() if error else []
-            self._cv.notify_all()
-        for r in failed:
-            deliver(r, Status.ERROR, None, error, {"service": svc.spec.name})
-
-    def _cold_load(self, svc: Service) -> None:
-        """Call the loader, then keep a torch model's weights as a host copy (pinned when allowed)."""
-        t0 = time.perf_counter()
-        model = svc.spec.load()
-        memory = svc.memory_mb
-        if memory is None:
-            reported = getattr(model, "memory_mb", None)
-            memory = float(reported()) if callable(reported) else None
-            if memory is None or memory != memory or memory < 0:
-                raise ServiceSpecError(
-                    f"service {svc.spec.name}: declare memory_mb (its model has no memory_mb())")
-        module = torch_weights(model)
-        # Asked now, not at start: torch may have been imported by this very loader.
-        pin = module is not None and any(s.device.is_gpu for s in self._slots) and self._ops.can_pin()
-        host = None if module is None else HostCopy(module, self._ops, self._pinned, pin=pin)
-        if host is not None and host.note and pin:
-            _log.warning("service %s: its host copy is %s", svc.spec.name, host.note)
-        dt = time.perf_counter() - t0
-        with self._cv:
-            svc.model = model
-            svc.host = host
-            svc.host_note = host.note if host is not None else None
-            svc.memory_mb = memory
-            svc.counters.cold_loads += 1
-            svc.counters.cold_load_s += dt
-
-    def _place(self, slot: Slot, job: Job) -> None:
-        """Evict the victims, make the service resident; after an out-of-memory error, evict by the
-        shared rule what the card's free memory says is missing and try once more."""
-        svc = job.service
-        t0 = time.perf_counter()
-        for victim in job.victims:
-            self._evict(slot, victim)
-        error = None
-        try:
-            if svc.model is None:
-                self._cold_load(svc)
-            oom = False
-            try:
-                self._move(slot, svc)
-            except Exception as e:
-                if not self._ops.is_out_of_memory(e):
-                    raise
-                oom = True
-            # Retried outside the handler: its traceback would keep the partial copy's tensors alive.
-            if oom:
-                self._evict_after_oom(slot, svc)
-                self._move(slot, svc)
-        except Exception as e:
-            error = f"service {svc.spec.name} could not be made resident on {slot.device.name}: {describe(e)}"
-            _log.warning("%s (the next request for it tries again)", error)
-        load_s = time.perf_counter() - t0
-        with self._cv:
-            svc.busy = False
-            if error is not None:
-                slot.used_mb -= svc.held_mb
-                svc.held_mb = 0.0
-                svc.slot = None
-                svc.preload = False
-                failed = svc.take_queue()
-            else:
-                svc.resident = True
-                svc.preload = False
-                svc.last_used = time.monotonic()
-                svc.last_load_s = load_s if svc.queue else 0.0   # a preload made no call wait
-                failed = []
-            self._cv.notify_all()
-        for r in failed:
-            deliver(r, Status.ERROR, None, error, {"service": svc.spec.name})
-
-    def _evict_after_oom(self, slot: Slot, svc: Service) -> None:
-        """Free what the failed load of ``svc`` lacked, by the card's free memory read again."""
-        self._ops.release_cache(slot.device)
-        with self._cv:
-            svc.counters.oom_retries += 1
-            free = self._ops.free_mb(slot.device)
-            if free is None:
-                free = slot.free_mb + svc.held_mb
-            idle = [s for s in self._services.values()
-                    if s.resident and s.slot is slot and not s.busy and not s.doomed]
-            names = choose_victims([s.as_resident(time.monotonic()) for s in idle], svc.held_mb, free)
-            if names is None:   # even all of them would not do: evict them all for the one retry
-                names = [s.spec.name for s in idle]
-            victims = [self._services[n] for n in names]
-            for v in victims:
-                v.busy = True
-                slot.used_mb -= v.held_mb
-        for v in victims:
-            self._evict(slot, v)
-        _log.warning("service %s: out of memory on %s; evicted %s and tried once more", svc.spec.name,
-                     slot.device.name, ", ".join(names) or "nothing")
-
-    def _move(self, slot: Slot, svc: Service) -> None:
-        device = slot.device
-        before = self._ops.allocated_mb(device)
-        t0 = time.perf_counter()
-        if svc.host is not None:
-            svc.host.load(device)
-            nbytes = svc.host.nbytes
-        else:
-            to = getattr(svc.model, "to", None)
-            if callable(to):
-                moved = to(device.name)
-                # torch modules return themselves; a wrapper may return a new object.
-                if moved is not None and callable(getattr(moved, "score", None)):
-                    svc.model = moved
-            nbytes = int((svc.memory_mb or 0.0) * 2**20)
-        dt = time.perf_counter() - t0
-        after = self._ops.allocated_mb(device)
-        with self._cv:
-            c = svc.counters
-            c.loads += 1
-            c.load_s += dt
-            c.load_bytes += nbytes
-            slot.load_bytes += nbytes
-            slot.load_s += dt
-            if before is not None and after is not None:
-                c.device_mb_measured = after - before
-
-    def _evict(self, slot: Slot, victim: Service) -> None:
-        """Take ``victim`` off ``slot``: drop its device tensors (a host copy keeps its weights), or
-        move a model without one back with ``to("cpu")``."""
-        t0 = time.perf_counter()
-        broken = False
-        try:
-            if victim.host is not None:
-                victim.host.drop(copy_back=getattr(victim.model, "mutable_state", False) is True)
-            else:
-                to = getattr(victim.model, "to", None)
-                if callable(to):
-                    moved = to(HOST)
-                    if moved is not None and callable(getattr(moved, "score", None)):
-                        victim.model = moved
-                self._ops.release_cache(slot.device)
-        except Exception:
-            # Its weights are in an unknown state: forget them, the next use reloads.
-            _log.exception("service %s: eviction from %s failed; it will be loaded again",
-                           victim.spec.name, slot.device.name)
-            broken = True
-        finally:
-            dt = time.perf_counter() - t0
-            with self._cv:
-                if broken:
-                    if victim.host is not None:
-                        victim.host.release()
-                    victim.model = None
-                    victim.host = None
-                victim.resident = False
-                victim.slot = None
-                victim.held_mb = 0.0
-                victim.busy = False
-                victim.doomed = False
-                victim.counters.evictions += 1
-                victim.counters.evict_s += dt
-                self._cv.notify_all()
 
     def _score(self, slot: Slot, job: Job) -> None:
         svc, batch, load_s = job.service, job.batch, job.load_s
