@@ -126,6 +126,8 @@ class CoordinatorSettings:
                          "trajectory finished the one before (per-turn barriers), so a turn ends with its "
                          "slowest action; the elastic policy then gives a burst's wide actions the cores they "
                          "are worth rather than share a worker's leftovers (docs/scheduler.md, 'Barriers')")
+    prefetch: bool = key(True, "tell reward workers which services their waiting calls need next, so the load "
+                         "overlaps with the calls running now (docs/services.md, 'Prefetch')", flag="--no-prefetch")
     max_attempts: int = key(3, "attempts per action across worker losses", minimum=1)
     worker_timeout_s: float = key(5.0, "seconds of silence before a worker is lost", flag="--worker-timeout",
                                   minimum=0.1)

@@ -43,15 +43,19 @@ log = logging.getLogger("tangram.launch")
 
 
 def make_policy(name: str, pipeline_below_s: float | None = None, env_move_s: float | None = None,
-                barriers: bool = False) -> PlacementPolicy:
+                barriers: bool = False, prefetch: bool = False) -> PlacementPolicy:
     """The named placement policy; ``env_move_s`` (the first guess of a move's cost) None: environments never move;
-    ``barriers``: the rollouts have per-turn barriers (the elastic policy's barrier mode; FIFO has none)."""
+    ``barriers``: the rollouts have per-turn barriers (the elastic policy's barrier mode; FIFO has none);
+    ``prefetch``: services are loaded ahead of their waiting calls (:mod:`tangram_hpc.policy.prefetch`)."""
+    from .policy.prefetch import Prefetch
+    ahead = Prefetch() if prefetch else None
     if name == "fifo":
         from .policy.fifo import FifoPolicy
-        return FifoPolicy(pipeline_below_s=pipeline_below_s, env_move_s=env_move_s)
+        return FifoPolicy(pipeline_below_s=pipeline_below_s, env_move_s=env_move_s, prefetch=ahead)
     if name == "elastic":
         from .policy.elastic import ElasticScheduler
-        return ElasticScheduler(pipeline_below_s=pipeline_below_s, env_move_s=env_move_s, barriers=barriers)
+        return ElasticScheduler(pipeline_below_s=pipeline_below_s, env_move_s=env_move_s, barriers=barriers,
+                                prefetch=ahead)
     raise ConfigError(f"unknown policy {name!r} (choose elastic or fifo)")
 
 
@@ -79,7 +83,8 @@ def build_coordinator(settings: Settings, *, reuse_ports: bool = True) -> Coordi
     service_args = common + worker_flags(settings, "services") + ["--kinds", "reward"]
     backend: WorkerBackend | None = None
     pool: PoolPolicy | None = None
-    policy = make_policy(cfg.policy, cfg.pipeline_below_s, cfg.env_move_s if cfg.env_moves else None, cfg.barriers)
+    policy = make_policy(cfg.policy, cfg.pipeline_below_s, cfg.env_move_s if cfg.env_moves else None, cfg.barriers,
+                         cfg.prefetch)
     if cfg.backend == "local":
         from .backends.local import LocalBackend
         backend = LocalBackend(cfg.run_dir / "workers")

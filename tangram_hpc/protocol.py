@@ -48,9 +48,11 @@ ENV           W->K       ``[[op, environment id, generation, detail], ...]``, op
                          (detail: why, e.g. its TTL expired)
 OUTCOMES      W->K       DONE items of attempts that ended under an earlier registration of
                          this worker (a restarted coordinator, a worker declared lost)
+PREFETCH      K->W       ``[service, ...]``: start loading these services now, ahead of their
+                         calls (the scheduler's prefetch); a hint, never answered
 ============  =========  ======================================================
 
-Version 3 added the environment grant, ``env_state`` (DONE, RESULT), CLOSE_ENV, ENV and
+Version 5 added PREFETCH.  Version 3 added the environment grant, ``env_state`` (DONE, RESULT), CLOSE_ENV, ENV and
 OUTCOMES.
 
 A frame that cannot be decoded, has another version, an unknown type or a
@@ -73,7 +75,8 @@ from .errors import ProtocolError, ValidationError
 #: 3: environment grants in ASSIGN, env_state in DONE and RESULT, CLOSE_ENV, ENV, OUTCOMES.
 #: 4: a saved environment (ENV saved, a restore grant) may be a delta over its template's base,
 #:    which a worker speaking 3 would restore without the base.
-PROTOCOL_VERSION = 4
+#: 5: PREFETCH (coordinator to worker), which a worker speaking 4 would answer as an unknown type.
+PROTOCOL_VERSION = 5
 
 class MsgType(IntEnum):
     """The type of a message (the second element of every frame)."""
@@ -94,10 +97,11 @@ class MsgType(IntEnum):
     CLOSE_ENV = 15
     ENV = 16
     OUTCOMES = 17
+    PREFETCH = 18
 
 
 (HELLO, WELCOME, SUBMIT, CANCEL, RESULT, STATUS, HEARTBEAT, ERROR, REGISTER, ASSIGN, DONE, KILL, STOP, POOL,
- CLOSE_ENV, ENV, OUTCOMES) = MsgType
+ CLOSE_ENV, ENV, OUTCOMES, PREFETCH) = MsgType
 NAMES = {t.value: t.name for t in MsgType}
 #: value -> member, so that decoding pays an index, not an enum lookup
 _BY_VALUE: tuple[MsgType | None, ...] = tuple(MsgType(v) if v in NAMES else None for v in range(max(NAMES) + 1))
@@ -321,7 +325,7 @@ def decode(frame: bytes, allowed: frozenset[int], max_bytes: int = MAX_FRAME_BYT
 _BODY_SHAPE: dict[int, type] = {
     HELLO: dict, WELCOME: dict, SUBMIT: list, CANCEL: list, RESULT: list, STATUS: dict,
     HEARTBEAT: dict, ERROR: dict, REGISTER: dict, ASSIGN: list, DONE: list, KILL: list, STOP: dict, POOL: dict,
-    CLOSE_ENV: list, ENV: list, OUTCOMES: list,
+    CLOSE_ENV: list, ENV: list, OUTCOMES: list, PREFETCH: list,
 }
 
 
@@ -472,6 +476,17 @@ def check_env_item(item: Any) -> EnvReport:
             and _env_gen_pair(item[1:3]) and (item[3] is None or isinstance(item[3], str))):
         raise ValidationError("ENV item must be [saved|unsaved|gone, environment id, generation, detail]")
     return EnvReport(*item)
+
+
+#: Most services one PREFETCH names (a scheduler sends one or two a turn).
+MAX_PREFETCH = 1024
+
+
+def check_prefetch(body: list) -> list[str]:
+    """A PREFETCH body: service names (strings of 1 to ID_MAX characters, at most MAX_PREFETCH)."""
+    if len(body) > MAX_PREFETCH or not all(isinstance(s, str) and 0 < len(s) <= ID_MAX for s in body):
+        raise ProtocolError("malformed", f"PREFETCH body must be a list of at most {MAX_PREFETCH} service names")
+    return body
 
 
 def check_ids(mtype: int, body: list) -> list[str]:

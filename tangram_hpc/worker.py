@@ -585,6 +585,8 @@ class Worker:
             elif mtype == P.ENV:
                 if self.envs is not None:
                     self.envs.apply(body)
+            elif mtype == P.PREFETCH:
+                self._on_prefetch(body)
             elif mtype == P.STOP:
                 if body.get("reregister"):
                     if self.session.leaving is None:
@@ -602,6 +604,18 @@ class Worker:
                 else:
                     log.warning("coordinator error: %s", body.get("message"))
         return heard
+
+    def _on_prefetch(self, body: list) -> None:
+        """The scheduler's prefetch: load these services now (a hint; names this worker does not host
+        are ignored, a malformed body is logged and dropped)."""
+        try:
+            names = P.check_prefetch(body)
+        except P.ProtocolError as e:
+            log.warning("bad PREFETCH from the coordinator: %s", e)
+            return
+        if self.services is not None:
+            hosted = self.services.service_names
+            self.services.preload([n for n in names if n in hosted])
 
     def _on_assign(self, items: list) -> None:
         self._start(self.session.assign(items, time.time()))
@@ -773,7 +787,7 @@ class _IORoleLost(Exception):
 #: Threads for zero-core actions.
 _LIGHT_THREADS = 4
 
-_FROM_COORDINATOR = frozenset({P.WELCOME, P.ASSIGN, P.KILL, P.STOP, P.HEARTBEAT, P.ERROR, P.ENV})
+_FROM_COORDINATOR = frozenset({P.WELCOME, P.ASSIGN, P.KILL, P.STOP, P.HEARTBEAT, P.ERROR, P.ENV, P.PREFETCH})
 
 
 def run_worker(cfg: WorkerConfig) -> int:

@@ -78,7 +78,7 @@ def test_the_engine_and_the_ledger_agree_on_every_action(workload):
         assert moves > 0        # the moves' path was taken (else the agreement says nothing about it)
 
 
-def test_the_ledger_driver_takes_cpu_workloads_only():
-    w = load_workload("judge")
-    with pytest.raises(ValueError, match="CPU workloads only"):
+def test_the_ledger_driver_refuses_services_it_does_not_model():
+    w = load_workload("judge")      # services that slow down in a fuller batch
+    with pytest.raises(ValueError, match="without batch slowdown"):
         simulate_through_ledger(w.scaled(trajectories=0.01, steps=1).sample(1), FifoPolicy())

@@ -305,8 +305,12 @@ class ActionLedger:
         if w is None:
             return
         loads_before = {name: c[0] for name, c in w.service_counts.items()}
-        if self.workers.report(w, body, now):
+        changed = self.workers.report(w, body, now)
+        if changed or "services" in body:
+            # every report of a service worker, changed or not: a load the policy counted on that is
+            # due and not reported is not there (a prefetch's victim, a load that failed)
             self.policy.update_worker(worker_id, services=w.services, now=now)
+        if changed:
             self.dirty = True
         predictor = getattr(self.policy, "predictor", None)
         for name, (load_s, _evict_s) in w.service_costs.items():
@@ -466,9 +470,23 @@ class ActionLedger:
         assignments = self.policy.schedule(now)
         if assignments:
             self._assign(assignments, now)
+        prefetches = self.policy.prefetches(now)
+        if prefetches:
+            self._prefetch(prefetches)
         moves = self.policy.env_moves()
         if moves:       # after the starts: one the policy made in an environment it moves runs first
             self.envlife.move(moves, now)
+
+    def _prefetch(self, prefetches: list[tuple[str, str]]) -> None:
+        """One PREFETCH per worker the policy wants to load services ahead of their calls (sent
+        before this turn's ASSIGNs, which the loads then overlap)."""
+        by_worker: dict[str, list[str]] = {}
+        for wid, svc in prefetches:
+            by_worker.setdefault(wid, []).append(svc)
+        for wid, names in by_worker.items():
+            w = self.workers.by_id.get(wid)
+            if w is not None:
+                self.outbox.to_workers.append((w.ident, P.PREFETCH, names))
 
     def _assign(self, assignments: list, now: float) -> None:
         actions = self._actions

@@ -83,6 +83,8 @@ class CoordinatorMetrics:
             "act": {k: h.to_wire() for k, h in sorted(self.act.items())},
             "queue_time": {k: h.to_wire() for k, h in sorted(self.queue_time.items())},
             "finished_by_kind": by_kind,
+            # services loaded ahead of their calls: issued, used by a call, wasted (None: no prefetch)
+            "prefetch": ledger.policy.prefetch_counts(),
         }
 
     def families(self, ledger: ActionLedger, pool_driver: Any, now: float, *, coordinator: str,

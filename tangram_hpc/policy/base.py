@@ -130,6 +130,15 @@ class SchedulingPolicy(ABC):
     @abstractmethod
     def schedule(self, now: float) -> list[Assignment]: ...
 
+    def prefetches(self, now: float) -> list[tuple[str, str]]:
+        """Services to load ahead of their calls, as ``(worker id, service)``, decided after
+        :meth:`schedule` (:mod:`tangram_hpc.policy.prefetch`); the driver starts each load."""
+        return []
+
+    def prefetch_counts(self) -> dict[str, int] | None:
+        """Prefetches issued, used and wasted so far (None: this policy does not prefetch)."""
+        return None
+
     @property
     @abstractmethod
     def pending_count(self) -> int: ...

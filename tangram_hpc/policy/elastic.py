@@ -128,6 +128,7 @@ from ..resources import ServiceInfo, WorkerShape
 from .base import mypyc_attr
 from .grants import ElasticGrant
 from .loading import LoadWhenWorthIt, PlannedLayout
+from .prefetch import Prefetch
 from .order import AgedSrpt
 from .placement import PlacementPolicy
 from .predict import Predictor
@@ -176,14 +177,15 @@ class ElasticScheduler(PlacementPolicy):
                  priority_clamp: int = 16,
                  min_gain: float = 0.005, service_util: float = 0.85, rate_window_s: float = 30.0,
                  pipeline_below_s: float | None = None, env_move_s: float | None = None,
-                 barriers: bool = False, gpu_layout: Sequence[Sequence[str]] | None = None):
+                 barriers: bool = False, gpu_layout: Sequence[Sequence[str]] | None = None,
+                 prefetch: Prefetch | None = None):
         self.barriers = barriers
         super().__init__(predictor, shapes=shapes, services=services, pipeline_below_s=pipeline_below_s,
                          env_move_s=env_move_s,
                          order=AgedSrpt(aging, priority_weight, priority_clamp, in_class_order=barriers,
                                         aging_floor=aging_floor),
                          grant=ElasticGrant(min_gain, barriers), loading=LoadWhenWorthIt(service_util, rate_window_s),
-                         layout=PlannedLayout(gpu_layout) if gpu_layout else None)
+                         layout=PlannedLayout(gpu_layout) if gpu_layout else None, prefetch=prefetch)
 
     def wait_bound(self, size: float, priority_gap: int) -> float:
         """Time after which no newly submitted action outranks one of ``size`` (:meth:`AgedSrpt.wait_bound`)."""

@@ -23,6 +23,7 @@ from .loading import LoadAtOnce
 from .order import SubmitOrder
 from .placement import PlacementPolicy
 from .predict import Predictor
+from .prefetch import Prefetch
 
 __all__ = ["FifoPolicy"]
 
@@ -31,6 +32,7 @@ __all__ = ["FifoPolicy"]
 class FifoPolicy(PlacementPolicy):
     def __init__(self, predictor: Predictor | None = None, *, shapes: Sequence[WorkerShape] = (),
                  services: Mapping[str, ServiceInfo] | None = None, pipeline_below_s: float | None = None,
-                 env_move_s: float | None = None):
+                 env_move_s: float | None = None, prefetch: Prefetch | None = None):
         super().__init__(predictor, shapes=shapes, services=services, pipeline_below_s=pipeline_below_s,
-                         env_move_s=env_move_s, order=SubmitOrder(), grant=Grant(), loading=LoadAtOnce())
+                         env_move_s=env_move_s, order=SubmitOrder(), grant=Grant(), loading=LoadAtOnce(),
+                         prefetch=prefetch)

@@ -46,6 +46,7 @@ from .loading import Layout, LoadAtOnce, Loading
 from .moves import EnvMoves, MoveWhenSooner
 from .order import Order, SubmitOrder
 from .predict import Predictor
+from .prefetch import Prefetch
 from .queues import PlacementQueues
 from .records import (GONE, PENDING, RUNNING, ActionRecord, ActionState, EnvState, KindLoad, OfferedLoad,
                       PlacementQueue, ServiceReplica, ShapeLimit, Tally, WorkerRecord, water_level)
@@ -70,7 +71,8 @@ class PlacementPolicy(SchedulingPolicy):
     def __init__(self, predictor: Predictor | None = None, *, shapes: Sequence[WorkerShape] = (),
                  services: Mapping[str, ServiceInfo] | None = None, pipeline_below_s: float | None = None,
                  env_move_s: float | None = None, order: Order | None = None, grant: Grant | None = None,
-                 loading: Loading | None = None, moves: EnvMoves | None = None, layout: Layout | None = None):
+                 loading: Loading | None = None, moves: EnvMoves | None = None, layout: Layout | None = None,
+                 prefetch: Prefetch | None = None):
         if moves is not None and env_move_s is not None:
             raise ValueError("give env_move_s or a moves strategy, not both")
         self.predictor = predictor if predictor is not None else Predictor()
@@ -79,6 +81,7 @@ class PlacementPolicy(SchedulingPolicy):
         self.loading = loading if loading is not None else LoadAtOnce()
         self.moves = moves if moves is not None else EnvMoves() if env_move_s is None else MoveWhenSooner(env_move_s)
         self.layout = layout if layout is not None else Layout()
+        self.prefetch = prefetch        # None: services load only when a call is dispatched
         self.pipeline_below_s = self.PIPELINE_BELOW_S if pipeline_below_s is None else pipeline_below_s
         self.tally = Tally()
         self._recs: dict[str, ActionRecord] = {}
@@ -97,6 +100,8 @@ class PlacementPolicy(SchedulingPolicy):
         self.fit = FitCheck(self)
         for strategy in (self.order, self.grant, self.loading, self.moves):
             strategy.attach(self)
+        if prefetch is not None:
+            prefetch.attach(self)
         if services:
             self.set_services(services)
         self.set_shapes(shapes)
@@ -428,6 +433,12 @@ class PlacementPolicy(SchedulingPolicy):
             out.append(Assignment(r.aid, w.id, r.cores))
         return out
 
+    def prefetches(self, now: float) -> list[tuple[str, str]]:
+        return self.prefetch.decide(now) if self.prefetch is not None else []
+
+    def prefetch_counts(self) -> dict[str, int] | None:
+        return self.prefetch.counts() if self.prefetch is not None else None
+
     def place(self, rec: ActionRecord, q: PlacementQueue, now: float, started: list[ActionRecord]) -> bool:
         """Start ``rec``, the head of ``q``, where it fits now; False: nowhere (or it waits for more cores)."""
         w = q.worker
@@ -472,6 +483,8 @@ class PlacementPolicy(SchedulingPolicy):
             st.last_used = now
             if st.ready_at > now:
                 rec.load_wait = st.ready_at - now
+            if self.prefetch is not None:
+                self.prefetch.started(w.id, rec.service)
         else:
             w.gpu_used += rec.gpu_mem_mb
         w.running[rec.aid] = rec

@@ -74,6 +74,9 @@ class ServiceTable:
         self.drop_replica(svc, w)
 
     def drop_replica(self, svc: str, w: WorkerRecord) -> None:
+        prefetch = self._policy.prefetch
+        if prefetch is not None:
+            prefetch.dropped(w.id, svc)
         reps = self.where.get(svc)
         if reps is not None:
             reps.pop(w.id, None)

@@ -48,8 +48,8 @@ from .layout import services_by_demand
 from .stalled import SimulationStalled
 from .workload import Plan, Service, Workload
 
-__all__ = ["SimResult", "Simulation", "SimulationStalled", "simulate", "cluster_shapes", "action_specs_for",
-           "service_infos", "CPU_KINDS", "GPU_KINDS"]
+__all__ = ["SimResult", "Simulation", "SimulationStalled", "SimWorker", "simulate", "sim_load", "cluster_shapes",
+           "action_specs_for", "service_infos", "CPU_KINDS", "GPU_KINDS"]
 
 # event types (Final: constants in the native build, not module look-ups)
 _FINISH: Final = 0
@@ -179,6 +179,7 @@ class SimResult:
     pool_notes: list[str] = field(default_factory=list)
     is_gpu: np.ndarray | None = None   # per action: ran on a GPU worker
     env_moves: int = 0              # environments moved between workers (each cost the workload's env_move_s)
+    prefetched: list[tuple[float, str, str]] = field(default_factory=list)  # (time, worker, service) the policy asked
 
     @property
     def act(self) -> np.ndarray:
@@ -345,6 +346,9 @@ class Simulation:
         self._planned = getattr(policy, "planned_services", None)
         self._offered = getattr(policy, "offered_load", None)
         self._env_moves = getattr(policy, "env_moves", None)
+        # the policy's prefetch, as the coordinator sends it (None: a policy that does not prefetch)
+        self._prefetches = policy.prefetches if policy.prefetch_counts() is not None else None
+        self.prefetched: list[tuple[float, str, str]] = []
 
     # -- events ------------------------------------------------------------------
     def _push(self, t: float, typ: int, arg) -> None:
@@ -413,6 +417,10 @@ class Simulation:
                     self._move_envs(envs, now)
             if starts:
                 self._dispatch(starts, now)
+            if self._prefetches is not None:
+                ahead = self._prefetches(now)
+                if ahead:
+                    self._prefetch(ahead, now)
             if progress is not None and events & 0x3FFF == 0 and (clock() > next_report if timed else events & 0xFFFFF == 0):
                 next_report = clock() + 2.0
                 progress(f"{self.name}: t={now:,.0f}s step {len(self.step_durations) + 1}/"
@@ -759,6 +767,16 @@ class Simulation:
                 run = row.timeout_s
             q.push((start + run, _FINISH, seq(), i, attempt.get(i, 0) if attempt else 0, sw, aid, c, now, row, t))
 
+    def _prefetch(self, ahead: list[tuple[str, str]], now: float) -> None:
+        """Start the loads the policy asked for ahead of their calls, as a worker told PREFETCH does."""
+        for wid, name in ahead:
+            sw = self.workers.get(wid)
+            self.prefetched.append((now, wid, name))
+            if sw is not None and name not in sw.services:
+                self._sim_load(sw, name, now)
+                ready = frozenset(k for k, r in sw.services.items() if r.ready_at <= now)
+                self.policy.update_worker(sw.id, services=ready, now=now)
+
     def _batch_factor(self, sw: SimWorker, name: str, in_batch: int) -> float:
         svc = self.svc_defs[name]
         if not svc.batch_slowdown or in_batch <= 1:
@@ -767,21 +785,9 @@ class Simulation:
         return 1.0 + svc.batch_slowdown * min(1.0, (in_batch - 1) / max(1, full - 1))
 
     def _sim_load(self, sw: SimWorker, name: str, now: float) -> _Replica:
-        """Load a service on a simulated worker, evicting by the service manager's rule."""
-        svc = self.svc_defs[name]
-        cap = sw.status.info.gpu_mem_mb
-        free = cap - sw.gpu_used
-        residents = [Resident(s, r.mem, 0, now - r.last_used, self.svc_defs[s].load_s, 0.0)
-                     for s, r in sw.services.items() if r.running == 0 and r.ready_at <= now]
-        victims = choose_victims(residents, svc.gpu_mem_mb, free)
-        if victims is None:          # residents in use hold the memory: the policy should not ask
-            victims = [r.name for r in residents]
+        rep, over = sim_load(sw, self.svc_defs, name, now)
+        if over:                     # residents in use hold the memory: the policy should not ask
             self.notes.append(f"t={now:.0f}: {sw.id} loads {name} over its GPU memory")
-        for s in victims:
-            sw.gpu_used -= sw.services.pop(s).mem
-        rep = _Replica(now + svc.load_s, svc.gpu_mem_mb)
-        sw.services[name] = rep
-        sw.gpu_used += svc.gpu_mem_mb
         return rep
 
     # -- result ------------------------------------------------------------------
@@ -816,7 +822,25 @@ class Simulation:
             cpu_busy_core_s=self.cpu_busy_cs, gpu_busy_slot_s=self.gpu_busy_ss, gpu_slot_s=gpu_ss,
             makespan=end, cpu_cores_max=self.alloc_max[CPU], gpu_slots_max=self.alloc_max[GPU],
             mem_reserved_mb_s=self.mem_reserved, mem_used_mb_s=self.mem_used, trace=self.trace,
-            wall_s=wall, events=self.events, pool_notes=self.notes, is_gpu=is_gpu, env_moves=self.moves)
+            wall_s=wall, events=self.events, pool_notes=self.notes, is_gpu=is_gpu, env_moves=self.moves,
+            prefetched=self.prefetched)
+
+
+def sim_load(sw: SimWorker, services: dict[str, Service], name: str, now: float) -> tuple[_Replica, bool]:
+    """Load a service on a simulated worker, evicting by the service manager's rule; the replica,
+    and whether it went over the worker's GPU memory (residents in use held it)."""
+    svc = services[name]
+    free = sw.status.info.gpu_mem_mb - sw.gpu_used
+    residents = [Resident(s, r.mem, 0, now - r.last_used, services[s].load_s, 0.0)
+                 for s, r in sw.services.items() if r.running == 0 and r.ready_at <= now]
+    victims = choose_victims(residents, svc.gpu_mem_mb, free)
+    over = victims is None
+    for s in ([r.name for r in residents] if victims is None else victims):
+        sw.gpu_used -= sw.services.pop(s).mem
+    rep = _Replica(now + svc.load_s, svc.gpu_mem_mb)
+    sw.services[name] = rep
+    sw.gpu_used += svc.gpu_mem_mb
+    return rep, over
 
 
 def _no_clock() -> float:

@@ -12,8 +12,11 @@ Its world is the engine's, so that the two can be compared on the same seeds
 (``tests/test_sim_ledger.py``): run times by Amdahl's law at the granted cores, cut at the
 class's timeout; moving an environment costs ``env_move_s`` between the hold-back and the
 release of its actions, and a restore costs nothing (the ledger is told so up front, as
-it would learn from the first restore).  It is a check, not a benchmark: it takes CPU
-workloads on a fixed set of workers (no services, no pool policy), and it is slower.
+it would learn from the first restore).  GPU workers load services as the engine's do
+(:func:`~.engine.sim_load`, warm at time 0, each load reported in a heartbeat), including those
+the coordinator's PREFETCH asks for, so the prefetches the ledger sends can be compared with the
+engine's (``prefetched``).  It is a check, not a benchmark: a fixed set of workers (no pool
+policy), services without batch slowdown, and it is slower.
 """
 from __future__ import annotations
 
@@ -24,13 +27,14 @@ from typing import Any
 
 import numpy as np
 
-from ..protocol import ENV_SAVE, ENV_SAVED, GRANT_ADOPT, GRANT_HELD, GRANT_NEW, GRANT_RESTORE
+from ..protocol import ENV_SAVE, ENV_SAVED, GRANT_ADOPT, GRANT_HELD, GRANT_NEW, GRANT_RESTORE, PREFETCH
 from ..actions import ActionSpec, EnvState, Status
 from ..config import CoordinatorSettings
 from ..coordinator.ledger import ActionLedger
 from ..policy.base import SchedulingPolicy
-from ..resources import CPU, WorkerInfo
-from .engine import CPU_KINDS, action_specs_for, cluster_shapes
+from ..resources import CPU, GPU, WorkerInfo
+from .engine import CPU_KINDS, SimWorker, action_specs_for, cluster_shapes, sim_load
+from .layout import services_by_demand
 from .stalled import SimulationStalled
 from .workload import Plan
 
@@ -61,6 +65,7 @@ class LedgerRun:
     env_moves: int
     counters: Any = None
     statuses: dict[str, int] = field(default_factory=dict)
+    prefetched: list[tuple[float, str, str]] = field(default_factory=list)  # (time, worker, service) sent
 
     @property
     def act(self) -> np.ndarray:
@@ -85,8 +90,8 @@ class LedgerSimulation:
 
     def __init__(self, plan: Plan, policy: SchedulingPolicy, *, config: CoordinatorSettings | None = None):
         w = self.w = plan.workload
-        if w.services or w.cluster.gpu_workers:
-            raise ValueError("the ledger driver simulates CPU workloads only (no services)")
+        if any(svc.batch_slowdown for svc in w.services.values()):
+            raise ValueError("the ledger driver simulates services without batch slowdown")
         self.plan = plan
         self.policy = policy
         self.ledger = ActionLedger(config if config is not None else CoordinatorSettings(), policy)
@@ -112,6 +117,8 @@ class LedgerSimulation:
         self.step_durations: list[float] = []
         self.done = False
         self.statuses: dict[str, int] = {}
+        self.gpu: dict[str, SimWorker] = {}
+        self.prefetched: list[tuple[float, str, str]] = []
 
     def _push(self, t: float, typ: int, *args) -> None:
         heapq.heappush(self.events, (t, typ, self.seq(), *args))
@@ -123,6 +130,8 @@ class LedgerSimulation:
             wid = f"{CPU.value}{k + 1}"
             info = WorkerInfo(wid, self.shape.cores, self.shape.mem_mb, kinds=CPU_KINDS)
             ledger.add_worker(info, wid.encode(), 0.0)
+        if self.w.services:
+            self._add_gpu_workers()
         self._push(0.0, _STEP, 0)
         events = self.events
         now = 0.0
@@ -145,7 +154,30 @@ class LedgerSimulation:
         if not self.done:
             raise SimulationStalled("ledger", now, self.policy.pending_count, self.policy.running_count)
         return LedgerRun(self.submit, self.start, self.finish, self.cores, self.step_durations, now,
-                         ledger.counters.env_moves, ledger.counters, self.statuses)
+                         ledger.counters.env_moves, ledger.counters, self.statuses, self.prefetched)
+
+    def _add_gpu_workers(self) -> None:
+        """The workload's GPU workers, up at time 0 with the most demanded services that fit loaded (as
+        the engine starts them), which they report resident."""
+        shape = cluster_shapes(self.w)[GPU]
+        for k in range(self.w.cluster.gpu_workers):
+            sw = SimWorker(f"{GPU.value}{k + 1}", shape, frozenset(self.w.services), 0.0, 0.0)
+            self.gpu[sw.id] = sw
+            self.ledger.add_worker(sw.status.info, sw.id.encode(), 0.0)
+            for name in services_by_demand(self.w):
+                if sw.gpu_used + self.w.services[name].gpu_mem_mb <= shape.gpu_mem_mb * shape.gpus:
+                    sim_load(sw, self.w.services, name, -self.w.services[name].load_s)   # ready at 0
+            self._report(sw, 0.0)
+
+    def _report(self, sw: SimWorker, now: float) -> None:
+        """The worker's heartbeat: the services ready on it now."""
+        ready = sorted(k for k, r in sw.services.items() if r.ready_at <= now)
+        self.ledger.worker_report(sw.id, {"services": ready}, now)
+
+    def _load(self, sw: SimWorker, name: str, now: float):
+        rep, _over = sim_load(sw, self.w.services, name, now)
+        self._report(sw, now)
+        return rep
 
     def _flush(self, now: float) -> None:
         """Carry out what the ledger wants sent: the workers start what they are assigned and save
@@ -166,6 +198,14 @@ class LedgerSimulation:
         out.results.clear()
         out.kill.clear()
         out.to_clients.clear()
+        for ident, mtype, body in out.to_workers:
+            if mtype == PREFETCH:
+                sw = self.gpu[ident.decode()]
+                for name in body:
+                    self.prefetched.append((now, sw.id, name))
+                    if name not in sw.services:
+                        self._load(sw, name, now)
+        out.to_workers.clear()
 
     def _start(self, wid: str, wire: dict, attempt: int, cores: int, grant: list | None, now: float) -> None:
         i = int(wire["i"])
@@ -178,7 +218,16 @@ class LedgerSimulation:
         if run > row.timeout_s:
             run = row.timeout_s
         found = _FOUND[grant[1]] if grant is not None else None
-        self._push(now + run, _FINISH, i, wid, attempt, now, found)
+        begin = now
+        if row.service is not None:     # it waits for its service's load, as on the engine's workers
+            sw = self.gpu[wid]
+            rep = sw.services.get(row.service)
+            if rep is None:
+                rep = self._load(sw, row.service, now)
+            begin = max(now, rep.ready_at)
+            rep.running += 1
+            rep.last_used = now
+        self._push(begin + run, _FINISH, i, wid, attempt, now, found)
 
     # -- the clients -----------------------------------------------------------------------
     def _on_step(self, s: int, now: float) -> None:
@@ -212,6 +261,12 @@ class LedgerSimulation:
 
     def _on_finish(self, e: tuple, now: float) -> None:
         _, _, _, i, wid, attempt, started, found = e
+        sw = self.gpu.get(wid)
+        if sw is not None:
+            rep = sw.services.get(self.classes[int(self.plan.cls[i])].service or "")
+            if rep is not None:
+                rep.running -= 1
+                rep.last_used = now
         self.ledger.done(wid, [[str(i), attempt, Status.OK, None, None, started, now, found]], now)
         self.finish[i] = now
         t = self.trajs[int(self.traj_of[i])]
