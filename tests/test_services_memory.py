@@ -352,3 +352,41 @@ def test_a_service_that_fits_on_no_card_beside_others_fails_clearly_and_one_that
             assert stats["device"] == "cuda:1"
         status, _, error, _ = score(mgr, results, "h", "huge")
         assert status == Status.ERROR and "held by other processes" in error
+
+
+def test_a_start_preload_fills_free_memory_in_order_and_keeps_the_rest_in_host_ram():
+    ops = FakeGPU(total_mb=100)
+    with ServiceManager([spec("a", 40), spec("b", 40), spec("c", 40)], gpus(), ops=ops) as mgr:
+        mgr.preload()
+        wait_until(lambda: mgr.stats()["c"]["in_host_ram"] and mgr.resident() == {"a", "b"})
+        stats = mgr.stats()
+        # what the scheduler counts a new worker as starting with: the declared order, while it fits
+        assert sum(s["evictions"] for s in stats.values()) == 0 and not stats["c"]["resident"]
+
+
+def test_a_prefetch_evicts_an_idle_resident_rather_than_wait_for_a_busy_ones_batch():
+    results = Results()
+    models: dict[str, Linear] = {}
+
+    def loader(name):
+        def load():
+            models[name] = Linear(3, seed=len(models))
+            return models[name]
+        return load
+
+    specs = [ServiceSpec(n, loader(n), memory_mb=3, max_batch=8, max_wait_ms=1) for n in "abc"]
+    with ServiceManager(specs, [real_device(7)]) as mgr:
+        for n in "ab":
+            assert score(mgr, results, f"{n}1", n)[0] == Status.OK
+        with mgr._cv:               # a costly to reload: by the eviction value alone, b (busy) would go
+            mgr._services["a"].counters.load_s = 1e3
+        models["b"].release = threading.Event()
+        models["b"].entered.clear()
+        mgr.submit("b2", "b", [5], results)
+        assert models["b"].entered.wait(WAIT_S)     # b's batch is running; a is idle
+        mgr.preload(["c"])
+        wait_until(lambda: "c" in mgr.resident())
+        assert mgr.resident() == {"b", "c"} and "b2" not in results.by_id
+        models["b"].release.set()
+        results.wait(3)
+        assert results.by_id["b2"][0] == Status.OK
