@@ -10,6 +10,10 @@ Prints, and writes as JSON with ``--json PATH``:
   compute, the accounting error against ``torch.cuda.memory_allocated``,
   out-of-memory errors, and the measured load times as a simulated workload's
   services (``sim_services``);
+* a prefetch's effect: the ACT of a call whose service the scheduler had the worker load ahead
+  (``ServiceManager.preload``, what a PREFETCH does) against a call that loads it, and the same
+  through the coordinator: a call queued behind a running one on a one-core reward worker, with
+  and without ``--no-prefetch``;
 * the batching speed-up (a burst with batching against ``max_batch=1``);
 * the MiniLM reward on the device;
 * reward ACT through the coordinator (``LocalCluster``, one reward worker)
@@ -21,6 +25,8 @@ Synthetic services are fp16 (fp32 on the CPU) matmul stacks of the given size.
 Without a GPU everything runs on the CPU stand-in in well under a minute.
 
     python3 benchmarks/gpu_services.py --json /tmp/gpu.json                 # CPU stand-in sizes
+    python3 benchmarks/gpu_services.py --costs /tmp/costs.json             # measured load costs, for
+    tangram-hpc bench --workload judge --service-costs /tmp/costs.json     # the simulator
     python3 benchmarks/gpu_services.py --sizes-gb 1,4,16 --rotation-gb 8,8,12,12 --budget-gb 30 \\
         --copy-gb 4 --small-gb 0.25 --cluster-gb 6 --json $OUT/gpu.json     # an H200 (scripts/gpu-check.sh)
 """
@@ -246,6 +252,86 @@ def rotation(device: Device, args, ref_bw: float) -> dict:
             "accounting_error_mb_max": acc_err if device.is_gpu else None}
 
 
+def prefetch(device: Device, args) -> dict:
+    """Three services on a budget that holds two: the ACT of a call to the one not resident, its
+    load started ahead and finished (the worker told PREFETCH while other calls ran) or not."""
+    size = args.rotation_gb[0]
+    specs = [spec(f"f{i}", size, args, 20 + i) for i in range(3)]
+    w = Waiter()
+    acts: dict[str, list[float]] = {"prefetched": [], "not_prefetched": []}
+    in_call_load = 0.0
+    with ServiceManager(specs, [device.with_budget(min(device.memory_mb, 2.5 * size * GB / MB))]) as mgr:
+        for s in specs:                                    # cold loads (host copies) first
+            w.call(mgr, f"warm-{s.name}", s.name, [1])
+        for k in range(2 * args.rounds + 2):
+            cold = next(s.name for s in specs if s.name not in mgr.resident())
+            ahead = k % 2 == 1
+            if ahead:
+                mgr.preload([cold])
+                deadline = time.monotonic() + 600
+                while cold not in mgr.resident() and time.monotonic() < deadline:
+                    time.sleep(0.001)
+            status, _, error, stats, act = w.call(mgr, f"pf-{k}", cold, [1, 2, 3])
+            assert status == "ok", error
+            if k >= 2:                                     # the first pair warms the allocator up
+                acts["prefetched" if ahead else "not_prefetched"].append(act)
+                if ahead:
+                    in_call_load = max(in_call_load, stats.get("load_s", 0.0))
+    free_memory()
+    p50 = {k: statistics.median(v) for k, v in acts.items() if v}
+    return {"service_gb": size, "calls": {k: len(v) for k, v in acts.items()},
+            "act_s_p50_prefetched": p50.get("prefetched"), "act_s_p50_not_prefetched": p50.get("not_prefetched"),
+            "act_ratio": (p50["prefetched"] / p50["not_prefetched"]) if len(p50) == 2 else None,
+            "load_s_inside_prefetched_calls_max": in_call_load}
+
+
+def prefetch_through_coordinator(device: Device, args) -> dict:
+    """A one-core reward worker, three services on a budget that holds two: a call on a resident
+    service runs while a call on the third waits; its ACT (submit to result) with the scheduler's
+    prefetch and without (``--no-prefetch``), and what the coordinator counted."""
+    from tangram_hpc import LocalCluster
+    from tangram_hpc.actions import ActionSpec, Demand
+
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    size_mb = args.rotation_gb[0] * GB / MB
+    opt = f"{LOADER},dim={args.dim},dtype={args.dtype},max_wait_ms=1,size_mb={size_mb},memory_mb={size_mb}"
+    services = [f"q{i}={opt},seed={30 + i}" for i in range(3)]
+    budget = ["--service-gpu-budget-mb" if device.is_gpu else "--service-budget-mb", str(int(size_mb * 2.5))]
+    busy_inputs = list(range(args.prefetch_busy_inputs))
+    out: dict = {}
+    for mode, extra in (("prefetch", []), ("no_prefetch", ["--no-prefetch"])):
+        acts, statuses = [], {}
+        with LocalCluster(workers=0, reward_workers=1, services=services, extra_args=budget + extra,
+                          timeout=180) as cl, cl.client() as c:
+            def call(svc: str, inputs: list):
+                return c.submit(ActionSpec("reward", {"inputs": inputs}, demand=Demand(1, 1, 0, 0, svc)))
+
+            def resident() -> set[str]:
+                return {s for d in c.status()["workers"][0]["devices"] for s in d["resident"]}
+
+            for i in range(3):
+                call(f"q{i}", [0]).result(600)                 # cold loads, outside the figures
+            last = ["q1", "q2"]                                # the two used last are the resident ones
+            for k in range(args.rounds + 1):
+                deadline = time.monotonic() + 30
+                while resident() != set(last) and time.monotonic() < deadline:
+                    time.sleep(0.1)                            # the worker's heartbeat says so
+                busy, cold = last[1], next(f"q{i}" for i in range(3) if f"q{i}" not in last)
+                last = [busy, cold]
+                held = call(busy, busy_inputs)                 # holds the worker's one core a while
+                t0 = time.perf_counter()
+                r = call(cold, [1, 2, 3]).result(600)
+                held.result(600)
+                statuses[r.status] = statuses.get(r.status, 0) + 1
+                if k:
+                    acts.append(time.perf_counter() - t0)
+            out[mode] = {"act_s_p50": statistics.median(acts), "statuses": statuses,
+                         "prefetch": c.status().get("prefetch")}
+    p, n = out["prefetch"]["act_s_p50"], out["no_prefetch"]["act_s_p50"]
+    out["act_ratio"] = p / n if n else None
+    return out
+
+
 def batching(device: Device, args) -> dict:
     out = {}
     for max_batch in (1, 64):
@@ -383,7 +469,10 @@ def main() -> None:
     ap.add_argument("--cluster-calls", type=int, default=20)
     ap.add_argument("--dim", type=int, default=0, help="matrix side (default 8192 on a GPU, 256 on the CPU)")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    ap.add_argument("--prefetch-busy-inputs", type=int, default=32768,
+                    help="inputs of the call that holds the reward worker's core while the next waits")
     ap.add_argument("--json", help="write the figures here")
+    ap.add_argument("--costs", help="write the measured load costs here, for tangram-hpc bench --service-costs")
     ap.add_argument("--skip", default="", help="comma-separated sections to skip")
     args = ap.parse_args()
     if args.device == "cpu":
@@ -417,6 +506,8 @@ def main() -> None:
     report["reference_gbps"] = ref
     section("load_evict", load_evict, device, args, ref)
     section("rotation", rotation, device, args, ref)
+    section("prefetch", prefetch, device, args)
+    section("prefetch_coordinator", prefetch_through_coordinator, device, args)
     section("batching", batching, device, args)
     section("minilm", minilm, device)
     section("coordinator", through_coordinator, device, args)
@@ -426,6 +517,10 @@ def main() -> None:
     print(f"total: {report['total_s']:.1f} s")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2, default=str))
+    if args.costs:
+        from tangram_hpc.sim.costs import costs_from_report
+        sizes = {x["name"]: x["gpu_mem_mb"] for x in (report.get("rotation") or {}).get("sim_services") or []}
+        Path(args.costs).write_text(json.dumps(costs_from_report(report).to_json(sizes), indent=2))
 
 
 def checks(r: dict, device: Device) -> dict:

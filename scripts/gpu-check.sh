@@ -5,8 +5,9 @@
 # (made by scripts/gpu-carry.sh) carried beside the working tree:
 #   scripts/gpu-check.sh            H200-sized services (about 3 minutes)
 #   scripts/gpu-check.sh --cpu      the CPU stand-in's small sizes (to try this script anywhere)
-# Writes $OUT/gpu.log and $OUT/gpu.json ($OUT: a new temporary directory when unset), then prints
-# the figures and the done-when checks.
+# Writes $OUT/gpu.log, $OUT/gpu.json and $OUT/costs.json (the measured load costs, for
+# `tangram-hpc bench --service-costs`; $OUT: a new temporary directory when unset), then prints the
+# figures and the done-when checks.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -21,7 +22,7 @@ if [ "${1:-}" = --cpu ]; then
 else
     # Host RAM bounds the sizes (128 GB on the H200 machine: every service has its host copy).
     SIZES=(--device cuda --sizes-gb 1,4,16 --rotation-gb 8,8,12,12 --budget-gb 30 --copy-gb 4
-           --small-gb 0.25 --cluster-gb 6 --rounds 2 --cluster-calls 12)
+           --small-gb 0.25 --cluster-gb 6 --rounds 2 --cluster-calls 12 --prefetch-busy-inputs 131072)
     TEST_DEVICE=cuda
 fi
 
@@ -41,7 +42,7 @@ print(f"python {sys.version.split()[0]}, torch {torch.__version__}, cuda {torch.
     timeout 150 "$PY" -m pytest -q -p no:cacheprovider tests/test_services.py tests/test_services_config.py \
         tests/test_services_memory.py tests/test_services_minilm.py 2>&1 | tail -15
     echo "== benchmarks/gpu_services.py ${SIZES[*]}"
-    timeout 270 "$PY" benchmarks/gpu_services.py "${SIZES[@]}" --json "$OUT/gpu.json"
+    timeout 330 "$PY" benchmarks/gpu_services.py "${SIZES[@]}" --json "$OUT/gpu.json" --costs "$OUT/costs.json"
     echo "benchmark exit status $?"
 } 2>&1 | tee "$LOG"
 
@@ -58,7 +59,7 @@ for row in r.get("load_evict") or []:
               f"{row['load_ratio_to_pinned']:.2f}x pinned), evict {row['evict_s'] * 1e3:.1f} ms, {row['host_memory']}")
 rot = r.get("rotation", {})
 print(f"rotation: {json.dumps(rot)}")
-for key in ("batching", "minilm", "coordinator"):
+for key in ("prefetch", "prefetch_coordinator", "batching", "minilm", "coordinator"):
     print(f"{key}: {json.dumps(r.get(key))}")
 print("checks: " + ", ".join(f"{k}={v}" for k, v in r.get("checks", {}).items()))
 EOF

@@ -40,6 +40,7 @@ import numpy as np
 
 from . import native
 from .policy.elastic import ElasticScheduler
+from .policy.prefetch import Prefetch
 from .policy.pool import PoolConfig, PoolController
 from .policy.predict import Predictor
 from .progress import progress_reporter
@@ -76,6 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "family-S-worst in the current directory)")
     parser.add_argument("--family-worst", type=int, default=5, metavar="K",
                         help="how many worst runs to write (default 5)")
+    parser.add_argument("--service-costs", metavar="PATH",
+                        help="the services' load times as measured on a device: a costs file or report of "
+                             "benchmarks/gpu_services.py (docs/services.md, 'Measured costs in the simulator')")
     parser.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     parser.add_argument("--plot", metavar="DIR", help="write PNG plots (ACT CDF, utilisation) to DIR")
     parser.add_argument("--scale", type=_positive(float), default=1.0,
@@ -124,7 +128,7 @@ def tangram_run(plan: Plan, *, cpu_workers: int | None = None, gpu_workers: int 
                      idle_ttl_s=w.cluster.idle_ttl_s)
     sched = ElasticScheduler(pred, shapes=list(shapes.values()), services=service_infos(w),
                              env_move_s=w.cluster.env_move_s, barriers=w.rollout.sync_turns,
-                             gpu_layout=workload_layout(w, gpu))
+                             gpu_layout=workload_layout(w, gpu), prefetch=Prefetch())   # as the coordinator runs it
     return simulate(plan, sched, pool=PoolController(cfg, pred), name=name,
                     workers={CPU: cpu, GPU: gpu}, progress=progress, clock=time.perf_counter)
 
@@ -671,6 +675,15 @@ def main(args: argparse.Namespace) -> int:
         return 2
     if args.scale != 1.0 or args.cluster_scale != 1.0 or args.steps is not None:
         w = w.scaled(trajectories=args.scale, cluster=args.cluster_scale, steps=args.steps)
+    if args.service_costs:
+        from .sim.costs import read_costs, with_measured_costs
+        try:
+            w = with_measured_costs(w, read_costs(args.service_costs))
+        except WorkloadError as e:
+            print(f"tangram-hpc bench: {e}", file=sys.stderr)
+            return 2
+        print("service load times as measured: " + ", ".join(f"{n} {s.load_s:.3g} s" for n, s in w.services.items()),
+              file=sys.stderr)
     if args.jobs < 0:
         print("tangram-hpc bench: --jobs must be 0 (one per CPU) or more", file=sys.stderr)
         return 2
