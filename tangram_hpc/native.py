@@ -65,6 +65,7 @@ COMPILED = (
     "tangram_hpc.policy.grants",
     "tangram_hpc.policy.loading",
     "tangram_hpc.policy.moves",
+    "tangram_hpc.policy.prefetch",
     "tangram_hpc.policy.placement",
     "tangram_hpc.policy.elastic",
     "tangram_hpc.policy.fifo",
