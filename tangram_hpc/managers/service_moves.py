@@ -37,7 +37,8 @@ class ServiceMoves:
         self._pinned = pinned
 
     def host_load(self, svc: Service) -> None:
-        """Load a service whose size is not declared, to learn its size."""
+        """Load a service into host RAM only: one whose size is not declared, to learn its size, or one
+        a worker's start preloads that does not fit on a device beside the others."""
         error = None
         try:
             self.cold_load(svc)
