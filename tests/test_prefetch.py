@@ -200,6 +200,18 @@ def test_a_prefetch_frame_of_the_wrong_shape_is_refused_at_decoding():
         P.decode(frame, frozenset({P.PREFETCH}))
 
 
+def test_the_worker_drops_a_malformed_prefetch_and_the_names_it_does_not_host(caplog):
+    from types import SimpleNamespace
+
+    from tangram_hpc.worker import Worker
+    asked: list = []
+    worker = SimpleNamespace(services=SimpleNamespace(service_names=frozenset({"a", "b"}), preload=asked.append))
+    Worker._on_prefetch(worker, [{"x": 1}])
+    Worker._on_prefetch(worker, ["a", "not-hosted", "b"])
+    assert asked == [["a", "b"]]
+    assert "bad PREFETCH" in caplog.text
+
+
 # -- a live reward worker loads ahead ------------------------------------------------------
 
 def _wait_for(what, fn, deadline_s: float = 60.0):
