@@ -250,6 +250,13 @@ class SandboxSettings:
                                     "coordinator names, STATE_DIR/snapshots)", flag="--snapshot-dir")
     seccomp: bool = key(True, "syscall filter in every sandbox: no nested user namespaces, keyrings, bpf, "
                         "io_uring, perf events, userfaultfd or fallocate")
+    sessions: bool = key(False, "keep each environment's processes between its actions, frozen (a live "
+                         "session: a shell, a kernel or a server started in one action is there in the next)",
+                         flag="--sandbox-sessions")
+    session_idle_s: float = key(600.0, "seconds an idle session's processes are kept (0: as long as the "
+                                "environment)", minimum=0)
+    session_min_free_mb: int = key(1024, "below this much available memory, idle sessions are ended (their "
+                                   "files stay)", minimum=0)
     # 0 turns a limit off; the defaults are Limits' own (managers/limits.py).
     timeout_s: float = key(_LIMITS_DEFAULTS["timeout_s"], "seconds an action may run when it names no timeout (0: none)",
                            flag="--sandbox-timeout", minimum=0)

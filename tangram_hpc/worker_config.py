@@ -98,6 +98,8 @@ def config_from_settings(settings: Settings) -> WorkerConfig:
                         leave_grace_s=ws.leave_grace_s, stuck_leave_s=ws.stuck_leave_s,
                         sandbox_options={"allow_network": ss.allow_network, "warm_pool": ss.warm_pool,
                                          "env_ttl": ss.env_ttl_s, "seccomp": ss.seccomp,
+                                         "sessions": ss.sessions, "session_idle_s": ss.session_idle_s or None,
+                                         "session_min_free_mb": ss.session_min_free_mb,
                                          "default_limits": sandbox_limits(ss), **sandbox_templates(ss)})
 
 

@@ -18,6 +18,10 @@ pids; v1: its hierarchy), an action's cgroup holds exactly its granted cores:
 the CPU affinity the sandbox starts with is a mask its code may widen again
 (``sched_setaffinity``), a cpuset is not.
 
+A live session's cgroup (:mod:`tangram_hpc.managers.sessions`) can also be frozen: cgroup v2's
+``cgroup.freeze`` in the same directory, or the v1 ``freezer`` hierarchy where it is mounted and
+the worker may create a child of its own cgroup there (:attr:`Cgroups.freezer_kind`).
+
 Where neither works :meth:`Cgroups.detect` returns None and the rlimits
 alone apply.  The command joins its cgroups through a ``/bin/sh`` one-liner
 before exec'ing bubblewrap, so nothing runs in the threaded worker between
@@ -94,10 +98,64 @@ class CgroupScope:
     memory_dir: Path | None
     pids_dir: Path | None
     cpuset_dir: Path | None = None
+    freezer_dir: Path | None = None
 
     @property
     def dirs(self) -> list[Path]:
-        return sorted({d for d in (self.memory_dir, self.pids_dir, self.cpuset_dir) if d is not None})
+        return sorted({d for d in (self.memory_dir, self.pids_dir, self.cpuset_dir, self.freezer_dir)
+                       if d is not None})
+
+    # -- freezing (live sessions) --------------------------------------------------------
+    def freeze(self, wait: bool = True) -> bool:
+        """Freeze every process of the scope; with ``wait``, until they all are (see :meth:`frozen`)."""
+        if self.freezer_dir is None:
+            return False
+        if self.version == 2:
+            ok = _write(self.freezer_dir / "cgroup.freeze", "1")
+        else:
+            ok = _write(self.freezer_dir / "freezer.state", "FROZEN")
+        return ok and (not wait or self.frozen(10.0))
+
+    def frozen(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds until the freeze asked for is complete."""
+        if self.freezer_dir is None:
+            return False
+        deadline = time.monotonic() + timeout
+        delay = 0.0002
+        while True:
+            if self.version == 2:
+                done = _kv(_read(self.freezer_dir / "cgroup.events"), "frozen") == 1
+            else:
+                done = _read(self.freezer_dir / "freezer.state").strip() == "FROZEN"
+            if done or time.monotonic() >= deadline:
+                return done
+            time.sleep(delay)
+            delay = min(delay * 2, 0.01)
+
+    def thaw(self) -> None:
+        if self.freezer_dir is None:
+            return
+        if self.version == 2:
+            _write(self.freezer_dir / "cgroup.freeze", "0")
+        else:
+            _write(self.freezer_dir / "freezer.state", "THAWED")
+
+    def retarget(self, memory_mb: int | None, nproc: int | None, cpus) -> None:
+        """The limits of the scope's next action: memory, processes, cores (each where the scope
+        has the controller; a memory limit below what the scope holds now is left as it was)."""
+        if self.memory_dir is not None and memory_mb:
+            b = str(memory_mb * 1024 * 1024)
+            if self.version == 2:
+                _write(self.memory_dir / "memory.max", b)
+            elif _write(self.memory_dir / "memory.memsw.limit_in_bytes", b):
+                _write(self.memory_dir / "memory.limit_in_bytes", b)
+            else:       # memsw must stay >= the limit: lowering takes the other order
+                _write(self.memory_dir / "memory.limit_in_bytes", b)
+                _write(self.memory_dir / "memory.memsw.limit_in_bytes", b)
+        if self.pids_dir is not None and nproc:
+            _write(self.pids_dir / "pids.max", str(nproc))
+        if self.cpuset_dir is not None and cpus:
+            _write(self.cpuset_dir / "cpuset.cpus", ",".join(str(c) for c in sorted(cpus)))
 
     @property
     def procs_files(self) -> list[str]:
@@ -176,11 +234,12 @@ class Cgroups:
     """Where this worker creates action cgroups (see the module docstring)."""
 
     def __init__(self, version: int, memory_parent: Path | None, pids_parent: Path | None,
-                 cpuset_parent: Path | None = None):
+                 cpuset_parent: Path | None = None, freezer_parent: Path | None = None):
         self.version = version
         self.memory_parent = memory_parent
         self.pids_parent = pids_parent
         self.cpuset_parent = cpuset_parent
+        self.freezer_parent = freezer_parent
         self._prefix = f"tangram-{os.getpid()}"
         self._lock = threading.Lock()
         self._stale: list[Path] = []  # action cgroups whose members took long to exit
@@ -206,9 +265,16 @@ class Cgroups:
         with self._lock:
             self._stale.extend(keep)
 
+    @property
+    def freezer_kind(self) -> str | None:
+        """How a session's cgroup is frozen here: ``"cgroup-v2"``, ``"cgroup-v1"`` or None."""
+        if self.freezer_parent is None:
+            return None
+        return "cgroup-v2" if self.version == 2 else "cgroup-v1"
+
     def __repr__(self) -> str:
         return (f"Cgroups(v{self.version}, memory={self.memory_parent}, pids={self.pids_parent}, "
-                f"cpuset={self.cpuset_parent})")
+                f"cpuset={self.cpuset_parent}, freezer={self.freezer_parent})")
 
     @classmethod
     def detect(cls) -> "Cgroups | None":
@@ -249,7 +315,8 @@ class Cgroups:
             return None
         cpuset = "cpuset" in avail and ("cpuset" in set(_read(base / "cgroup.subtree_control").split())
                                          or _write(base / "cgroup.subtree_control", "+cpuset"))
-        return cls(2, base, base, base if cpuset else None)
+        # cgroup.freeze exists in every non-root v2 cgroup (kernel 5.2)
+        return cls(2, base, base, base if cpuset else None, base if (base / "cgroup.procs").exists() else None)
 
     @classmethod
     def _detect_v1(cls) -> "Cgroups | None":
@@ -258,7 +325,7 @@ class Cgroups:
         for mnt, fstype, opts in _mounts():
             if fstype != "cgroup":
                 continue
-            for ctrl in ("memory", "pids", "cpuset"):
+            for ctrl in ("memory", "pids", "cpuset", "freezer"):
                 if ctrl in opts.split(",") and ctrl in own and ctrl not in parents:
                     base = Path(mnt) / own[ctrl].lstrip("/")
                     probe = base / f"tangram-probe-{os.getpid()}"
@@ -270,12 +337,13 @@ class Cgroups:
                     parents[ctrl] = base
         if not parents.keys() & {"memory", "pids"}:
             return None
-        return cls(1, parents.get("memory"), parents.get("pids"), parents.get("cpuset"))
+        return cls(1, parents.get("memory"), parents.get("pids"), parents.get("cpuset"), parents.get("freezer"))
 
     def scope(self, memory_mb: int | None, nproc: int | None,
-              cpus: list[int] | tuple[int, ...] | None = None) -> CgroupScope | None:
+              cpus: list[int] | tuple[int, ...] | None = None, freezer: bool = False) -> CgroupScope | None:
         """Create the cgroups of one action (None if creating them failed); with ``cpus``, a cpuset
-        of exactly those cores where the controller is offered (without one where it is not)."""
+        of exactly those cores where the controller is offered (without one where it is not); with
+        ``freezer``, one it can be frozen by where the worker has one (a live session's)."""
         name = f"{self._prefix}-{next(_counter)}"
         mem_dir = pids_dir = None
         try:
@@ -305,7 +373,18 @@ class Cgroups:
             return None
         if mem_dir is None and pids_dir is None:
             return None
-        return CgroupScope(self.version, mem_dir, pids_dir, self._cpuset(name, cpus, mem_dir or pids_dir))
+        scope = CgroupScope(self.version, mem_dir, pids_dir, self._cpuset(name, cpus, mem_dir or pids_dir))
+        if freezer and self.freezer_parent is not None:
+            if self.version == 2:
+                scope.freezer_dir = mem_dir or pids_dir
+            else:
+                d = self.freezer_parent / name
+                try:
+                    d.mkdir()
+                    scope.freezer_dir = d
+                except OSError:
+                    pass
+        return scope
 
     def _cpuset(self, name: str, cpus, v2_dir: Path | None) -> Path | None:
         """The cpuset directory of an action on ``cpus`` (None where it cannot have one)."""

@@ -81,6 +81,7 @@ class Environment:
     journal: dict | None = field(default=None, repr=False)  # action id -> outcome record, once read
     journal_appends: int = field(default=0, repr=False)     # records appended since the file was written whole
     base: BaseRef | None = field(default=None, repr=False)  # the template base it is a copy of (delta snapshots)
+    live_layer: bool = field(default=False, repr=False)  # its attempt's layer is mounted in a live session
 
 
 class EnvStore:
@@ -447,6 +448,8 @@ class EnvStore:
     def settle(self, env: Environment, *, commit: bool = False) -> str | None:
         """Commit ``env``'s pending attempt if its action is in the journal (or ``commit``), else
         discard it; returns what became of it (None: there was none)."""
+        if env.live_layer:
+            return None   # mounted in the environment's live session: settled once it is taken away
         with self._lock:
             journal = self._journal_of(env)
             done = set(journal)

@@ -44,6 +44,7 @@ import resource
 import shutil
 import signal
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, NamedTuple
@@ -63,6 +64,8 @@ from .environments import EnvStore, Environment
 from .fs_inside import EnvError, is_plain_dir, read_inside, size_inside
 from .limits import WRAPPER_ENVIRON, Limits, LimitsError, wrapper_argv
 from .process import ProcResult, run_bounded
+from .sessions import KEPT, STARTED, Session, SessionError, Sessions, Spawn, server_limits
+from .session_mounts import STACK_MAX, MountError
 
 __all__ = ["SandboxManager", "SandboxOutcome", "PayloadError", "BwrapUnavailable"]
 
@@ -100,6 +103,7 @@ class _Ran(NamedTuple):
     enforced: dict
     note: str | None
     disk_used_mb: float | None
+    processes: str | None = None   # live sessions: "kept", "started", or why they were not kept
 
 
 @dataclass(slots=True)
@@ -200,6 +204,12 @@ class SandboxManager:
     transactional: run each attempt of an action in an environment against a layer of its
         own, committed once its outcome is journaled (:mod:`tangram_hpc.managers.env_layers`;
         needs root and overlayfs, else attempts run directly in the environment).
+    sessions: give each environment a live session whose processes are kept, frozen, between
+        its actions (:mod:`tangram_hpc.managers.sessions`; needs bubblewrap and a way to freeze:
+        a freezer cgroup, else root for SIGSTOP).  Concurrent and network actions, ``run_code``
+        and environment-less actions still get a sandbox of their own.
+    session_idle_s: seconds an idle session is kept (None: until its environment goes).
+    session_min_free_mb: below this much available memory, idle sessions are ended.
     """
 
     def __init__(self, root: Path | str, snapshot_dir: Path | str | None = None, *,
@@ -208,7 +218,8 @@ class SandboxManager:
                  warm_pool: int = 0, default_limits: Limits | None = None,
                  bwrap: str = "bwrap", allow_network: bool = False, use_cgroups: bool = True,
                  extra_ro_binds: tuple[str, ...] = (), seccomp: bool = True,
-                 result_bytes: int = RESULT_BYTES, transactional: bool = True):
+                 result_bytes: int = RESULT_BYTES, transactional: bool = True, sessions: bool = False,
+                 session_idle_s: float | None = 600.0, session_min_free_mb: int = 1024):
         self.root = Path(root)
         self.result_bytes = result_bytes
         self.snapshot_dir = Path(snapshot_dir) if snapshot_dir is not None else None
@@ -234,6 +245,16 @@ class SandboxManager:
         #: why attempts are not layered here (None: they are)
         self.unlayered_reason = ("turned off" if not transactional else "no bubblewrap" if self.layout is None
                                  else env_layers.overlay_supported())
+        self.sessions: Sessions | None = None
+        #: why environments get no live session here (None: they do)
+        self.sessionless_reason = "turned off" if not sessions else "no bubblewrap" if self.layout is None else None
+        if self.sessionless_reason is None:
+            live = Sessions(self.cgroups, idle_s=session_idle_s, min_free_mb=session_min_free_mb,
+                            layered=self.unlayered_reason is None)
+            if live.available:
+                self.sessions = live
+            else:
+                self.sessionless_reason = "no way to freeze a session here (no freezer cgroup, not root)"
         self._closed = False
 
     # -- public API ---------------------------------------------------------------
@@ -245,6 +266,17 @@ class SandboxManager:
     @property
     def isolation(self) -> str:
         return "bwrap" if self.layout is not None else ("unsafe" if self.unsafe else "none")
+
+    def session_status(self) -> dict:
+        """Live sessions here, how they are frozen, or why there are none (for status)."""
+        if self.sessions is None:
+            return {"sessions": 0, "freezer": None, "off": self.sessionless_reason}
+        return self.sessions.status()
+
+    def processes_kept(self, env_id: str) -> bool:
+        """Whether the last action of ``env_id`` ran beside processes its earlier actions left."""
+        s = self.sessions.get(env_id) if self.sessions is not None else None
+        return s is not None and s.last_state == KEPT
 
     def check(self) -> None:
         """Raise :class:`BwrapUnavailable` (with the fix) if actions cannot run."""
@@ -273,6 +305,7 @@ class SandboxManager:
             env = self.envs.acquire(spec.env, req.template)
         except EnvError as exc:
             return SandboxOutcome(Status.ERROR, None, str(exc))
+        live = (self.sessions is not None and not req.concurrent and not req.network and not env.throwaway)
         try:
             waited, attempt = self._begin(env, spec, cancel_fd, limits.timeout_s, req.concurrent)
         except (EnvError, OSError) as exc:
@@ -282,8 +315,11 @@ class SandboxManager:
             if waited is not None:
                 return _not_its_turn(waited, limits)
             self.envs.write_files(env, req.files)
-            ran = self._exec(env, req.argv, req.stdin, req.environ, limits, cpus, req.network, cancel_fd,
-                             attempt)
+            if live:
+                ran = self._exec_live(env, req.argv, req.stdin, req.environ, limits, cpus, cancel_fd, attempt)
+            else:
+                ran = self._exec(env, req.argv, req.stdin, req.environ, limits, cpus, req.network, cancel_fd,
+                                 attempt)
         except (EnvError, OSError) as exc:
             return SandboxOutcome(Status.ERROR, None, f"sandbox could not run the command: {exc}")
         finally:
@@ -296,6 +332,8 @@ class SandboxManager:
             "cpu_time": None if res.cpu_time is None else round(res.cpu_time, 6),
             "max_rss_kb": res.max_rss_kb, "disk_used_mb": ran.disk_used_mb, "enforced": ran.enforced,
         }
+        if ran.processes is not None:
+            out["processes"] = ran.processes
         if res.cancelled:
             return SandboxOutcome(Status.CANCELLED, out, "cancelled while running; process tree killed")
         if res.timed_out:
@@ -327,6 +365,7 @@ class SandboxManager:
         """
         if self.snapshot_dir is None:
             raise EnvError("this sandbox manager has no snapshot_dir")
+        self._park(self.envs.get(env_id))
         return self.envs.snapshot(env_id, self.snapshot_dir, generation)
 
     def restore(self, env_id: str, snapshot: str) -> None:
@@ -338,19 +377,37 @@ class SandboxManager:
         self.envs.adopt(env_id, source_root)
 
     def drop(self, env_id: str) -> bool:
+        self._end_session(env_id, "its environment was dropped here")
         return self.envs.drop(env_id)
 
     def environments(self) -> frozenset[str]:
         return self.envs.ids()
 
     def gc(self, now: float | None = None) -> list[str]:
-        """Remove environments idle past the TTL (``now``: ``time.monotonic()``)."""
+        """Remove environments idle past the TTL (``now``: ``time.monotonic()``), and end the live
+        sessions idle past theirs or while memory is short (their files stay)."""
+        if self.sessions is not None:
+            for env_id in self.sessions.reclaim(now, busy=self._busy):
+                self._settle_dead(env_id)
+            ttl = self.envs.ttl
+            t = time.monotonic() if now is None else now
+            for env_id in list(self.sessions.live_ids()):
+                try:
+                    env = self.envs.get(env_id)
+                except EnvError:
+                    continue
+                if ttl is not None and env.busy == 0 and t - env.last_used > ttl:
+                    self._end_session(env_id, "its environment expired")
         return self.envs.gc(now)
 
     def close(self, keep: tuple[str, ...] | frozenset[str] = ()) -> None:
         """Remove the environments (those in ``keep`` stay on disk for another worker to adopt)."""
         if not self._closed:
             self._closed = True
+            if self.sessions is not None:
+                for env_id in list(self.sessions.live_ids()):
+                    self._end_session(env_id, "the worker closed")
+                self.sessions.close()
             self.envs.close(keep)
             if self.cgroups is not None:
                 self.cgroups.sweep()
@@ -387,6 +444,12 @@ class SandboxManager:
         if concurrent:
             return None, None
         waited = self.envs.take_turn(env, cancel_fd, timeout_s)
+        if waited is None:
+            try:
+                self._park(env)
+            except BaseException:
+                self.envs.give_turn(env)
+                raise
         if waited is not None or self.unlayered_reason is not None or env.throwaway:
             return waited, None
         try:
@@ -400,6 +463,11 @@ class SandboxManager:
         :meth:`finish_attempt`; any other is committed at once (nothing will journal it) and the
         turn given back."""
         if not held:
+            return
+        live = self.sessions.get(env.id) if env.live_layer and self.sessions is not None else None
+        if live is not None and not self.envs.journaled:
+            live.commit_on_park = True    # nothing will journal it: committed once the session is parked
+            self.envs.give_turn(env)
             return
         if attempt is not None and self.envs.journaled:
             env.awaiting_journal = action_id
@@ -448,8 +516,7 @@ class SandboxManager:
             if attempt is not None:
                 full = env_layers.mount_argv(env.path, attempt) + full
             if scope is not None:
-                full = ["/bin/sh", "-c", 'for f in ' + " ".join(f"'{p}'" for p in scope.procs_files)
-                        + '; do echo $$ > "$f" || exit 126; done; exec "$@"', "sh"] + full
+                full = _join_cgroups(scope) + full
             res = run_bounded(full, cpus=cpus, stdin=stdin, timeout=limits.timeout_s,
                               keep_bytes=limits.output_bytes, kill_bytes=limits.output_kill_bytes,
                               cwd=cwd, env=popen_env, pass_fds=fds,
@@ -511,6 +578,159 @@ class SandboxManager:
         }
         disk_mb = round(quota.last.mb, 3) if quota.active else None
         return _Ran(res, enforced, note, disk_mb)
+
+    # -- live sessions ---------------------------------------------------------------------
+    def _exec_live(self, env: Environment, argv: list[str], stdin: bytes | None, extra_env: Mapping[str, str],
+                   limits: Limits, cpus, cancel_fd: int | None, attempt: Path | None) -> _Ran:
+        """Run the command in ``env``'s live session (started first if it has none), its attempt's layer
+        mounted into it; the session is frozen again when the command exits."""
+        sessions = self.sessions
+        session = sessions.get(env.id)
+        state = KEPT
+        if session is None:
+            why = sessions.lost(env.id)
+            session = self._start_session(env, limits, cpus)
+            state = STARTED if why is None else f"not kept: {why}"
+        session.last_state = state
+        try:
+            if attempt is not None and session.mount_point is not None:
+                sessions.mounts.mount_layer(session.proc.pid, session.mount_point, env.path, attempt)
+                session.depth += 1
+                session.layer_mounted = env.live_layer = True
+        except MountError as exc:
+            self._end_session(env.id, f"its layer could not be mounted ({exc})")
+            raise
+        session.thaw(cpus, limits.memory_mb, limits.nproc)
+        scope = session.scope
+        quota = QuotaWatch(env.path, limits.disk_mb, limits.disk_files, env.disk,
+                           outside=self._held_outside(env, scope), layer=attempt / "upper" if attempt else None)
+        mem_in_cgroup = scope is not None and scope.memory_dir is not None and bool(limits.memory_mb)
+        environ = self._environ(SANDBOX_DIR, len(cpus) if cpus else 1, env)
+        environ.update(extra_env)
+        try:
+            res = session.run(argv, environ, limits if not mem_in_cgroup else _without_as(limits), cpus, stdin,
+                              cancel_fd, quota if quota.active else None)
+        finally:
+            session.freeze()
+            if session.dead is not None:
+                # its processes and its mount namespace are gone: the attempt is settled as usual
+                sessions.forget(env.id, session.dead)
+                env.live_layer = False
+        note = None
+        if scope is not None and res.returncode != 0:
+            if scope.oom_killed():
+                note = f"memory limit exceeded: {limits.memory_mb} MiB (cgroup); killed by the OOM killer"
+            elif scope.pids_hit():
+                note = f"process limit reached: nproc={limits.nproc} (pids cgroup); {_exit_text(res.returncode)}"
+        if quota.active:
+            over = quota.check()
+            if res.stopped is None:
+                res.stopped = over
+            env.disk = quota.measured
+        if note is None and res.returncode != 0 and not res.timed_out:
+            note = _hint(res, limits, mem_in_cgroup)
+        enforced = {
+            "isolation": self.isolation, "session": session.freezer,
+            "memory": None if not limits.memory_mb else ("cgroup" if mem_in_cgroup else "rlimit_as"),
+            "nproc": None if not limits.nproc else "+".join(
+                x for x in ("cgroup" if scope is not None and scope.pids_dir is not None else "",
+                            "rlimit" if env.uid is not None else "") if x) or None,
+            "cpus": sorted(cpus) if cpus else None,
+            "cpuset": scope is not None and scope.cpuset_dir is not None,
+            "seccomp": self.seccomp_program is not None,
+            "disk": "watched" if quota.active else None,
+        }
+        return _Ran(res, enforced, note, round(quota.last.mb, 3) if quota.active else None, state)
+
+    def _start_session(self, env: Environment, limits: Limits, cpus) -> Session:
+        scope = self.cgroups.scope(limits.memory_mb, limits.nproc, cpus, freezer=True) \
+            if self.cgroups is not None else None
+        uid = env.uid
+        puid = uid if uid is not None else os.getuid()
+        pgid = uid if uid is not None else os.getgid()
+        fds = [_memfd("passwd", f"sandbox:x:{puid}:{pgid}:sandbox:{SANDBOX_DIR}:/bin/sh\n"
+                      "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"),
+               _memfd("group", f"sandbox:x:{pgid}:\nnogroup:x:65534:\n")]
+        if self.seccomp_program is not None:
+            fds.append(_memfd("seccomp", self.seccomp_program))
+        mount_point = None
+        if self.unlayered_reason is None:
+            mount_point = self.envs.root / ".live" / env.path.name
+            mount_point.mkdir(parents=True, exist_ok=True)
+        sandbox = self.layout.argv(mount_point or env.path, network=False, tmp_mb=limits.tmp_mb, passwd_fd=fds[0],
+                                   group_fd=fds[1], seccomp_fd=fds[2] if len(fds) > 2 else None)
+        sandbox += wrapper_argv(server_limits(limits), uid, uid, dict(WRAPPER_ENVIRON), sys.executable)
+        prefix = _join_cgroups(scope) if scope is not None else []
+
+        def close() -> None:
+            for fd in fds:
+                os.close(fd)
+        try:
+            return self.sessions.start(env.id, uid, Spawn(env.path, mount_point, sandbox, prefix, fds,
+                                                          list(cpus) if cpus else None, close), scope)
+        except SessionError:
+            if scope is not None:
+                self.cgroups.release(scope)
+            raise
+
+    def _park(self, env: Environment) -> None:
+        """Bring ``env``'s live session (if any) between actions: frozen for certain, the last
+        attempt's layer taken away and settled.  Called holding the environment's turn."""
+        if self.sessions is None:
+            return
+        session = self.sessions.get(env.id)
+        if session is None:
+            if env.live_layer:     # the session died meanwhile: its namespace went with it
+                env.live_layer = False
+            return
+        if not session.layer_mounted:
+            return
+        if not session.wait_frozen():
+            self._end_session(env.id, "its processes could not be frozen")
+        # Settled under the layer still mounted (frozen: nothing uses it; the next attempt's layer
+        # goes on top of it): see session_mounts for why it is not unmounted each time.
+        session.layer_mounted = env.live_layer = False
+        commit, session.commit_on_park = session.commit_on_park, False
+        self.envs.settle(env, commit=commit)
+        if session.dead is None and session.depth >= STACK_MAX:
+            try:
+                self.sessions.mounts.unmount_stack(session.proc.pid)
+                session.depth = 0
+            except MountError as exc:
+                self._end_session(env.id, f"its layers could not be unmounted ({exc})")
+
+    def _end_session(self, env_id: str, why: str) -> None:
+        if self.sessions is None:
+            return
+        session = self.sessions.get(env_id)
+        if session is None:
+            return
+        self.sessions.forget(env_id, why)
+        if session.scope is not None:
+            self.cgroups.release(session.scope)
+        self._settle_dead(env_id, session)
+
+    def _settle_dead(self, env_id: str, session: Session | None = None) -> None:
+        """A session ended outside an action: its layer, if one was mounted, is settled."""
+        try:
+            env = self.envs.get(env_id)
+        except EnvError:
+            return
+        if env.live_layer:
+            env.live_layer = False
+            commit = session is not None and session.commit_on_park
+            if env.turn.acquire(blocking=False):
+                try:
+                    self.envs.settle(env, commit=commit)
+                finally:
+                    self.envs.give_turn(env)
+
+    def _busy(self, env_id: str) -> bool:
+        try:
+            env = self.envs.get(env_id)
+        except EnvError:
+            return False
+        return env.busy > 0 or env.turn.locked()
 
     def _held_outside(self, env: Environment, scope: CgroupScope | None):
         """What counts against ``env``'s disk quota beside its tree: its journal, and the files its
@@ -661,6 +881,13 @@ def _without_as(limits: Limits) -> Limits:
     # reserved-but-unused address space and break runtimes that reserve a lot.
     from dataclasses import replace
     return replace(limits, memory_mb=None)
+
+
+def _join_cgroups(scope: CgroupScope) -> list[str]:
+    """argv prefix that moves itself into ``scope``'s cgroups, then execs the rest (nothing runs in
+    the threaded worker between fork and exec)."""
+    return ["/bin/sh", "-c", 'for f in ' + " ".join(f"'{p}'" for p in scope.procs_files)
+            + '; do echo $$ > "$f" || exit 126; done; exec "$@"', "sh"]
 
 
 def _memfd(name: str, data: str | bytes) -> int:
