@@ -387,8 +387,8 @@ class SandboxManager:
         """Remove environments idle past the TTL (``now``: ``time.monotonic()``), and end the live
         sessions idle past theirs or while memory is short (their files stay)."""
         if self.sessions is not None:
-            for env_id in self.sessions.reclaim(now, busy=self._busy):
-                self._settle_dead(env_id)
+            for env_id, why in self.sessions.to_reclaim(now, busy=self._busy):
+                self._end_session(env_id, why)
             ttl = self.envs.ttl
             t = time.monotonic() if now is None else now
             for env_id in list(self.sessions.live_ids()):

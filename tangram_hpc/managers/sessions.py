@@ -461,23 +461,23 @@ class Sessions:
                     os.sched_setaffinity(0, saved)
 
     # -- reclaiming ----------------------------------------------------------------------
-    def reclaim(self, now: float | None = None, busy: Callable[[str], bool] = lambda _: False) -> list[str]:
-        """End sessions idle past ``idle_s``, and idle ones (longest idle first) while the machine has
-        less than ``min_free_mb`` of memory available; returns their environments.  ``busy(env)``:
+    def to_reclaim(self, now: float | None = None, busy: Callable[[str], bool] = lambda _: False
+                   ) -> list[tuple[str, str]]:
+        """The sessions to end, with why: those idle past ``idle_s``, and idle ones (longest idle
+        first) while the machine has less than ``min_free_mb`` of memory available.  ``busy(env)``:
         whether an action holds the environment now (never reclaimed then)."""
         now = time.monotonic() if now is None else now
         with self._lock:
             idle = sorted((s for s in self._live.values() if not busy(s.env_id)), key=lambda s: s.last_used)
         ended = []
+        short = _available_mb() < self.min_free_mb
         for s in idle:
             if self.idle_s is not None and now - s.last_used > self.idle_s:
-                why = f"reclaimed after {now - s.last_used:.0f}s idle (idle_s={self.idle_s:g})"
-            elif _available_mb() < self.min_free_mb:
-                why = f"reclaimed under memory pressure (less than {self.min_free_mb} MiB available)"
-            else:
-                continue
-            self.forget(s.env_id, why)
-            ended.append(s.env_id)
+                ended.append((s.env_id, f"reclaimed after {now - s.last_used:.0f}s idle (idle_s={self.idle_s:g})"))
+            elif short:
+                ended.append((s.env_id, f"reclaimed under memory pressure (less than {self.min_free_mb} MiB "
+                                        f"available)"))
+                short = False       # one per call, the idlest: the next call sees what that freed
         return ended
 
     def close(self) -> None:
