@@ -252,7 +252,7 @@ class SandboxSettings:
                         "io_uring, perf events, userfaultfd or fallocate")
     sessions: bool = key(False, "keep each environment's processes between its actions, frozen (a live "
                          "session: a shell, a kernel or a server started in one action is there in the next)",
-                         flag="--sandbox-sessions")
+                         flag="--sandbox-sessions", env="TANGRAM_SANDBOX_SESSIONS")
     session_idle_s: float = key(600.0, "seconds an idle session's processes are kept (0: as long as the "
                                 "environment)", minimum=0)
     session_min_free_mb: int = key(1024, "below this much available memory, idle sessions are ended (their "
