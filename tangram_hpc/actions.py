@@ -295,6 +295,7 @@ class EnvState(str, Enum):
 
     CREATED = "created"      # a new, empty environment was made for it
     KEPT = "kept"            # it ran in the live copy where the environment already was
+    LIVE = "live"            # ... beside the processes its earlier actions left running there (a live session)
     RESTORED = "restored"    # the environment was restored here from its snapshot first
     ADOPTED = "adopted"      # taken over from the directory of a worker that died
     REPLAYED = "replayed"    # not run again: the environment's journal held its outcome

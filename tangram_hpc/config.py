@@ -122,6 +122,9 @@ class CoordinatorSettings:
                             "worker (its holder saves it, the next one restores it); the scheduler learns the "
                             "real cost from each move (to keep environments where they start: env_moves = false)",
                             minimum=0.01)
+    pin_live_envs: bool = key(True, "never move an environment that keeps live processes on its worker (a "
+                              "live session, [sandbox] sessions) unless that worker is lost: a move would end "
+                              "them")
     barriers: bool = key(False, "the training loop rolls out synchronously: a turn starts only when every "
                          "trajectory finished the one before (per-turn barriers), so a turn ends with its "
                          "slowest action; the elastic policy then gives a burst's wide actions the cores they "

@@ -85,6 +85,7 @@ def build_coordinator(settings: Settings, *, reuse_ports: bool = True) -> Coordi
     pool: PoolPolicy | None = None
     policy = make_policy(cfg.policy, cfg.pipeline_below_s, cfg.env_move_s if cfg.env_moves else None, cfg.barriers,
                          cfg.prefetch)
+    policy.pin_live_envs = cfg.pin_live_envs
     if cfg.backend == "local":
         from .backends.local import LocalBackend
         backend = LocalBackend(cfg.run_dir / "workers")

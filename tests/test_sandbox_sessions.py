@@ -280,3 +280,21 @@ def test_a_session_attempt_not_journaled_is_discarded_and_a_journaled_one_kept(s
     run_in(w, act("echo kept >> log", env="e"), [1, P.GRANT_HELD, None])
     out = w.mgr.run(act("cat log", env="e"), CPU)
     assert out.output["stdout"] == "base\nkept\n"
+
+
+def test_the_result_says_live_when_the_processes_of_earlier_actions_were_there(session_hosts):
+    h = session_hosts("w1")
+
+    def through_host(cmd: str, grant: list):
+        spec = act(cmd, env="e")
+
+        def execute():
+            o = h.mgr.run(spec, CPU)
+            return o.status, o.output, o.error
+        outcome, _, _, state = h.run(spec, 1, grant, 0.0, execute, cancelled=lambda: False, keep=lambda o: True)
+        assert outcome[0] == Status.OK, outcome
+        return state
+    assert through_host("sleep 1000 &", [1, P.GRANT_NEW, None]) == EnvState.CREATED
+    assert through_host("true", [1, P.GRANT_HELD, None]) == EnvState.LIVE
+    h.mgr.drop("e")                         # its processes end with it
+    assert through_host("true", [2, P.GRANT_NEW, None]) == EnvState.CREATED

@@ -559,6 +559,8 @@ class ActionLedger:
                 w.idle_since = now
             if a.in_env:
                 self.envlife.attempt_ended(a, now)
+                if env_state is not None:
+                    policy.env_processes(a.spec.env, env_state == EnvState.LIVE)
             if env_state == EnvState.RESTORED:
                 self.envlife.observe_restore(a, now, finished - started)
             self._finalize(a, status, output, error, started, finished, env_state, nbytes=share)

@@ -103,6 +103,8 @@ class EnvHost:
                 started = time.time()
             outcome = execute()
             finished = time.time()
+            if env_state is EnvState.KEPT and self.mgr.processes_kept(env):
+                env_state = EnvState.LIVE
             if keep(outcome):
                 # Journaled before the DONE leaves: a later attempt of this action finds it.
                 self.record(env, [spec.id, attempt, outcome[0], outcome[1], outcome[2], started, finished])

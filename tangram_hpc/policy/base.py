@@ -105,6 +105,11 @@ class SchedulingPolicy(ABC):
         """
         return []
 
+    def env_processes(self, env: str, live: bool) -> None:
+        """Whether ``env`` keeps live processes on its worker (its last result said ``env_state``
+        ``live``): such an environment is pinned there -- no move is asked for it -- unless the policy
+        does not pin (``pin_live_envs`` off) or its worker is lost (processes cannot move)."""
+
     def observe_env_move(self, seconds: float) -> None:
         """How long a move took, save and restore (the coordinator sees the save and counts the
         restore as long; the simulator reports the workload's cost)."""

@@ -102,9 +102,9 @@ class MoveWhenSooner(EnvMoves):
         self._policy = policy
 
     def _movable(self, es: EnvState, w: WorkerRecord) -> bool:
-        """The environment lives on ``w``, is not asked to move yet, and nothing runs in it (a move
-        would wait for its copy to be free anyway)."""
-        return es.busy == 0 and es.host is w and es.name not in self._moves
+        """The environment lives on ``w``, is not asked to move yet, nothing runs in it (a move
+        would wait for its copy to be free anyway) and it keeps no live processes there (pinned)."""
+        return es.busy == 0 and es.host is w and not es.pinned and es.name not in self._moves
 
     def consider(self, rec: ActionRecord, w: WorkerRecord, now: float) -> bool:
         """Ask to move ``rec``'s environment off ``w``, its host, when ``rec`` would finish sooner on

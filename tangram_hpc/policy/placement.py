@@ -67,6 +67,8 @@ class PlacementPolicy(SchedulingPolicy):
 
     #: Core-bound actions whose class is learned to take less than this run pipelined (see submit).
     PIPELINE_BELOW_S: ClassVar[float] = 0.001
+    #: An environment keeping live processes on its worker is not moved off it (see env_processes).
+    pin_live_envs: bool = True
 
     def __init__(self, predictor: Predictor | None = None, *, shapes: Sequence[WorkerShape] = (),
                  services: Mapping[str, ServiceInfo] | None = None, pipeline_below_s: float | None = None,
@@ -209,6 +211,7 @@ class PlacementPolicy(SchedulingPolicy):
             es = self._envs.get(env)
             if es is not None and es.host is w:
                 es.host = None
+                es.pinned = False     # its processes died with the worker
                 self._forget_env(es)
         w.envs.clear()
         self.queues.strand(w)
@@ -504,6 +507,11 @@ class PlacementPolicy(SchedulingPolicy):
         started.append(rec)
 
     # -- environments ------------------------------------------------------------
+    def env_processes(self, env: str, live: bool) -> None:
+        es = self._envs.get(env)
+        if es is not None:
+            es.pinned = live and self.pin_live_envs
+
     def env_moves(self) -> list[str]:
         return self.moves.take()
 

@@ -61,7 +61,7 @@ class EnvState:
     keyed by name: an action's life then looks its environment up once (at submit), not at
     every step (maps of 100,000 names are what a large run spends its time in)."""
 
-    __slots__ = ("name", "host", "first", "wait", "idle", "busy", "live")
+    __slots__ = ("name", "host", "first", "wait", "idle", "busy", "live", "pinned")
 
     def __init__(self, name: str):
         self.name = name
@@ -71,6 +71,7 @@ class EnvState:
         self.idle = -1.0                            # when its last action ended (-1: running, or not known)
         self.busy = 0                               # its actions running
         self.live = 0                               # its actions pending or running
+        self.pinned = False                         # it keeps live processes on its host: never moved off it
 
 
 class Need:
