@@ -72,10 +72,13 @@ __attribute__((constructor)) static void probe(void) {
 """
 
 
-@pytest.fixture
-def mgr(tmp_path):
-    with SandboxManager(tmp_path / "envs", tmp_path / "snapshots",
+@pytest.fixture(params=["per-action", "session"])
+def mgr(request, tmp_path):
+    """Each case against a sandbox per action and against a live session of its environment."""
+    with SandboxManager(tmp_path / "envs", tmp_path / "snapshots", sessions=request.param == "session",
                         default_limits=Limits(timeout_s=30, nproc=128)) as m:
+        if request.param == "session" and m.sessions is None:
+            pytest.skip(f"no live sessions here: {m.sessionless_reason}")
         yield m
 
 
