@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import queue
 import signal
 import socket
 import sys
@@ -50,6 +49,9 @@ from .handlers import FunctionHandler, Handler
 # the configuration lives in worker_config; named here too, where callers have imported it from
 from .worker_config import (WorkerConfig, add_arguments, config_from_args, config_from_settings,  # noqa: F401
                             sandbox_limits, sandbox_templates)
+from .worker_exec import Executors, target as _target
+from .worker_frames import DoneFrames
+from .worker_sandboxes import WorkerSandboxes
 from .worker_session import Start, WorkerSession
 
 log = logging.getLogger("tangram.worker")
@@ -62,39 +64,29 @@ class Worker:
         self.cores = cfg.cores or len(self.cpus)
         self.id = cfg.worker_id or f"w-{socket.gethostname()}-{os.getpid()}-{os.urandom(2).hex()}"
         run_dir = cfg.run_dir or os.path.join(cfg.connection.run_dir or ".", "worker-" + self.id)
-        self.handlers: dict[str, Handler] = {"function": FunctionHandler()}
-        self.sandboxes = None
-        self.envs = None
+        handlers: dict[str, Handler] = {"function": FunctionHandler()}
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._wake_sent = False
-        if "sandbox" in cfg.kinds:
-            from .managers.env_host import EnvHost
-            self.sandboxes = self._sandbox_manager(run_dir)
-            self.handlers["sandbox"] = self._run_sandbox
-            self.envs = EnvHost(self.sandboxes, self._wake)
-        self.handlers.update(cfg.handlers)
-        self.services = cfg.services
         # what the coordinator's messages mean here: attempts, their slots, generations, outcomes' routes
         self.session = WorkerSession(self.cores, self._item_limit)
-        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._leave_signalled = threading.Event()
+        #: the sandbox side (its manager and environments), on a worker of the sandbox kind
+        self.boxes: WorkerSandboxes | None = None
+        self.sandboxes = self.envs = None
+        if "sandbox" in cfg.kinds:
+            self.boxes = WorkerSandboxes(cfg, run_dir, self._wake, lambda: self.session.leaving is not None,
+                                         self._leave_signalled, self._item_limit)
+            self.sandboxes, self.envs = self.boxes.mgr, self.boxes.envs
+            handlers["sandbox"] = self.boxes.run
+        handlers.update(cfg.handlers)
+        self.services = cfg.services
         self._stop = False
         self._coordinator: str | None = None
         self._registered = False
         self._exit_code = 0
-        self._fast: dict[str, float] = {}   # function target -> recent run time (s)
-        self._last_gc = time.monotonic()
-        # running sandbox action -> write ends of its cancel pipes (two attempts may overlap)
-        self._cancel_fds: dict[str, set[int]] = {}
-        self._unsent: deque[bytes] = deque()    # DONE frames the send queue had no room for
-        self._send_blocked = False
-        self._light: queue.SimpleQueue = queue.SimpleQueue()
-        self._threads = [threading.Thread(target=self._executor, args=(self._tasks,), name=f"exec-{i}", daemon=True)
-                         for i in range(max(1, self.cores))]
-        # Zero-core actions (I/O-bound calls, cheap functions not yet known to be fast) run here,
-        # unpinned, so they never wait behind commands holding cores.
-        self._threads += [threading.Thread(target=self._executor, args=(self._light,), name=f"light-{i}", daemon=True)
-                          for i in range(_LIGHT_THREADS)]
+        self.frames = DoneFrames()
+        self.executors = Executors(self.cores, self.cpus, handlers, self.session, self.boxes, self._wake)
         # The I/O role (see the module docstring): who holds it, whether it is in a user call, since when.
         self._io_lock = threading.Lock()
         self._io_owner: int | None = None
@@ -104,126 +96,10 @@ class Worker:
         self._main_thread: int | None = None
         self._handoff: deque = deque()   # attempts to start that a thread left when it lost the role
         self._finished = threading.Event()
-        # DONE frames sent under the current registration, kept to be sent again as OUTCOMES should the
-        # coordinator not have heard them (it restarted, or it declared this worker lost).
-        self._sent: deque[tuple[int, float, bytes]] = deque()   # (generation, time sent, frame)
-        self._sent_bytes = 0
-        self._older_frames: list[bytes] = []         # DONE frames of the last registration, until WELCOME
         self._max_frame = P.MAX_FRAME_BYTES           # the coordinator's frame limit (its WELCOME says)
         self._last_heard_wall = time.time()
         self._leave_deadline: float | None = None   # leaving: when its next step is due
         self._handed_back: threading.Event | None = None
-        self._leave_signalled = threading.Event()
-
-    def _sandbox_manager(self, run_dir: str):
-        from .managers.sandbox import SandboxManager
-        cfg = self.cfg
-        # Until the coordinator names its snapshot directory (WELCOME), a fallback under its run directory.
-        snapshots = cfg.snapshot_dir or os.path.join(cfg.connection.run_dir or run_dir, "snapshots")
-        mgr = SandboxManager(os.path.join(run_dir, "envs"), snapshots, unsafe=cfg.unsafe_sandbox,
-                             result_bytes=cfg.max_output_bytes, **cfg.sandbox_options)
-        mgr.check()  # no bubblewrap and no explicit --unsafe-sandbox: refuse to start, saying why
-        return mgr
-
-    def _run_sandbox(self, spec: ActionSpec, cpus: list[int]):
-        mgr = self.sandboxes
-        r, w = os.pipe()
-        self._cancel_fds.setdefault(spec.id, set()).add(w)
-        try:
-            o = mgr.run(spec, cpus, cancel_fd=r)
-        finally:
-            fds = self._cancel_fds.get(spec.id)
-            if fds is not None:
-                fds.discard(w)
-                if not fds:
-                    self._cancel_fds.pop(spec.id, None)
-            os.close(r)
-            os.close(w)
-        if self.session.leaving is None and _ended_by_job_signal((o.status, o.output)):
-            # Slurm signals every process of a job that ends (scancel, time limit) at once: the
-            # command may die of it a moment before this worker learns it is leaving.
-            self._leave_signalled.wait(_JOB_SIGNAL_WAIT_S)
-        return o.status, o.output, o.error
-
-    # -- executor threads ---------------------------------------------------
-    def _executor(self, tasks: queue.SimpleQueue) -> None:
-        pinned: tuple[int, ...] | None = None
-        allowed = self.cpus
-        while True:
-            item = tasks.get()
-            if item is None:
-                return
-            slots = item[2]
-            cpus = sorted({allowed[s % len(allowed)] for s in slots}) or allowed
-            key = tuple(cpus)
-            if key != pinned and slots:
-                try:
-                    os.sched_setaffinity(0, cpus)
-                    pinned = key
-                except OSError:
-                    pinned = None
-            self._execute(item, cpus)
-
-    def _execute(self, item: tuple, cpus: list[int]) -> None:
-        """Run one assigned action on the calling thread and hand its outcome to the I/O thread."""
-        spec, attempt, slots, gen, grant = item
-        started = time.time()
-        t0 = time.perf_counter()
-        handler = self.handlers.get(spec.kind)
-        session = self.session
-        if (session.killed or session.leave_killed) and session.stopped_before_start((spec.id, attempt, gen)):
-            # killed while it waited for a thread
-            self._complete(spec.id, attempt, (Status.CANCELLED, None, "killed before it started"),
-                           started, started, slots, gen)
-            return
-        if grant is not None and spec.env is not None and self.envs is not None and spec.kind == "sandbox":
-            self._execute_in_env(spec, attempt, cpus, slots, gen, grant, started)
-            return
-        outcome: tuple[Any, ...]
-        if handler is None:
-            outcome = (Status.ERROR, None, f"this worker has no handler for kind {spec.kind!r}")
-        else:
-            try:
-                outcome = handler(spec, cpus)
-            except BaseException as e:  # a handler bug (or sys.exit) must not kill the thread or lose the outcome
-                outcome = (Status.ERROR, None, f"handler crashed: {type(e).__name__}: {e}")
-            if not (isinstance(outcome, (tuple, list)) and len(outcome) == 3 and isinstance(outcome[0], str)):
-                outcome = (Status.ERROR, None, f"handler for kind {spec.kind!r} returned {type(outcome).__name__}, "
-                           f"not (status, output, error)")
-        target = _target(spec)
-        if target is not None:
-            self._learn(target, time.perf_counter() - t0)
-        self._complete(spec.id, attempt, tuple(outcome), started, time.time(), slots, gen)
-
-    def _execute_in_env(self, spec: ActionSpec, attempt: int, cpus: list[int], slots: list[int], gen: int,
-                        grant: P.Grant, started: float) -> None:
-        """A sandbox action in an environment: its environment's host takes it from the grant to the
-        journal (EnvHost.run)."""
-        key = (spec.id, attempt, gen)
-        session = self.session
-        outcome, started, finished, env_state = self.envs.run(
-            spec, attempt, grant, started, lambda: self._run_bounded(spec, cpus),
-            cancelled=lambda: session.stopped_before_start(key),
-            # Not journaled: a command a job's signal killed half way (under load the worker may learn
-            # only later that it is leaving, and a retry must run it again, not replay its death).
-            keep=lambda o: not session.is_interrupted(key, o[0]) and not _ended_by_job_signal(o))
-        self._complete(spec.id, attempt, outcome, started, finished, slots, gen, env_state)
-
-    def _run_bounded(self, spec: ActionSpec, cpus: list[int]) -> tuple:
-        """A sandbox command's outcome, its output within the size limit (journaled as it is reported:
-        a replay answers the same, never larger than a DONE may be)."""
-        try:
-            outcome = self._run_sandbox(spec, cpus)
-        except BaseException as e:
-            outcome = (Status.ERROR, None, f"handler crashed: {type(e).__name__}: {e}")
-        packed, too_large = P.pack_output(outcome[1], self._item_limit())
-        return outcome if packed is not None else (Status.FAILED, None, too_large)
-
-    def _complete(self, aid: str, attempt: int, outcome, started: float, finished: float,
-                  slots: list[int], gen: int, env_state: str | None = None) -> None:
-        """Hand an outcome to the I/O thread (packed on this thread: see WorkerSession.complete)."""
-        self.session.complete(aid, attempt, outcome, started, finished, slots, gen, env_state)
-        self._wake()
 
     def _wake(self) -> None:
         if not self._wake_sent:
@@ -237,8 +113,7 @@ class Worker:
     def run(self) -> int:
         self._ctx = ctx = zmq.Context()
         self.sock = s = self._dealer(self.cfg.connection)
-        for t in self._threads:
-            t.start()
+        self.executors.start()
         self._poller = zmq.Poller()
         self._poller.register(s, zmq.POLLIN)
         self._poller.register(self._wake_r, zmq.POLLIN)
@@ -251,14 +126,11 @@ class Worker:
             return self._serve()
         finally:
             self._finished.set()
-            for _ in range(max(1, self.cores)):
-                self._tasks.put(None)
-            for _ in range(_LIGHT_THREADS):
-                self._light.put(None)
+            self.executors.stop()
             if self.services is not None:
                 self.services.close()
-            if self.sandboxes is not None:
-                self._close_sandboxes()
+            if self.boxes is not None:
+                self.boxes.close(self._handed_back is not None)
             ctx.destroy(linger=200)
 
     def _dealer(self, conn: ConnectionInfo) -> zmq.Socket:
@@ -354,7 +226,7 @@ class Worker:
             spare_needed = self._standbys == 0
             target = self._call_target
         if target is not None:   # no longer fast: its next calls go to executor threads
-            self._fast[target] = max(self._fast.get(target, 0.0), _FAST_S)
+            self.executors.fast[target] = max(self.executors.fast.get(target, 0.0), _FAST_S)
         if spare_needed:
             self._start_standby()
 
@@ -393,7 +265,7 @@ class Worker:
                         log.warning("coordinator silent for %.1fs: registering again", silent)
                         self._registered = False
                 wait_s = self._next_hb - now
-                if self._unsent:
+                if self.frames.unsent:
                     wait_s = min(wait_s, _RESEND_S)
                 if self.session.leaving is not None:
                     wait_s = min(wait_s, _LEAVE_STEP_S)
@@ -406,7 +278,7 @@ class Worker:
                     early = self.envs.take_replies(before_done=True)
                     if early:
                         self._send(P.ENV, early)
-                if self.session.done or self._unsent:
+                if self.session.done or self.frames.unsent:
                     self._send_done()
                 if self.envs is not None:
                     replies = self.envs.take_replies()
@@ -459,20 +331,6 @@ class Worker:
         log.info("left (%s); %d attempts interrupted", session.leaving, len(interrupted))
         return 0
 
-    def _close_sandboxes(self) -> None:
-        keep: frozenset[str] = frozenset()
-        if self.envs is not None:
-            if self._handed_back is None:
-                # Ended without leaving (no coordinator for orphan_exit_s, an error): save them all for a
-                # restarted coordinator, which finds the snapshots in its state directory.
-                self.envs.hand_back_all().wait(_SAVE_ALL_WAIT_S)
-            self.envs.close()
-            keep = self.envs.unsaved()
-            if keep:
-                log.error("%d environments could not be saved; left in %s for another worker to adopt",
-                          len(keep), self.sandboxes.root)
-        self.sandboxes.close(keep=keep)
-
     def _send(self, mtype: int, body: Any) -> None:
         self._send_frame(P.encode(mtype, body))
 
@@ -484,21 +342,14 @@ class Worker:
 
     def _register(self) -> None:
         self.session.register()
-        # Outcomes sent under the last registration shortly before the coordinator was last heard,
-        # or after: it may never have handled them.  Sent again as OUTCOMES once it welcomes us.
-        cutoff = self._last_heard_wall - _RESEND_WINDOW_S
-        # REGISTER goes again every heartbeat until a WELCOME: the frames of the first try stay
-        self._older_frames.extend(f for _, t, f in self._sent if t >= cutoff)
-        self._sent.clear()
-        self._sent_bytes = 0
+        self.frames.registering(self._last_heard_wall)
         c = self.cfg
         self._send(P.REGISTER, {
             "id": self.id, "pid": os.getpid(), "cores": self.cores, "mem_mb": c.mem_mb, "gpus": c.gpus,
             "gpu_mem_mb": c.gpu_mem_mb, "kinds": list(c.kinds),
             "services": sorted(self.services.service_names) if self.services is not None else [],
             "handle": c.handle, "host": socket.gethostname(), "partition": os.environ.get("SLURM_JOB_PARTITION"),
-            "envs": self.envs.held() if self.envs is not None else [],
-            "env_root": os.path.abspath(self.sandboxes.root) if self.sandboxes is not None else None})
+            **(self.boxes.register_fields() if self.boxes is not None else {"envs": [], "env_root": None})})
 
     def _welcomed(self, body: dict) -> None:
         self._registered = True
@@ -506,19 +357,9 @@ class Worker:
         limit = body.get("max_frame_bytes")
         if type(limit) is int and limit > 0:
             self._max_frame = limit
-        if self.sandboxes is not None:   # a result is bounded where it is made, before it is packed
-            self.sandboxes.result_bytes = self._item_limit()
-        snapshots = body.get("snapshot_dir")
-        if self.sandboxes is not None and not self.cfg.snapshot_dir and isinstance(snapshots, str) and snapshots:
-            from pathlib import Path
-            self.sandboxes.snapshot_dir = Path(snapshots)
-        for frame in self._older_frames:
-            try:
-                _, items = P.decode(frame, frozenset({P.DONE}), len(frame))   # our own frame
-            except P.ProtocolError:
-                continue
-            self.session.older.extend(items)
-        self._older_frames = []
+        if self.boxes is not None:
+            self.boxes.welcomed(self._item_limit(), body.get("snapshot_dir"))
+        self.session.older.extend(self.frames.take_older())
         self._send_older()
 
     def _send_older(self) -> None:
@@ -545,19 +386,9 @@ class Worker:
             body["devices"] = [[d["device"], d["used_mb"], d["budget_mb"],
                                 -1.0 if d["free_mb"] is None else d["free_mb"], d["resident"]]
                                for d in self.services.device_stats()]
-        if self.sandboxes is not None:
-            body["envs"] = sorted(self.sandboxes.environments())
-            now = time.monotonic()
-            if now - self._last_gc > 30:
-                self._last_gc = now
-                # Deleting expired environment trees can take a while: never on the I/O thread.
-                threading.Thread(target=self._gc_envs, args=(now,), name="env-gc", daemon=True).start()
+        if self.boxes is not None:
+            self.boxes.heartbeat(body)
         self._send(P.HEARTBEAT, body)
-
-    def _gc_envs(self, now: float) -> None:
-        gone = self.sandboxes.gc(now)
-        if gone and self.envs is not None:
-            self.envs.gone(gone, "idle for longer than its TTL (env_ttl_s)")
 
     def _drain_socket(self) -> bool:
         heard = False
@@ -621,11 +452,11 @@ class Worker:
         self._start(self.session.assign(items, time.time()))
 
     def _start(self, starts: list[Start]) -> None:
-        fast = self._fast
+        fast = self.executors.fast
         for i, task in enumerate(starts):
             spec = task[0]     # Start.spec
             if spec.kind == "reward" and self.services is not None:
-                self._submit_reward(spec, task.attempt, task.slots, task.gen)
+                self.executors.submit_reward(self.services, spec, task.attempt, task.slots, task.gen)
             elif fast.get(_target(spec), 1.0) < _FAST_S:
                 try:
                     self._run_inline(task)
@@ -635,7 +466,7 @@ class Worker:
                     self._wake()
                     raise
             else:
-                (self._tasks if task[2] else self._light).put(task)     # task[2]: its core slots
+                self.executors.put(task)
 
     def _run_inline(self, task: tuple) -> None:
         # A function seen to finish in microseconds costs less to run here than the hand-off to
@@ -644,27 +475,13 @@ class Worker:
         self._call_target = _target(task[0])
         self._call_since = time.perf_counter()
         try:
-            self._execute(task, [])
+            self.executors.execute(task, [])
         finally:
             with self._io_lock:
                 self._call_since = None
                 kept = self._io_owner == threading.get_ident()
         if not kept:
             raise _IORoleLost
-
-    def _learn(self, target: str, seconds: float) -> None:
-        old = self._fast.get(target)
-        # Slow runs demote at once; fast ones promote gradually.
-        self._fast[target] = seconds if old is None or seconds > old else 0.8 * old + 0.2 * seconds
-
-    def _submit_reward(self, spec: ActionSpec, attempt: int, slots: list[int], gen: int) -> None:
-        started = time.time()
-        payload = spec.payload if isinstance(spec.payload, dict) else {}
-
-        def done(_aid, status, output, error, _stats=None):
-            self._complete(spec.id, attempt, (status, output, error), started, time.time(), slots, gen)
-
-        self.services.submit(spec.id, spec.demand.service, payload.get("inputs"), done)
 
     def _on_kill(self, items: list) -> None:
         # A running sandbox command is killed through its cancel pipe and a queued reward request
@@ -678,11 +495,8 @@ class Worker:
     def _cancel(self, aid: str) -> bool:
         """Kill a running sandbox command through its cancel pipe; withdraw a queued reward request
         (True: withdrawn, and no outcome of it will come)."""
-        for fd in list(self._cancel_fds.get(aid, ())):
-            try:
-                os.write(fd, b"\0")
-            except OSError:
-                pass  # it just finished
+        if self.boxes is not None:
+            self.boxes.cancel(aid)
         return self.services is not None and self.services.cancel(aid)
 
     def _send_done(self) -> None:
@@ -694,34 +508,10 @@ class Worker:
         out = self.session.take()
         if out:
             for frame in P.encode_outcomes(P.DONE, out, self._max_frame):
-                self._unsent.append(frame)
-                self._keep_sent(frame)
+                self.frames.queue(frame, self.session.generation)
         if self.session.older:
             self._send_older()
-        self._flush_unsent()
-
-    def _keep_sent(self, frame: bytes) -> None:
-        sent = self._sent
-        sent.append((self.session.generation, time.time(), frame))
-        self._sent_bytes += len(frame)
-        while len(sent) > _KEEP_SENT_FRAMES or self._sent_bytes > _KEEP_SENT_BYTES:
-            self._sent_bytes -= len(sent.popleft()[2])
-
-    def _flush_unsent(self) -> None:
-        unsent = self._unsent
-        while unsent:
-            try:
-                self.sock.send(unsent[0], zmq.NOBLOCK)
-            except zmq.Again:
-                if not self._send_blocked:
-                    self._send_blocked = True
-                    log.warning("the coordinator is not taking results (send queue full): %d DONE frames kept "
-                                "and sent again when it does", len(unsent))
-                return
-            unsent.popleft()
-        if self._send_blocked:
-            self._send_blocked = False
-            log.info("the coordinator takes results again; every kept DONE frame is sent")
+        self.frames.flush(self.sock)
 
     def _item_limit(self) -> int:
         """The largest outcome sent: ``max_output_bytes``, and within the coordinator's frame limit."""
@@ -739,28 +529,6 @@ class Worker:
             pass
 
 
-def _ended_by_job_signal(outcome: tuple) -> bool:
-    """A sandbox command that failed by a signal a batch system sends to every process of a job
-    it ends (TERM, KILL, USR2 before the time limit, INT, HUP), not by one of this worker's kills."""
-    out = outcome[1]
-    if outcome[0] != Status.FAILED or not isinstance(out, dict):
-        return False
-    rc = out.get("returncode")
-    return isinstance(rc, int) and (-rc in _JOB_SIGNALS or rc - 128 in _JOB_SIGNALS)
-
-
-_JOB_SIGNALS = frozenset({signal.SIGTERM, signal.SIGKILL, signal.SIGUSR2, signal.SIGINT, signal.SIGHUP})
-#: How long an outcome of a command killed by such a signal waits to learn whether the worker leaves.
-_JOB_SIGNAL_WAIT_S = 0.5
-
-
-def _target(spec: ActionSpec) -> str | None:
-    # The payload comes from a client: a target that is not a string (a list is unhashable) is the
-    # handler's error to report, never a reason for this loop to fail.
-    fn = spec.payload.get("fn") if spec.kind == "function" and isinstance(spec.payload, dict) else None
-    return fn if isinstance(fn, str) else None
-
-
 #: Functions whose recent run time is below this run on the I/O thread.
 _FAST_S = 200e-6
 #: A call on the I/O thread running longer than this has overrun: the standby takes the I/O role.
@@ -773,19 +541,10 @@ _RESEND_S = 0.01
 _LEAVE_STEP_S = 0.05
 #: How long a leaving worker waits for the attempts it interrupted to end.
 _LEAVE_KILL_WAIT_S = 5.0
-#: How long a worker ending without a coordinator waits for its environments to be saved.
-_SAVE_ALL_WAIT_S = 120.0
-#: DONE frames kept for OUTCOMES: those sent this long before the coordinator was last heard, or later,
-#: at most this many and this many bytes.
-_RESEND_WINDOW_S = 2.0
-_KEEP_SENT_FRAMES = 256
-_KEEP_SENT_BYTES = 16 << 20
 
 
 class _IORoleLost(Exception):
     """Raised on a thread whose user call overran while the standby took the I/O role over."""
-#: Threads for zero-core actions.
-_LIGHT_THREADS = 4
 
 _FROM_COORDINATOR = frozenset({P.WELCOME, P.ASSIGN, P.KILL, P.STOP, P.HEARTBEAT, P.ERROR, P.ENV, P.PREFETCH})
 
