@@ -64,7 +64,9 @@ class Worker:
         self.cores = cfg.cores or len(self.cpus)
         self.id = cfg.worker_id or f"w-{socket.gethostname()}-{os.getpid()}-{os.urandom(2).hex()}"
         run_dir = cfg.run_dir or os.path.join(cfg.connection.run_dir or ".", "worker-" + self.id)
-        handlers: dict[str, Handler] = {"function": FunctionHandler()}
+        #: kind -> handler (the executors run them; shared, so a handler added later is used)
+        self.handlers: dict[str, Handler] = {"function": FunctionHandler()}
+        handlers = self.handlers
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._wake_sent = False

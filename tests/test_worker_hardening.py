@@ -90,7 +90,7 @@ def learn_fast(coord: FakeCoordinator, worker: Worker, target: str, *args, cores
         spec = function(target, *args, cores=cores)
         coord.assign((spec, 1, cores))
         coord.until(lambda: coord.result(spec) is not None)
-        if i >= 49 and worker._fast.get(target, 1.0) < 200e-6:
+        if i >= 49 and worker.executors.fast.get(target, 1.0) < 200e-6:
             return
     pytest.fail(f"{target} never ran in under 200 us on this machine")
 
@@ -117,7 +117,7 @@ def test_fast_function_that_runs_long_does_not_stop_heartbeats(coord_and_worker)
     assert coord.result(slow).status == "ok"
     # heartbeats never paused for the call (a bound loose enough for a loaded machine's stalls)
     assert max_heartbeat_gap(coord, t0) < 1.5
-    assert worker._fast["time:sleep"] >= 200e-6          # no longer counted as fast
+    assert worker.executors.fast["time:sleep"] >= 200e-6          # no longer counted as fast
 
 
 
