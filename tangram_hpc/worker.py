@@ -41,7 +41,6 @@ from typing import Any
 import zmq
 
 from . import protocol as P
-from .actions import ActionSpec, Status
 from .config import ConfigError
 from .connection import ConnectionInfo, reread_connection
 from .daemon import tune_gc

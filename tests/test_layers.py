@@ -24,7 +24,8 @@ CORE = {"actions", "resources", "protocol", "errors", "config", "config_cli", "c
 POLICY = {"policy"}
 SIDES = {
     "client": {"client", "client_session", "commands", "integrations"},
-    "worker": {"worker", "worker_config", "worker_session", "handlers", "managers"},
+    "worker": {"worker", "worker_config", "worker_session", "worker_exec", "worker_frames", "worker_sandboxes", "handlers",
+               "managers"},
     "coordinator": {"coordinator", "backends", "slurm"},
 }
 TOOLS = {"launch", "cli", "__main__", "bench", "bench_family", "sim", "report", "demo", "fidelity", "top", "native", "serve",

@@ -27,7 +27,9 @@ Two modes, chosen by who runs the worker:
 from __future__ import annotations
 
 import glob
+import json
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -36,7 +38,7 @@ from pathlib import Path
 from ..errors import BwrapUnavailable
 from .limits import WRAPPER_ENVIRON
 
-__all__ = ["SANDBOX_DIR", "BwrapUnavailable", "BwrapLayout", "probe_bwrap", "python_prefixes"]
+__all__ = ["SANDBOX_DIR", "BwrapUnavailable", "BwrapLayout", "BwrapStatus", "memfd", "probe_bwrap", "python_prefixes"]
 
 #: Where the environment directory appears inside the sandbox.
 SANDBOX_DIR = "/sandbox"
@@ -206,3 +208,60 @@ _INIT = ["/bin/sh", "-c", '"$@"; exit $?', "tangram-init"]
 def _ancestors(path: str) -> list[str]:
     parts = Path(path).parts[1:-1]
     return ["/" + "/".join(parts[: i + 1]) for i in range(len(parts))]
+
+
+class BwrapStatus:
+    """What bubblewrap writes to its ``--json-status-fd``: its child's pid, then its exit code.
+
+    Slurm signals every process of a job.  A bubblewrap that gets SIGTERM while it sets the
+    sandbox up can die of it without taking its child along (seen with delays of 1-30 ms after
+    the start; presumably before the child's parent-death signal is armed), and that child then
+    runs on unsupervised, holding the output pipes, writing into the environment after the
+    action was reported failed.  Once bubblewrap has exited, a child whose exit it did not
+    report is killed (it is the PID namespace's init: everything in the sandbox goes with it);
+    a child that did exit gives the command's own status.
+    """
+
+    def __init__(self) -> None:
+        self.read_fd, self.write_fd = os.pipe()
+        self.child: int | None = None
+        self.exit_code: int | None = None
+        self._buf = b""
+
+    def _read(self) -> None:
+        os.set_blocking(self.read_fd, False)
+        try:
+            while chunk := os.read(self.read_fd, 65536):
+                self._buf += chunk
+        except BlockingIOError:
+            pass
+        for line in self._buf.splitlines():
+            try:
+                doc = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(doc, dict):
+                if isinstance(doc.get("child-pid"), int):
+                    self.child = doc["child-pid"]
+                if isinstance(doc.get("exit-code"), int):
+                    self.exit_code = doc["exit-code"]
+
+    def bwrap_exited(self) -> None:
+        """bubblewrap has exited: kill its child if it did not see it exit."""
+        self._read()
+        if self.child is not None and self.exit_code is None:
+            try:
+                os.kill(self.child, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def close(self) -> None:
+        os.close(self.read_fd)
+
+
+def memfd(name: str, data: str | bytes) -> int:
+    """A memory file holding ``data``, read from its start (what ``--ro-bind-data``, ``--seccomp`` read)."""
+    fd = os.memfd_create(name, 0)
+    os.write(fd, data.encode() if isinstance(data, str) else data)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd

@@ -36,7 +36,6 @@ Nothing a payload says reaches a step that still has root's uid.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -54,7 +53,7 @@ import msgpack
 from ..actions import ActionSpec, Status
 from ..errors import TangramError
 from . import sandboxfusion as sf
-from .bwrap import SANDBOX_DIR, BwrapLayout, BwrapUnavailable, probe_bwrap
+from .bwrap import SANDBOX_DIR, BwrapLayout, BwrapStatus, BwrapUnavailable, memfd, probe_bwrap
 from . import seccomp
 from .cgroups import Cgroups, CgroupScope
 from .diskquota import QuotaWatch, held_deleted
@@ -64,8 +63,8 @@ from .environments import EnvStore, Environment
 from .fs_inside import EnvError, is_plain_dir, read_inside, size_inside
 from .limits import WRAPPER_ENVIRON, Limits, LimitsError, wrapper_argv
 from .process import ProcResult, run_bounded
-from .sessions import KEPT, STARTED, Session, SessionError, Sessions, Spawn, server_limits
-from .session_mounts import STACK_MAX, MountError
+from .live_envs import LiveEnvs
+from .sessions import KEPT, Sessions
 
 __all__ = ["SandboxManager", "SandboxOutcome", "PayloadError", "BwrapUnavailable"]
 
@@ -246,6 +245,7 @@ class SandboxManager:
         self.unlayered_reason = ("turned off" if not transactional else "no bubblewrap" if self.layout is None
                                  else env_layers.overlay_supported())
         self.sessions: Sessions | None = None
+        self.live = LiveEnvs(self)
         #: why environments get no live session here (None: they do)
         self.sessionless_reason = "turned off" if not sessions else "no bubblewrap" if self.layout is None else None
         if self.sessionless_reason is None:
@@ -316,7 +316,7 @@ class SandboxManager:
                 return _not_its_turn(waited, limits)
             self.envs.write_files(env, req.files)
             if live:
-                ran = self._exec_live(env, req.argv, req.stdin, req.environ, limits, cpus, cancel_fd, attempt)
+                ran = self.live.exec(env, req.argv, req.stdin, req.environ, limits, cpus, cancel_fd, attempt)
             else:
                 ran = self._exec(env, req.argv, req.stdin, req.environ, limits, cpus, req.network, cancel_fd,
                                  attempt)
@@ -365,7 +365,7 @@ class SandboxManager:
         """
         if self.snapshot_dir is None:
             raise EnvError("this sandbox manager has no snapshot_dir")
-        self._park(self.envs.get(env_id))
+        self.live.park(self.envs.get(env_id))
         return self.envs.snapshot(env_id, self.snapshot_dir, generation)
 
     def restore(self, env_id: str, snapshot: str) -> None:
@@ -377,7 +377,7 @@ class SandboxManager:
         self.envs.adopt(env_id, source_root)
 
     def drop(self, env_id: str) -> bool:
-        self._end_session(env_id, "its environment was dropped here")
+        self.live.end(env_id, "its environment was dropped here")
         return self.envs.drop(env_id)
 
     def environments(self) -> frozenset[str]:
@@ -387,8 +387,8 @@ class SandboxManager:
         """Remove environments idle past the TTL (``now``: ``time.monotonic()``), and end the live
         sessions idle past theirs or while memory is short (their files stay)."""
         if self.sessions is not None:
-            for env_id, why in self.sessions.to_reclaim(now, busy=self._busy):
-                self._end_session(env_id, why)
+            for env_id, why in self.sessions.to_reclaim(now, busy=self.live.busy):
+                self.live.end(env_id, why)
             ttl = self.envs.ttl
             t = time.monotonic() if now is None else now
             for env_id in list(self.sessions.live_ids()):
@@ -397,7 +397,7 @@ class SandboxManager:
                 except EnvError:
                     continue
                 if ttl is not None and env.busy == 0 and t - env.last_used > ttl:
-                    self._end_session(env_id, "its environment expired")
+                    self.live.end(env_id, "its environment expired")
         return self.envs.gc(now)
 
     def close(self, keep: tuple[str, ...] | frozenset[str] = ()) -> None:
@@ -406,7 +406,7 @@ class SandboxManager:
             self._closed = True
             if self.sessions is not None:
                 for env_id in list(self.sessions.live_ids()):
-                    self._end_session(env_id, "the worker closed")
+                    self.live.end(env_id, "the worker closed")
                 self.sessions.close()
             self.envs.close(keep)
             if self.cgroups is not None:
@@ -446,7 +446,7 @@ class SandboxManager:
         waited = self.envs.take_turn(env, cancel_fd, timeout_s)
         if waited is None:
             try:
-                self._park(env)
+                self.live.park(env)
             except BaseException:
                 self.envs.give_turn(env)
                 raise
@@ -495,18 +495,18 @@ class SandboxManager:
         rl = limits if not mem_in_cgroup else _without_as(limits)
         cmd = wrapper_argv(rl, uid, uid, environ, sys.executable) + argv
         fds: list[int] = []
-        status: _BwrapStatus | None = None
+        status: BwrapStatus | None = None
         try:
             if self.layout is not None:
                 puid = uid if uid is not None else os.getuid()
                 pgid = uid if uid is not None else os.getgid()
-                fds = [_memfd("passwd", f"sandbox:x:{puid}:{pgid}:sandbox:{SANDBOX_DIR}:/bin/sh\n"
+                fds = [memfd("passwd", f"sandbox:x:{puid}:{pgid}:sandbox:{SANDBOX_DIR}:/bin/sh\n"
                               "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"),
-                       _memfd("group", f"sandbox:x:{pgid}:\nnogroup:x:65534:\n")]
+                       memfd("group", f"sandbox:x:{pgid}:\nnogroup:x:65534:\n")]
                 if self.seccomp_program is not None:
-                    fds.append(_memfd("seccomp", self.seccomp_program))
+                    fds.append(memfd("seccomp", self.seccomp_program))
                 seccomp_fd = fds[2] if len(fds) > 2 else None
-                status = _BwrapStatus()
+                status = BwrapStatus()
                 fds.append(status.write_fd)
                 full = self.layout.argv(env.path, network=network, tmp_mb=limits.tmp_mb, passwd_fd=fds[0],
                                         group_fd=fds[1], seccomp_fd=seccomp_fd, status_fd=status.write_fd) + cmd
@@ -578,159 +578,6 @@ class SandboxManager:
         }
         disk_mb = round(quota.last.mb, 3) if quota.active else None
         return _Ran(res, enforced, note, disk_mb)
-
-    # -- live sessions ---------------------------------------------------------------------
-    def _exec_live(self, env: Environment, argv: list[str], stdin: bytes | None, extra_env: Mapping[str, str],
-                   limits: Limits, cpus, cancel_fd: int | None, attempt: Path | None) -> _Ran:
-        """Run the command in ``env``'s live session (started first if it has none), its attempt's layer
-        mounted into it; the session is frozen again when the command exits."""
-        sessions = self.sessions
-        session = sessions.get(env.id)
-        state = KEPT
-        if session is None:
-            why = sessions.lost(env.id)
-            session = self._start_session(env, limits, cpus)
-            state = STARTED if why is None else f"not kept: {why}"
-        session.last_state = state
-        try:
-            if attempt is not None and session.mount_point is not None:
-                sessions.mounts.mount_layer(session.proc.pid, session.mount_point, env.path, attempt)
-                session.depth += 1
-                session.layer_mounted = env.live_layer = True
-        except MountError as exc:
-            self._end_session(env.id, f"its layer could not be mounted ({exc})")
-            raise
-        session.thaw(cpus, limits.memory_mb, limits.nproc)
-        scope = session.scope
-        quota = QuotaWatch(env.path, limits.disk_mb, limits.disk_files, env.disk,
-                           outside=self._held_outside(env, scope), layer=attempt / "upper" if attempt else None)
-        mem_in_cgroup = scope is not None and scope.memory_dir is not None and bool(limits.memory_mb)
-        environ = self._environ(SANDBOX_DIR, len(cpus) if cpus else 1, env)
-        environ.update(extra_env)
-        try:
-            res = session.run(argv, environ, limits if not mem_in_cgroup else _without_as(limits), cpus, stdin,
-                              cancel_fd, quota if quota.active else None)
-        finally:
-            session.freeze()
-            if session.dead is not None:
-                # its processes and its mount namespace are gone: the attempt is settled as usual
-                sessions.forget(env.id, session.dead)
-                env.live_layer = False
-        note = None
-        if scope is not None and res.returncode != 0:
-            if scope.oom_killed():
-                note = f"memory limit exceeded: {limits.memory_mb} MiB (cgroup); killed by the OOM killer"
-            elif scope.pids_hit():
-                note = f"process limit reached: nproc={limits.nproc} (pids cgroup); {_exit_text(res.returncode)}"
-        if quota.active:
-            over = quota.check()
-            if res.stopped is None:
-                res.stopped = over
-            env.disk = quota.measured
-        if note is None and res.returncode != 0 and not res.timed_out:
-            note = _hint(res, limits, mem_in_cgroup)
-        enforced = {
-            "isolation": self.isolation, "session": session.freezer,
-            "memory": None if not limits.memory_mb else ("cgroup" if mem_in_cgroup else "rlimit_as"),
-            "nproc": None if not limits.nproc else "+".join(
-                x for x in ("cgroup" if scope is not None and scope.pids_dir is not None else "",
-                            "rlimit" if env.uid is not None else "") if x) or None,
-            "cpus": sorted(cpus) if cpus else None,
-            "cpuset": scope is not None and scope.cpuset_dir is not None,
-            "seccomp": self.seccomp_program is not None,
-            "disk": "watched" if quota.active else None,
-        }
-        return _Ran(res, enforced, note, round(quota.last.mb, 3) if quota.active else None, state)
-
-    def _start_session(self, env: Environment, limits: Limits, cpus) -> Session:
-        scope = self.cgroups.scope(limits.memory_mb, limits.nproc, cpus, freezer=True) \
-            if self.cgroups is not None else None
-        uid = env.uid
-        puid = uid if uid is not None else os.getuid()
-        pgid = uid if uid is not None else os.getgid()
-        fds = [_memfd("passwd", f"sandbox:x:{puid}:{pgid}:sandbox:{SANDBOX_DIR}:/bin/sh\n"
-                      "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"),
-               _memfd("group", f"sandbox:x:{pgid}:\nnogroup:x:65534:\n")]
-        if self.seccomp_program is not None:
-            fds.append(_memfd("seccomp", self.seccomp_program))
-        mount_point = None
-        if self.unlayered_reason is None:
-            mount_point = self.envs.root / ".live" / env.path.name
-            mount_point.mkdir(parents=True, exist_ok=True)
-        sandbox = self.layout.argv(mount_point or env.path, network=False, tmp_mb=limits.tmp_mb, passwd_fd=fds[0],
-                                   group_fd=fds[1], seccomp_fd=fds[2] if len(fds) > 2 else None)
-        sandbox += wrapper_argv(server_limits(limits), uid, uid, dict(WRAPPER_ENVIRON), sys.executable)
-        prefix = _join_cgroups(scope) if scope is not None else []
-
-        def close() -> None:
-            for fd in fds:
-                os.close(fd)
-        try:
-            return self.sessions.start(env.id, uid, Spawn(env.path, mount_point, sandbox, prefix, fds,
-                                                          list(cpus) if cpus else None, close), scope)
-        except SessionError:
-            if scope is not None:
-                self.cgroups.release(scope)
-            raise
-
-    def _park(self, env: Environment) -> None:
-        """Bring ``env``'s live session (if any) between actions: frozen for certain, the last
-        attempt's layer taken away and settled.  Called holding the environment's turn."""
-        if self.sessions is None:
-            return
-        session = self.sessions.get(env.id)
-        if session is None:
-            if env.live_layer:     # the session died meanwhile: its namespace went with it
-                env.live_layer = False
-            return
-        if not session.layer_mounted:
-            return
-        if not session.wait_frozen():
-            self._end_session(env.id, "its processes could not be frozen")
-        # Settled under the layer still mounted (frozen: nothing uses it; the next attempt's layer
-        # goes on top of it): see session_mounts for why it is not unmounted each time.
-        session.layer_mounted = env.live_layer = False
-        commit, session.commit_on_park = session.commit_on_park, False
-        self.envs.settle(env, commit=commit)
-        if session.dead is None and session.depth >= STACK_MAX:
-            try:
-                self.sessions.mounts.unmount_stack(session.proc.pid)
-                session.depth = 0
-            except MountError as exc:
-                self._end_session(env.id, f"its layers could not be unmounted ({exc})")
-
-    def _end_session(self, env_id: str, why: str) -> None:
-        if self.sessions is None:
-            return
-        session = self.sessions.get(env_id)
-        if session is None:
-            return
-        self.sessions.forget(env_id, why)
-        if session.scope is not None:
-            self.cgroups.release(session.scope)
-        self._settle_dead(env_id, session)
-
-    def _settle_dead(self, env_id: str, session: Session | None = None) -> None:
-        """A session ended outside an action: its layer, if one was mounted, is settled."""
-        try:
-            env = self.envs.get(env_id)
-        except EnvError:
-            return
-        if env.live_layer:
-            env.live_layer = False
-            commit = session is not None and session.commit_on_park
-            if env.turn.acquire(blocking=False):
-                try:
-                    self.envs.settle(env, commit=commit)
-                finally:
-                    self.envs.give_turn(env)
-
-    def _busy(self, env_id: str) -> bool:
-        try:
-            env = self.envs.get(env_id)
-        except EnvError:
-            return False
-        return env.busy > 0 or env.turn.locked()
 
     def _held_outside(self, env: Environment, scope: CgroupScope | None):
         """What counts against ``env``'s disk quota beside its tree: its journal, and the files its
@@ -890,13 +737,6 @@ def _join_cgroups(scope: CgroupScope) -> list[str]:
             + '; do echo $$ > "$f" || exit 126; done; exec "$@"', "sh"]
 
 
-def _memfd(name: str, data: str | bytes) -> int:
-    fd = os.memfd_create(name, 0)
-    os.write(fd, data.encode() if isinstance(data, str) else data)
-    os.lseek(fd, 0, os.SEEK_SET)
-    return fd
-
-
 def _seccomp_program() -> bytes | None:
     prog = seccomp.program()
     if prog is None:
@@ -910,55 +750,6 @@ def _traversable(path: Path) -> bool:
         if not os.stat(d).st_mode & 0o001:
             return False
     return True
-
-
-class _BwrapStatus:
-    """What bubblewrap writes to its ``--json-status-fd``: its child's pid, then its exit code.
-
-    Slurm signals every process of a job.  A bubblewrap that gets SIGTERM while it sets the
-    sandbox up can die of it without taking its child along (seen with delays of 1-30 ms after
-    the start; presumably before the child's parent-death signal is armed), and that child then
-    runs on unsupervised, holding the output pipes, writing into the environment after the
-    action was reported failed.  Once bubblewrap has exited, a child whose exit it did not
-    report is killed (it is the PID namespace's init: everything in the sandbox goes with it);
-    a child that did exit gives the command's own status.
-    """
-
-    def __init__(self) -> None:
-        self.read_fd, self.write_fd = os.pipe()
-        self.child: int | None = None
-        self.exit_code: int | None = None
-        self._buf = b""
-
-    def _read(self) -> None:
-        os.set_blocking(self.read_fd, False)
-        try:
-            while chunk := os.read(self.read_fd, 65536):
-                self._buf += chunk
-        except BlockingIOError:
-            pass
-        for line in self._buf.splitlines():
-            try:
-                doc = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(doc, dict):
-                if isinstance(doc.get("child-pid"), int):
-                    self.child = doc["child-pid"]
-                if isinstance(doc.get("exit-code"), int):
-                    self.exit_code = doc["exit-code"]
-
-    def bwrap_exited(self) -> None:
-        """bubblewrap has exited: kill its child if it did not see it exit."""
-        self._read()
-        if self.child is not None and self.exit_code is None:
-            try:
-                os.kill(self.child, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-
-    def close(self) -> None:
-        os.close(self.read_fd)
 
 
 def _exit_text(rc: int | None) -> str:

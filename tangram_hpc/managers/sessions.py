@@ -52,10 +52,10 @@ from pathlib import Path
 from typing import Callable
 
 from .cgroups import Cgroups, CgroupScope
-from .limits import Limits, wrapper_argv
+from .limits import Limits
 from .process import ProcResult, _Sink
 from .session_exec import REPLY
-from .session_mounts import MountError, MountHelper
+from .session_mounts import MountHelper
 
 __all__ = ["Session", "Sessions", "SessionError", "KEPT", "STARTED"]
 
