@@ -101,6 +101,7 @@ class Session:
         self.freezer = freezer if scope is not None and scope.freezer_dir is not None else "sigstop"
         self.layer_mounted = False      # the last attempt's layer is not settled yet
         self.depth = 0                  # layers stacked on the mount point
+        self._grant: tuple | None = None  # the cores and limits its cgroup was last given
         self.frozen = False
         self.dead: str | None = None    # why it ended
         self.last_used = time.monotonic()
@@ -128,8 +129,10 @@ class Session:
         return self.scope is None or self.scope.frozen(_FREEZE_WAIT_S)
 
     def thaw(self, cpus, memory_mb: int | None, nproc: int | None) -> None:
-        if self.scope is not None:
+        grant = (tuple(sorted(cpus)) if cpus else None, memory_mb, nproc)
+        if self.scope is not None and grant != self._grant:   # most actions of an environment repeat it
             self.scope.retarget(memory_mb, nproc, cpus)
+            self._grant = grant
         if not self.frozen:
             return
         self.frozen = False
