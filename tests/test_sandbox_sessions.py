@@ -298,3 +298,16 @@ def test_the_result_says_live_when_the_processes_of_earlier_actions_were_there(s
     assert through_host("true", [1, P.GRANT_HELD, None]) == EnvState.LIVE
     h.mgr.drop("e")                         # its processes end with it
     assert through_host("true", [2, P.GRANT_NEW, None]) == EnvState.CREATED
+
+
+def test_through_a_client_a_server_started_in_one_action_answers_in_the_next(tmp_path, monkeypatch):
+    from tangram_hpc.launch import LocalCluster
+    _manager(tmp_path / "probe").close()     # skips the test where sessions are not possible
+    monkeypatch.setenv("TANGRAM_SANDBOX_SESSIONS", "1")
+    with LocalCluster(workers=1, cores=1, run_dir=tmp_path / "run") as cl, cl.client() as c:
+        with c.env("agent") as e:
+            first = e.run(py(SERVER), wait=60)
+            assert first.ok and first.env_state == EnvState.CREATED, first
+            asked = wait_until(lambda: (r := e.run(py(ASK) + ["inc"], wait=60)).ok and r, 30, 0.05,
+                               "the server to answer")
+            assert asked.output["stdout"] == "42\n" and asked.env_state == EnvState.LIVE, asked
