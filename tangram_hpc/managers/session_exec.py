@@ -79,7 +79,7 @@ def main(fd: int) -> None:
     fd_size = struct.calcsize("i")
     sock.send(REPLY.pack(b"R", os.getpid(), 0, 0.0, 0.0, 0))
     while True:
-        ready, _, _ = select.select([sock, wake_r], [], [])
+        ready, _, _ = select.select([sock.fileno(), wake_r], [], [])
         if wake_r in ready:
             try:
                 while os.read(wake_r, 512):
@@ -96,11 +96,11 @@ def main(fd: int) -> None:
                 if pid in commands:
                     commands.discard(pid)
                     sock.send(REPLY.pack(b"X", pid, status, ru.ru_utime, ru.ru_stime, ru.ru_maxrss))
-        if sock in ready:
+        if sock.fileno() in ready:
             msg, anc, _, _ = sock.recvmsg(1 << 20, socket.CMSG_SPACE(3 * fd_size))
             if not msg:
                 return       # the worker closed the session
-            fds = []
+            fds: list[int] = []
             for level, kind, data in anc:
                 if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                     fds += struct.unpack(f"{len(data) // fd_size}i", data[:len(data) - len(data) % fd_size])

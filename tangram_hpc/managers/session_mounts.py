@@ -122,11 +122,11 @@ class MountHelper:
                     if not chunk:
                         break
                     reply += chunk
-                reply = reply.decode(errors="replace").strip()
+                answer = reply.decode(errors="replace").strip()
             except OSError as exc:
                 raise MountError(f"mount helper: {exc}") from None
-        if reply != "ok":
-            raise MountError(reply or "the mount helper exited")
+        if answer != "ok":
+            raise MountError(answer or "the mount helper exited")
 
     def mount_layer(self, ns_pid: int, mount_point: Path, env_dir: Path, attempt: Path) -> None:
         """Mount ``attempt``'s layer over ``env_dir`` on ``mount_point`` (seen at ``/sandbox``) in
