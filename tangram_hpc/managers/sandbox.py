@@ -294,6 +294,8 @@ class SandboxManager:
         try:
             if sf.is_run_code(spec.payload):
                 return self._run_code(spec, cpus, cancel_fd)
+            if sf.is_run_jupyter(spec.payload):
+                return self._run_jupyter(spec, cpus, cancel_fd)
             req = parse_payload(spec.payload)
             limits = self._limits(spec, req.limits)
         except (PayloadError, LimitsError, sf.RunCodeError) as exc:
@@ -606,8 +608,16 @@ class SandboxManager:
         environ["MAKEFLAGS"] = f"-j{ncpus}"
         return environ
 
-    def _run_code(self, spec: ActionSpec, cpus, cancel_fd: int | None = None) -> SandboxOutcome:
-        req = sf.parse_run_code(spec.payload)
+    def _run_jupyter(self, spec: ActionSpec, cpus, cancel_fd: int | None = None) -> SandboxOutcome:
+        """Cells in the environment's kernel: its driver runs as the step of a run_code (:mod:`.pykernel`)."""
+        req = sf.parse_run_jupyter(spec.payload)
+        lim = self._limits(spec, None)
+        out = self._run_code(spec, cpus, cancel_fd, req.driver(lim.output_bytes, lim.output_kill_bytes))
+        return SandboxOutcome(out.status, req.response(out.output, out.error), out.error)
+
+    def _run_code(self, spec: ActionSpec, cpus, cancel_fd: int | None = None,
+                  req: sf.RunCodeRequest | None = None) -> SandboxOutcome:
+        req = req or sf.parse_run_code(spec.payload)
         base = self._limits(spec, {"memory_mb": req.memory_mb} if req.memory_mb else None)
         try:
             env = self.envs.acquire(spec.env, req.template)
@@ -627,9 +637,8 @@ class SandboxManager:
             if waited is not None:
                 out = _not_its_turn(waited, base)
                 return SandboxOutcome(out.status, sf.response(None, None, {}, out.error), out.error)
-            lang = sf.LANGUAGES[req.language]
             files = dict(req.files)
-            files[f"{sf.CODE_DIR}/{lang.filename}"] = req.code.encode()
+            files[req.source_path()] = req.code.encode()
             self.envs.write_files(env, files)
             compile_argv, run_argv = req.argvs()
 

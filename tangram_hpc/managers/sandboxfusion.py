@@ -21,21 +21,39 @@ directory, so files it writes stay for the next action.
 :func:`parse_run_code` is the one validation of a request: the worker runs it
 on every payload and ``tangram-hpc serve`` on every HTTP body, so a bad field
 is reported the same way on both paths, as a :class:`RunCodeError` naming it.
+
+A payload with ``cells`` (and no ``cmd`` or ``code``) is a SandboxFusion
+``/run_jupyter`` request, run in the environment's stateful Python kernel
+(:mod:`tangram_hpc.managers.pykernel`; docs/sandbox.md, "Kernel mode")::
+
+    {"cells": ["a = 1", "a + 1"], "cell_timeout": 0, "total_timeout": 45, "kernel": "python3",
+     "files": {...}, "fetch_files": [...]}
+
+and its output is SandboxFusion's RunJupyterResponse, plus what became of the kernel::
+
+    {"status", "message", "driver": {CommandRunResult}, "executor_pod_name", "files",
+     "cells": [{"stdout", "stderr", "display": [{"text/plain": "2"}],
+                "error": [{"ename", "evalue", "traceback"}],
+                "status": "ok"|"error"|"timeout"|"died", "execution_count", "truncated"}],
+     "kernel": {"id", "started", "restarted", "note"}}
 """
 from __future__ import annotations
 
 import base64
 import binascii
+import json
 import math
 import shutil
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Mapping
 
 from ..errors import TangramError
 from .fs_inside import EnvError, _parts as relative_parts  # the rule the worker writes files by
 
 __all__ = ["RunCodeRequest", "RunCodeError", "LANGUAGES", "RUN_CODE_FIELDS", "MAX_TIMEOUT_S",
-           "parse_run_code", "is_run_code", "command_result", "response", "utf8"]
+           "parse_run_code", "is_run_code", "command_result", "response", "utf8",
+           "RunJupyterRequest", "RUN_JUPYTER_FIELDS", "is_run_jupyter", "parse_run_jupyter"]
 
 CODE_DIR = ".run_code"
 
@@ -112,6 +130,10 @@ class RunCodeRequest:
     args: list[str]
     template: str | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
+
+    def source_path(self) -> str:
+        """Where the code is written, relative to the environment."""
+        return f"{CODE_DIR}/{LANGUAGES[self.language].filename}"
 
     def argvs(self) -> tuple[list[str] | None, list[str]]:
         lang = LANGUAGES[self.language]
@@ -287,3 +309,109 @@ def response(compile_result: dict | None, run_result: dict | None, files: dict[s
         "executor_pod_name": None,
         "files": {k: base64.b64encode(v).decode() for k, v in files.items()},
     }
+
+
+# -- run_jupyter: cells in the environment's kernel ------------------------------------------------
+
+#: Every key a run_jupyter payload may have (SandboxFusion's request, plus ``template``).
+RUN_JUPYTER_FIELDS = frozenset({"cells", "cell_timeout", "total_timeout", "kernel", "files", "fetch_files",
+                                "template"})
+KERNELS = ("python3",)
+#: Seconds the kernel driver may run beyond ``total_timeout``: starting the kernel, and killing a cell
+#: that ignores its interrupt (pykernel.KILL_GRACE_S).
+DRIVER_GRACE_S = 15.0
+_KERNEL_SOURCE = Path(__file__).with_name("pykernel.py")
+
+
+def is_run_jupyter(payload: Any) -> bool:
+    return isinstance(payload, Mapping) and "cells" in payload and "cmd" not in payload and "code" not in payload
+
+
+@dataclass
+class RunJupyterRequest:
+    cells: list[str]
+    cell_timeout: float
+    total_timeout: float
+    files: dict[str, bytes]
+    fetch_files: list[str]
+    template: str | None = None
+
+    def driver(self, output_bytes: int, output_kill_bytes: int) -> RunCodeRequest:
+        """The run_code step that runs the cells: the kernel's driver (``pykernel.py``, written into
+        the environment) with the request on its stdin; its stdout must fit ``output_bytes``."""
+        stdin = json.dumps({"cells": self.cells, "cell_timeout": self.cell_timeout,
+                            "total_timeout": self.total_timeout, "output_bytes": output_bytes,
+                            "output_kill_bytes": output_kill_bytes}).encode()
+        return _KernelDriver(language="python", code=_KERNEL_SOURCE.read_text(), stdin=stdin, files=self.files,
+                             fetch_files=self.fetch_files, compile_timeout=MAX_TIMEOUT_S,
+                             run_timeout=self.total_timeout + DRIVER_GRACE_S, memory_mb=None, args=[],
+                             template=self.template)
+
+    @staticmethod
+    def response(run_code_response: dict | None, error: str | None = None) -> dict:
+        """SandboxFusion's RunJupyterResponse from the driver's RunCodeResponse: its stdout holds the
+        cells' results; status Success when the driver finished within the total timeout."""
+        resp = run_code_response or response(None, None, {}, error or "the kernel driver did not run")
+        run = resp.get("run_result")
+        out = {"status": resp["status"], "message": resp["message"], "driver": None, "cells": [],
+               "executor_pod_name": resp.get("executor_pod_name"), "files": resp.get("files", {}), "kernel": None}
+        if run is None:
+            return out
+        driver = dict(run, stdout="")
+        try:
+            doc = json.loads(run["stdout"]) if run["status"] == "Finished" and run["return_code"] == 0 else None
+        except ValueError:
+            doc = None
+        if not isinstance(doc, dict):
+            if out["status"] == "Success":
+                out["status"], out["message"] = "SandboxError", "the kernel driver gave no result: " + \
+                    (run.get("stderr") or "")[-2000:]
+        else:
+            out["cells"], out["kernel"] = doc.get("cells", []), doc.get("kernel")
+            if doc.get("timed_out"):
+                driver["status"] = "TimeLimitExceeded"
+                out["status"] = "Failed"
+        out["driver"] = driver
+        return out
+
+
+@dataclass
+class _KernelDriver(RunCodeRequest):
+    def source_path(self) -> str:
+        return f"{CODE_DIR}/kernel.py"
+
+    def argvs(self) -> tuple[list[str] | None, list[str]]:
+        return None, ["python", self.source_path()]
+
+
+def parse_run_jupyter(p: Mapping[str, Any]) -> RunJupyterRequest:
+    """Validate a run_jupyter payload; raises :class:`RunCodeError` naming the first bad field."""
+    unknown = set(p) - RUN_JUPYTER_FIELDS
+    if unknown:
+        name = sorted(map(str, unknown))[0]
+        raise RunCodeError(name, f"unknown run_jupyter field; known: {', '.join(sorted(RUN_JUPYTER_FIELDS))}",
+                           kind="extra_forbidden")
+    cells = p.get("cells")
+    if not isinstance(cells, (list, tuple)) or not all(isinstance(c, str) for c in cells):
+        raise RunCodeError("cells", f"must be a list of strings, got {_type(cells)}", cells)
+    for c in cells:
+        utf8("cells", c)
+    kernel = p.get("kernel", "python3")
+    if kernel not in KERNELS:
+        raise RunCodeError("kernel", f"unsupported kernel {kernel!r}; supported: {', '.join(KERNELS)}", kernel,
+                           kind="literal_error")
+    cell_timeout = p.get("cell_timeout", 0)
+    if not _number(cell_timeout) or not math.isfinite(cell_timeout) or not 0 <= cell_timeout <= MAX_TIMEOUT_S:
+        raise RunCodeError("cell_timeout", f"must be a number of seconds in [0, {MAX_TIMEOUT_S:g}] "
+                                           f"(0: only the total timeout), got {cell_timeout!r}", cell_timeout)
+    total = p.get("total_timeout", 45)
+    if not _number(total) or not math.isfinite(total) or not 0 < total <= MAX_TIMEOUT_S:
+        raise RunCodeError("total_timeout", f"must be a number of seconds in (0, {MAX_TIMEOUT_S:g}], got {total!r}",
+                           total)
+    template = p.get("template")
+    if template is not None and (not isinstance(template, str) or not template):
+        raise RunCodeError("template", f"must be a template name, got {_type(template)}", template)
+    return RunJupyterRequest(cells=list(cells), cell_timeout=float(cell_timeout), total_timeout=float(total),
+                             files=_files(p.get("files")),
+                             fetch_files=[_inside("fetch_files", name) for name in _strings(p, "fetch_files")],
+                             template=template)
