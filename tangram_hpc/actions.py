@@ -401,6 +401,32 @@ def sandbox(cmd: str | list[str], *, env: str | None = None, cores: int | tuple[
     return ActionSpec(kind="sandbox", payload=payload, env=env, demand=Demand(lo, hi, mem_mb), **kw)
 
 
+def run_cells(cells: str | list[str], *, env: str | None = None, cell_timeout: float = 0,
+              total_timeout: float = 45, files: dict[str, str] | None = None, fetch_files: list[str] | None = None,
+              template: str | None = None, cores: int | tuple[int, int] = 1, **kw: Any) -> ActionSpec:
+    """Python cells in the stateful kernel of environment ``env`` (SandboxFusion's run_jupyter shape).
+
+    Variables set by one action's cells are there for the next action's where the environment's
+    processes are kept; the output's ``kernel.restarted`` says when they were not (docs/sandbox.md,
+    "Kernel mode").  ``cell_timeout`` (0: none) interrupts a cell and keeps the kernel;
+    ``total_timeout`` bounds all of them; ``files`` are base64, as in run_code.
+    """
+    lo, hi = _cores(cores)
+    check_sandbox_cores(lo)
+    payload: dict[str, Any] = {"cells": [cells] if isinstance(cells, str) else list(cells),
+                               "cell_timeout": cell_timeout, "total_timeout": total_timeout}
+    if files:
+        payload["files"] = files
+    if fetch_files:
+        payload["fetch_files"] = fetch_files
+    if template is not None:
+        payload["template"] = template
+    kw.setdefault("label", "run_jupyter")
+    # beyond the cells: starting the kernel, killing a cell that ignores its interrupt, the environment
+    kw.setdefault("timeout", total_timeout + 75.0)
+    return ActionSpec(kind="sandbox", payload=payload, env=env, demand=Demand(lo, hi), **kw)
+
+
 def function(fn: Any, *args: Any, cores: int | tuple[int, int] = 1, **kwargs: Any) -> ActionSpec:
     """Call an importable function on a worker: ``function("pkg.mod:score", x)`` or ``function(score, x)``.
 

@@ -23,7 +23,9 @@ Routes:
     the tangram reward service named in the path; concurrent requests are
     batched into one ``reward`` action (:class:`~tangram_hpc.integrations.batching.RewardBatcher`).
 ``POST /run_jupyter``
-    HTTP 501: not offered (the sandboxes have no Jupyter kernel).
+    SandboxFusion's run_jupyter: the cells run in the environment's stateful Python kernel
+    (:mod:`tangram_hpc.managers.pykernel`); ``tangram.env`` keeps the environment, and so the kernel
+    where processes are kept, across requests.
 ``GET /v1/ping``
     ``"pong"``, as SandboxFusion answers its health check.
 ``GET /health``
@@ -53,14 +55,15 @@ from ..managers.sandboxfusion import RunCodeError
 from ..metrics import render
 from .metrics import RequestMetrics
 from ..integrations.batching import RewardBatcher, RewardError
-from .translate import (FieldError, Reply, busy_reply, invalid_reply, openrlhf_items, refused_for_load,
-                        run_code_reply, run_code_spec, unknown_service)
+from .translate import (RUN_JUPYTER_EMPTY, FieldError, Reply, busy_reply, invalid_reply, openrlhf_items,
+                        refused_for_load, run_code_reply, run_code_spec, run_jupyter_spec, unknown_service)
 
 __all__ = ["ServeConfig", "make_app", "serve_forever"]
 
 log = logging.getLogger("tangram.serve")
 
 _RUN_CODE = "/run_code"
+_RUN_JUPYTER = "/run_jupyter"
 _REWARD = "/reward"
 
 
@@ -111,9 +114,16 @@ class _Service:
         return _response(reply)
 
     async def run_code(self, request: web.Request) -> web.Response:
+        return await self._sandbox(request, _RUN_CODE, run_code_spec, {})
+
+    async def run_jupyter(self, request: web.Request) -> web.Response:
+        return await self._sandbox(request, _RUN_JUPYTER, run_jupyter_spec, {"empty": RUN_JUPYTER_EMPTY})
+
+    async def _sandbox(self, request: web.Request, route: str, to_spec, reply_kw: dict) -> web.Response:
+        """One SandboxFusion request: its body as one sandbox action, its result as the reply."""
         t0 = time.perf_counter()
         m = self.metrics
-        refused = self._refuse(_RUN_CODE, t0)
+        refused = self._refuse(route, t0)
         if refused is not None:
             return refused
         m.started()
@@ -123,7 +133,7 @@ class _Service:
             if reply is not None:
                 return _response(reply)
             try:
-                spec = run_code_spec(body)
+                spec = to_spec(body)
             except RunCodeError as e:
                 reply = invalid_reply(e)
                 return _response(reply)
@@ -133,12 +143,11 @@ class _Service:
                 # the caller hung up (handler cancellation): its action was cancelled with its future
                 reply = Reply(499, {"detail": "client closed the request"})
                 raise
-            reply = run_code_reply(res, self.config.retry_after_s)
+            reply = run_code_reply(res, self.config.retry_after_s, **reply_kw)
             outcome = reply.body.get("status") if reply.status == 200 else None
             return _response(reply)
         finally:
-            m.finished(_RUN_CODE, reply.status if reply is not None else 500, time.perf_counter() - t0,
-                       outcome)
+            m.finished(route, reply.status if reply is not None else 500, time.perf_counter() - t0, outcome)
 
     async def reward(self, request: web.Request) -> web.Response:
         t0 = time.perf_counter()
@@ -192,10 +201,6 @@ class _Service:
             return json.loads(raw), None
         except (ValueError, UnicodeDecodeError, RecursionError) as e:
             return None, _json_invalid(e)
-
-    async def run_jupyter(self, request: web.Request) -> web.Response:
-        return _response(Reply(501, {"detail": "run_jupyter is not offered by tangram-hpc serve: the "
-                                               "sandboxes have no Jupyter kernel; use /run_code"}))
 
     async def ping(self, request: web.Request) -> web.Response:
         return web.json_response("pong")
@@ -267,7 +272,7 @@ def make_app(client: AsyncClient, config: ServeConfig | None = None,
     app.add_routes([
         web.post(_RUN_CODE, svc.run_code),
         web.post(_REWARD + "/{service}", svc.reward),
-        web.post("/run_jupyter", svc.run_jupyter),
+        web.post(_RUN_JUPYTER, svc.run_jupyter),
         web.get("/v1/ping", svc.ping),
         web.get("/health", svc.health),
         web.get("/stats", svc.stats),

@@ -23,9 +23,10 @@ from typing import Any, Mapping
 from ..actions import ActionResult, ActionSpec, Demand, Status, ValidationError, check_sandbox_cores
 from ..errors import TangramError
 from ..integrations.batching import reward_item
-from ..managers.sandboxfusion import RUN_CODE_FIELDS, RunCodeError, parse_run_code, utf8
+from ..managers.sandboxfusion import (DRIVER_GRACE_S, RUN_CODE_FIELDS, RUN_JUPYTER_FIELDS, RunCodeError,
+                                      parse_run_code, parse_run_jupyter, utf8)
 
-__all__ = ["Reply", "run_code_spec", "run_code_reply", "invalid_reply", "busy_reply", "openrlhf_items", "FieldError",
+__all__ = ["Reply", "run_code_spec", "run_jupyter_spec", "run_code_reply", "RUN_JUPYTER_EMPTY", "invalid_reply", "busy_reply", "openrlhf_items", "FieldError",
            "refused_for_load", "unknown_service", "EXTENSION_KEY"]
 
 #: The body key of tangram's own placement fields.
@@ -43,6 +44,10 @@ _SIZE_REFUSAL = "rejected: the action is"
 _BAD_PAYLOAD = "bad sandbox payload: "
 _UNKNOWN_TEMPLATE = "unknown template "
 _NO_SERVICE = ("is hosted by no worker", "no registered worker hosts it")
+
+#: The result fields of a response that has none (``run_code_reply``'s ``empty``).
+RUN_CODE_EMPTY = {"compile_result": None, "run_result": None}
+RUN_JUPYTER_EMPTY = {"driver": None, "cells": []}
 
 
 class FieldError(TangramError, ValueError):
@@ -95,6 +100,31 @@ def run_code_spec(body: Any) -> ActionSpec:
     )
 
 
+def run_jupyter_spec(body: Any) -> ActionSpec:
+    """The sandbox action for one ``/run_jupyter`` body: its cells in the kernel of the environment
+    (``tangram.env``: one kept across requests; without it a throw-away one, so a new kernel per
+    request, as SandboxFusion does); raises :class:`RunCodeError`."""
+    if not isinstance(body, Mapping):
+        raise RunCodeError("", "the body must be a JSON object", kind="model_attributes_type")
+    payload = {k: v for k, v in body.items() if k in RUN_JUPYTER_FIELDS}
+    if "cells" not in payload:
+        raise RunCodeError("cells", "field required", kind="missing")
+    req = parse_run_jupyter(payload)
+    place = _extension(body.get(EXTENSION_KEY))
+    lo, hi = place.get("cores", (1, 1))
+    try:
+        demand = Demand(lo, hi, 0)
+        check_sandbox_cores(lo)
+    except ValidationError as e:
+        raise RunCodeError(f"{EXTENSION_KEY}.cores", str(e), [lo, hi]) from None
+    return ActionSpec(
+        kind="sandbox", payload=payload, env=place.get("env"), demand=demand,
+        timeout=req.total_timeout + DRIVER_GRACE_S + ACTION_GRACE_S,
+        priority=place.get("priority", 0), trajectory=place.get("trajectory"), step=place.get("step"),
+        label="run_jupyter",
+    )
+
+
 def _extension(ext: Any) -> dict[str, Any]:
     if ext is None:
         return {}
@@ -138,8 +168,8 @@ def unknown_service(res: ActionResult | None) -> bool:
     return res is not None and res.status == Status.ERROR and any(p in (res.error or "") for p in _NO_SERVICE)
 
 
-def run_code_reply(res: ActionResult, retry_after_s: int = 1) -> Reply:
-    """The HTTP reply for a finished run_code action.
+def run_code_reply(res: ActionResult, retry_after_s: int = 1, empty: Mapping[str, Any] = RUN_CODE_EMPTY) -> Reply:
+    """The HTTP reply for a finished run_code (or run_jupyter: ``empty=RUN_JUPYTER_EMPTY``) action.
 
     Success and Failed are HTTP 200 with the response the worker built; a
     request only the worker can judge (its toolchains, its templates) and
@@ -163,8 +193,8 @@ def run_code_reply(res: ActionResult, retry_after_s: int = 1) -> Reply:
     if isinstance(out, dict) and out.get("status") == "SandboxError":
         return Reply(200, out | {"executor_pod_name": res.worker})
     message = f"action {res.status}: {error}" if error else f"action {res.status}"
-    return Reply(200, {"status": "SandboxError", "message": message, "compile_result": None,
-                       "run_result": None, "executor_pod_name": res.worker, "files": {}})
+    return Reply(200, {"status": "SandboxError", "message": message, **empty, "executor_pod_name": res.worker,
+                       "files": {}})
 
 
 def openrlhf_items(body: Any) -> list[dict]:
