@@ -310,9 +310,7 @@ class Kernel:
         finally:
             self.displayed = None
         cell["stdout"], cell["stderr"] = cap.text(1), cap.text(2)
-        cell["truncated"] = cap.truncated
-        for item in cell["display"] + cell["error"]:
-            _cut_strings(item, keep)
+        cell["truncated"] = _cut_strings(cell["display"], keep) | _cut_strings(cell["error"], keep) | cap.truncated
         return cell
 
     def _execute(self, code: str, name: str) -> None:
@@ -331,18 +329,16 @@ class Kernel:
         return {"id": self.id, "pid": self.pid, "execution_count": self.count}
 
 
-def _cut_strings(doc, limit: int) -> None:
-    if isinstance(doc, dict):
-        items = doc.items()
-    elif isinstance(doc, list):
-        items = enumerate(doc)
-    else:
-        return
-    for k, v in list(items):
+def _cut_strings(doc, limit: int) -> bool:
+    """Cut the strings in ``doc`` to ``limit`` characters; whether any was."""
+    cut = False
+    for k, v in list(doc.items() if isinstance(doc, dict) else enumerate(doc)):
         if isinstance(v, str) and len(v) > limit:
             doc[k] = v[:limit] + "...[cut]"
-        else:
-            _cut_strings(v, limit)
+            cut = True
+        elif isinstance(v, (dict, list)):
+            cut = _cut_strings(v, limit) or cut
+    return cut
 
 
 def serve(path: str, ready_fd: int | None) -> None:
