@@ -46,12 +46,10 @@ def stats(url: str) -> dict:
     return requests.get(f"{url}/stats", timeout=10).json()
 
 
-def test_ping_health_and_jupyter(url, cluster):
+def test_ping_and_health(url, cluster):
     assert requests.get(f"{url}/v1/ping", timeout=10).json() == "pong"
     health = requests.get(f"{url}/health", timeout=10).json()
     assert health["ok"] and health["workers"] == 2 and health["coordinator"] == cluster.info.coordinator_id
-    r = requests.post(f"{url}/run_jupyter", json={"cells": ["1"]}, timeout=10)
-    assert r.status_code == 501 and "run_code" in r.json()["detail"]
 
 
 def test_sync_client_success_failure_timeout_files(url):
@@ -193,6 +191,41 @@ def test_a_caller_that_hangs_up_cancels_its_action(url, cluster):
         while c.status()["running"] and time.time() < deadline:
             time.sleep(0.1)
         assert c.status()["running"] == 0 and time.time() < deadline
+
+
+def test_run_jupyter_with_the_real_client(url):
+    # SandboxFusion's own example request: the cells share one kernel.
+    cells = ['a = 123', 'a', 'print(a)', 'import sys; sys.stderr.write("stderr message")',
+             'raise RuntimeError("error message")', 'open("out.txt", "w").write(open("in.txt").read() * 2)']
+    resp = sf.run_jupyter(sf.RunJupyterRequest(cells=cells, files={"in.txt": base64.b64encode(b"ab").decode()},
+                                               fetch_files=["out.txt"]), endpoint=url, max_attempts=1)
+    assert resp.status == sf.RunStatus.Success and resp.driver.status == sf.CommandRunStatus.Finished
+    c = resp.cells
+    assert len(c) == 6 and c[1].display == [{"text/plain": "123"}] and c[2].stdout == "123\n"
+    assert c[3].stderr == "stderr message" and c[3].display == [{"text/plain": "14"}]
+    assert c[4].error[0]["ename"] == "RuntimeError" and c[4].error[0]["evalue"] == "error message"
+    assert c[4].error[0]["traceback"][-1] == "RuntimeError: error message"
+    assert base64.b64decode(resp.files["out.txt"]) == b"abab"
+    assert resp.executor_pod_name and resp.executor_pod_name.startswith("w-")
+    # The total timeout: the driver's TimeLimitExceeded makes the response Failed, as in SandboxFusion.
+    slow = sf.run_jupyter(sf.RunJupyterRequest(cells=["import time; time.sleep(60)", "1"], total_timeout=1),
+                          endpoint=url, max_attempts=1)
+    assert slow.status == sf.RunStatus.Failed and slow.driver.status == sf.CommandRunStatus.TimeLimitExceeded
+    assert [cell.error[0]["ename"] for cell in slow.cells] == ["TimeoutError"]
+
+
+def test_run_jupyter_in_a_named_environment_says_whether_the_kernel_was_kept(url):
+    ext = {"env": f"kernel-{os.getpid()}"}
+    first = requests.post(f"{url}/run_jupyter", timeout=60, json={"cells": ["k = 5"], "tangram": ext}).json()
+    assert first["status"] == "Success" and first["kernel"]["started"] and not first["kernel"]["restarted"]
+    second = requests.post(f"{url}/run_jupyter", timeout=60, json={"cells": ["k"], "tangram": ext}).json()
+    assert second["executor_pod_name"] == first["executor_pod_name"]
+    # Each action ends its processes until environments keep a live session: the kernel says so.
+    assert second["kernel"]["restarted"] and second["cells"][0]["error"][0]["ename"] == "NameError"
+    for body, where in [({"cells": "k"}, ["body", "cells"]), ({"cells": [], "kernel": "R"}, ["body", "kernel"]),
+                        ({"cells": [], "total_timeout": -1}, ["body", "total_timeout"]), ({}, ["body", "cells"])]:
+        r = requests.post(f"{url}/run_jupyter", json=body, timeout=10)
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"] == where, r.text
 
 
 def test_unknown_fields_are_ignored_as_sandboxfusion_does(url):
