@@ -30,7 +30,7 @@ COMMANDS = {
     "demo": ("tangram_hpc.demo", "run a synthetic agentic-RL step on a local coordinator and print ACT statistics"),
     "config": ("tangram_hpc.config_cli", "show the effective configuration (defaults, file, environment) and its sources"),
     "native": ("tangram_hpc.native", "compile the policies and the simulator for bench (about 2x faster; TANGRAM_NATIVE=1 runs it), or show whether a build matches"),
-    "serve": ("tangram_hpc.serve.command", "HTTP in front of a coordinator: SandboxFusion's /run_code and OpenRLHF's remote reward (/reward/SERVICE)"),
+    "serve": ("tangram_hpc.serve.command", "HTTP in front of a coordinator: SandboxFusion's /run_code and /run_jupyter, and OpenRLHF's remote reward (/reward/SERVICE)"),
 }
 
 _ENTRY = {  # modules hosting several subcommands name their functions per command
