@@ -13,7 +13,7 @@ import sys
 import msgpack
 import pytest
 
-from tangram_hpc.actions import ActionSpec, Status, run_cells
+from tangram_hpc.actions import Status, run_cells
 from tangram_hpc.managers import SandboxManager
 from tangram_hpc.managers import pykernel
 from tangram_hpc.managers import sandboxfusion as sf

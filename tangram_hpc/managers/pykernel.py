@@ -57,6 +57,7 @@ import threading
 import time
 import traceback
 import types
+from typing import Any
 
 #: After a cell's timeout, how long the kernel has to answer before it is killed.
 KILL_GRACE_S = 5.0
@@ -275,7 +276,7 @@ class Kernel:
         self.count += 1
         name = f"<cell-{self.count}>"
         linecache.cache[name] = (len(code), None, code.splitlines(True), name)
-        cell = {"status": "ok", "execution_count": self.count, "display": [], "error": []}
+        cell: dict[str, Any] = {"status": "ok", "execution_count": self.count, "display": [], "error": []}
         self.displayed = cell["display"]
         self.reason = "timeout"
         cap = _Capture(keep, kill, self._flood)
@@ -317,7 +318,8 @@ class Kernel:
         tree = ast.parse(code, name, "exec")
         last = None
         if tree.body and isinstance(tree.body[-1], ast.Expr):
-            last = ast.Expression(tree.body.pop().value)
+            last = ast.Expression(tree.body[-1].value)
+            tree.body.pop()
         exec(compile(tree, name, "exec"), self.ns)
         if last is not None:
             value = eval(compile(last, name, "eval"), self.ns)
@@ -400,7 +402,7 @@ class _Driver:
         self.keep = max(1024, int(req.get("output_bytes", 1 << 20)))
         self.kill = int(req.get("output_kill_bytes", 1 << 26))
         self.path = socket_path()
-        self.kernel = {"id": None, "started": False, "restarted": False, "note": None}
+        self.kernel: dict[str, Any] = {"id": None, "started": False, "restarted": False, "note": None}
         self.pid: int | None = None
 
     def connect(self) -> socket.socket:
@@ -452,7 +454,7 @@ class _Driver:
 
     def run(self) -> dict:
         t_end = time.monotonic() + self.total
-        out = {"kernel": self.kernel, "cells": [], "timed_out": False}
+        out: dict[str, Any] = {"kernel": self.kernel, "cells": [], "timed_out": False}
         if not self.cells:
             return out
         sock = self.connect()
@@ -524,7 +526,7 @@ def fit(out: dict, limit: int) -> dict:
     _clean(out)
     while len(_dumps(out).encode("utf-8", "surrogatepass")) > limit:
         holder, key, longest = None, None, -1
-        stack = [out]
+        stack: list[Any] = [out]
         while stack:
             doc = stack.pop()
             for k, v in (doc.items() if isinstance(doc, dict) else enumerate(doc)):

@@ -46,8 +46,8 @@ _UNKNOWN_TEMPLATE = "unknown template "
 _NO_SERVICE = ("is hosted by no worker", "no registered worker hosts it")
 
 #: The result fields of a response that has none (``run_code_reply``'s ``empty``).
-RUN_CODE_EMPTY = {"compile_result": None, "run_result": None}
-RUN_JUPYTER_EMPTY = {"driver": None, "cells": []}
+RUN_CODE_EMPTY: dict[str, Any] = {"compile_result": None, "run_result": None}
+RUN_JUPYTER_EMPTY: dict[str, Any] = {"driver": None, "cells": []}
 
 
 class FieldError(TangramError, ValueError):
