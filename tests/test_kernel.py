@@ -35,16 +35,17 @@ def envdir(tmp_path, monkeypatch):
     monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
     monkeypatch.chdir(d)
     yield d
-    pid = _kernel_pid()
-    if pid is not None:
-        os.killpg(pid, signal.SIGKILL)
+    for path in (tmp_path / "tmp").glob("tangram-kernel-*/sock"):
+        pid = _kernel_pid(str(path))
+        if pid is not None:
+            os.killpg(pid, signal.SIGKILL)
 
 
-def _kernel_pid() -> int | None:
+def _kernel_pid(path: str | None = None) -> int | None:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(30)
     try:
-        sock.connect(pykernel.socket_path())
+        sock.connect(path or pykernel.socket_path())
         hello = pykernel._recv(sock)
     except OSError:
         return None
@@ -71,6 +72,22 @@ def test_a_variable_set_in_one_action_is_read_in_the_next(envdir):
     assert not second["kernel"]["started"] and second["kernel"]["id"] == first["kernel"]["id"]
     cell = second["cells"][0]
     assert cell["display"] == [{"text/plain": "42"}] and cell["execution_count"] == 3
+
+
+def test_each_cell_runs_in_the_directory_as_it_is_now(envdir):
+    # In a live session each action's files are a new mount on the environment's directory: the
+    # kernel must reach them by path, not through the directory it started in.
+    first = drive("import os\nos.makedirs('sub', exist_ok=True)\nos.chdir('sub')", "a = 2")
+    assert [c["status"] for c in first["cells"]] == ["ok", "ok"]
+    fresh = envdir.with_name("fresh")
+    (fresh / "sub").mkdir(parents=True)
+    (fresh / "sub" / "new.txt").write_text("new layer")
+    envdir.rename(envdir.with_name("old"))
+    fresh.rename(envdir)
+    os.chdir(envdir)       # the driver of the next action starts there, as a sandbox's command does
+    later = drive("open('new.txt').read(), a")
+    assert not later["kernel"]["started"]
+    assert later["cells"][0]["display"] == [{"text/plain": "('new layer', 2)"}]
 
 
 def test_outputs_display_and_errors_as_jupyter_reports_them(envdir):

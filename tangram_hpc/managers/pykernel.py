@@ -257,6 +257,9 @@ class Kernel:
         self.displayed: list[dict] | None = None
         self.in_cell = False
         self.reason = "timeout"
+        #: the environment's directory and the cells' working directory, as paths: in a live session
+        #: each action's files are a new mount there, which only a path resolved anew reaches
+        self.home = self.cwd = os.getcwd()
         signal.signal(signal.SIGALRM, self._on_alarm)
 
     def _display(self, *objs) -> None:
@@ -280,6 +283,10 @@ class Kernel:
         self.displayed = cell["display"]
         self.reason = "timeout"
         cap = _Capture(keep, kill, self._flood)
+        try:
+            os.chdir(self.cwd)
+        except OSError:
+            os.chdir(self.home)
         try:
             with cap:
                 try:
@@ -310,6 +317,10 @@ class Kernel:
                     signal.setitimer(signal.ITIMER_REAL, 0)
         finally:
             self.displayed = None
+            try:
+                self.cwd = os.getcwd()       # a cell's os.chdir lasts, as in Jupyter
+            except OSError:
+                pass
         cell["stdout"], cell["stderr"] = cap.text(1), cap.text(2)
         cell["truncated"] = _cut_strings(cell["display"], keep) | _cut_strings(cell["error"], keep) | cap.truncated
         return cell
@@ -369,7 +380,7 @@ def serve(path: str, ready_fd: int | None) -> None:
         try:
             conn, _ = srv.accept()
         except socket.timeout:
-            if _orphaned(path):
+            if _orphaned(path, kernel.home):
                 return
             continue
         with conn:
@@ -383,13 +394,9 @@ def serve(path: str, ready_fd: int | None) -> None:
                 pass                       # that driver went away or spoke nonsense: wait for the next
 
 
-def _orphaned(path: str) -> bool:
+def _orphaned(path: str, home: str) -> bool:
     """Nothing can reach this kernel any more: its socket or its environment's directory was removed."""
-    try:
-        os.stat(path)
-        return os.stat(".").st_nlink == 0
-    except OSError:
-        return True
+    return not (os.path.exists(path) and os.path.isdir(home))
 
 
 # -- the driver -----------------------------------------------------------------------------------
