@@ -57,7 +57,7 @@ def _kernel_pid(path: str | None = None) -> int | None:
 def drive(*cells: str, output_bytes: int = 1 << 20, **req) -> dict:
     """One action's worth of cells through the driver (a child process, as the sandbox runs it)."""
     body = json.dumps({"cells": list(cells), "output_bytes": output_bytes, **req})
-    proc = subprocess.run([sys.executable, pykernel.__file__], input=body, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-I", "-S", pykernel.__file__], input=body, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert len(proc.stdout.encode()) <= output_bytes

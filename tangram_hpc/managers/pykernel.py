@@ -3,7 +3,7 @@
 This file runs INSIDE the sandbox: standard library only, no project imports,
 so the worker can write it into an environment as it is (``.run_code/kernel.py``).
 
-``python kernel.py`` is the driver (one per action): it reads a request on
+``python -I -S kernel.py`` is the driver (one per action): it reads a request on
 stdin, runs its cells in the environment's kernel, starting the kernel when
 none answers, and prints one JSON response on stdout::
 
@@ -40,24 +40,18 @@ Choices, each for a reason:
 """
 from __future__ import annotations
 
-import ast
-import base64
-import builtins
-import hashlib
 import json
-import linecache
 import os
 import select
 import signal
 import socket
 import struct
-import subprocess
 import sys
-import threading
 import time
-import traceback
-import types
-from typing import Any
+import zlib
+
+# Only what the driver needs is imported here: it starts once per action (run with ``python -I -S``,
+# no site), while the kernel, which starts once, imports the rest where it is used.
 
 #: After a cell's timeout, how long the kernel has to answer before it is killed.
 KILL_GRACE_S = 5.0
@@ -109,7 +103,8 @@ def socket_path() -> str:
     """The kernel's socket for the environment in the current directory: in the sandbox's private
     ``$TMPDIR``, named after the directory and the uid (one kernel per environment even where
     ``$TMPDIR`` is shared, as without isolation), short enough for a unix socket address."""
-    key = hashlib.sha256(f"{os.getcwd()}\0{os.getuid()}".encode()).hexdigest()[:16]
+    where = f"{os.getcwd()}\0{os.getuid()}".encode()
+    key = f"{zlib.crc32(where):08x}{zlib.adler32(where):08x}"     # hashlib would load OpenSSL: slower
     return os.path.join(os.environ.get("TMPDIR") or "/tmp", f"tangram-kernel-{key}", "sock")
 
 
@@ -131,6 +126,7 @@ class _Capture:
         self.marker = b"\0tangram-cell-end-" + os.urandom(16).hex().encode()
 
     def __enter__(self) -> "_Capture":
+        import threading
         self.reads: dict[int, int] = {}
         for fd in (1, 2):
             r, w = os.pipe()
@@ -213,6 +209,7 @@ def _flush_std() -> None:
 
 def _bundle(value) -> dict:
     """Jupyter's MIME bundle of a value: text/plain, and the rich forms the value offers."""
+    import base64
     out = {"text/plain": repr(value)}
     for method, mime in (("_repr_html_", "text/html"), ("_repr_markdown_", "text/markdown"),
                          ("_repr_png_", "image/png")):
@@ -233,6 +230,7 @@ def _bundle(value) -> dict:
 def _error(exc: BaseException, ename: str | None = None, evalue: str | None = None) -> dict:
     """Jupyter's error entry; the traceback without the kernel's own frames, which say nothing
     about the cell."""
+    import traceback
     ename = ename or type(exc).__name__
     evalue = str(exc) if evalue is None else evalue
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename != _THIS_FILE]
@@ -246,8 +244,12 @@ def _error(exc: BaseException, ename: str | None = None, evalue: str | None = No
 
 class Kernel:
     def __init__(self) -> None:
+        import builtins
+        import threading
+        import types
         self.id = os.urandom(8).hex()
         self.pid = os.getpid()
+        self.main_thread = threading.main_thread().ident
         self.count = 0
         main = types.ModuleType("__main__")
         main.__dict__["__builtins__"] = builtins
@@ -273,13 +275,14 @@ class Kernel:
 
     def _flood(self) -> None:
         self.reason = "flood"
-        signal.pthread_kill(threading.main_thread().ident, signal.SIGALRM)
+        signal.pthread_kill(self.main_thread, signal.SIGALRM)
 
     def run_cell(self, code: str, timeout: float, keep: int, kill: int) -> dict:
+        import linecache
         self.count += 1
         name = f"<cell-{self.count}>"
         linecache.cache[name] = (len(code), None, code.splitlines(True), name)
-        cell: dict[str, Any] = {"status": "ok", "execution_count": self.count, "display": [], "error": []}
+        cell: dict = {"status": "ok", "execution_count": self.count, "display": [], "error": []}
         self.displayed = cell["display"]
         self.reason = "timeout"
         cap = _Capture(keep, kill, self._flood)
@@ -326,6 +329,7 @@ class Kernel:
         return cell
 
     def _execute(self, code: str, name: str) -> None:
+        import ast
         tree = ast.parse(code, name, "exec")
         last = None
         if tree.body and isinstance(tree.body[-1], ast.Expr):
@@ -409,7 +413,7 @@ class _Driver:
         self.keep = max(1024, int(req.get("output_bytes", 1 << 20)))
         self.kill = int(req.get("output_kill_bytes", 1 << 26))
         self.path = socket_path()
-        self.kernel: dict[str, Any] = {"id": None, "started": False, "restarted": False, "note": None}
+        self.kernel: dict = {"id": None, "started": False, "restarted": False, "note": None}
         self.pid: int | None = None
 
     def connect(self) -> socket.socket:
@@ -427,6 +431,7 @@ class _Driver:
         return sock
 
     def _start(self) -> socket.socket:
+        import subprocess
         record = _read_record()
         r, w = os.pipe()
         proc = subprocess.Popen([sys.executable, _THIS_FILE, "--serve", self.path, "--ready-fd", str(w)],
@@ -461,7 +466,7 @@ class _Driver:
 
     def run(self) -> dict:
         t_end = time.monotonic() + self.total
-        out: dict[str, Any] = {"kernel": self.kernel, "cells": [], "timed_out": False}
+        out: dict = {"kernel": self.kernel, "cells": [], "timed_out": False}
         if not self.cells:
             return out
         sock = self.connect()
@@ -533,7 +538,7 @@ def fit(out: dict, limit: int) -> dict:
     _clean(out)
     while len(_dumps(out).encode("utf-8", "surrogatepass")) > limit:
         holder, key, longest = None, None, -1
-        stack: list[Any] = [out]
+        stack: list = [out]
         while stack:
             doc = stack.pop()
             for k, v in (doc.items() if isinstance(doc, dict) else enumerate(doc)):

@@ -381,7 +381,9 @@ class _KernelDriver(RunCodeRequest):
         return f"{CODE_DIR}/kernel.py"
 
     def argvs(self) -> tuple[list[str] | None, list[str]]:
-        return None, ["python", self.source_path()]
+        # -I -S: the driver needs the standard library only, and starts faster without site-packages;
+        # the kernel it starts runs with them, so cells import the environment's packages.
+        return None, ["python", "-I", "-S", self.source_path()]
 
 
 def parse_run_jupyter(p: Mapping[str, Any]) -> RunJupyterRequest:
