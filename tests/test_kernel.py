@@ -157,6 +157,20 @@ def test_huge_output_is_bounded_and_the_kernel_survives(envdir):
     assert big_repr["display"][0]["text/plain"].startswith("'xxx") and big_repr["truncated"]
 
 
+def test_a_socket_directory_others_can_enter_is_refused(envdir):
+    # Where $TMPDIR is shared (no sandbox), another uid could make the directory first.
+    where = os.path.dirname(pykernel.socket_path())
+    os.mkdir(where, 0o700)
+    os.chmod(where, 0o777)
+    body = json.dumps({"cells": ["1"]})
+    proc = subprocess.run([sys.executable, "-I", "-S", pykernel.__file__], input=body, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 1 and "not a private directory" in proc.stderr and proc.stdout == ""
+    assert sf.RunJupyterRequest.response(sf.response(None, {"status": "Finished", "return_code": 1, "stdout": "",
+                                                            "stderr": proc.stderr, "execution_time": 0.1,
+                                                            "cpu_time": None}, {}))["status"] == "SandboxError"
+
+
 def test_the_kernel_exits_when_its_socket_is_removed(envdir):
     drive("a = 1")
     pid = _kernel_pid()

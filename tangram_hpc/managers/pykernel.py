@@ -45,6 +45,7 @@ import os
 import select
 import signal
 import socket
+import stat
 import struct
 import sys
 import time
@@ -358,9 +359,23 @@ def _cut_strings(doc, limit: int) -> bool:
     return cut
 
 
+def private_dir(path: str) -> None:
+    """Make the socket's directory, or check the one there: a directory of this uid that no other
+    can enter. Where ``$TMPDIR`` is shared (no sandbox), another uid could have made it first to
+    pass its own kernel off as this one; then nothing is started and the driver says why."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not (stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and st.st_mode & 0o077 == 0):
+        raise PermissionError(f"{path} is not a private directory of uid {os.getuid()}: "
+                              f"refusing to use a kernel socket there")
+
+
 def serve(path: str, ready_fd: int | None) -> None:
     os.umask(0o077)
-    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    private_dir(os.path.dirname(path))
     try:
         os.unlink(path)                    # a kernel that died left it
     except FileNotFoundError:
@@ -417,6 +432,7 @@ class _Driver:
         self.pid: int | None = None
 
     def connect(self) -> socket.socket:
+        private_dir(os.path.dirname(self.path))
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.connect(self.path)

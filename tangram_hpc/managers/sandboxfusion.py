@@ -363,9 +363,9 @@ class RunJupyterRequest:
         except ValueError:
             doc = None
         if not isinstance(doc, dict):
-            if out["status"] == "Success":
+            if run["status"] == "Finished":   # past its time limit it is Failed, as in SandboxFusion
                 out["status"], out["message"] = "SandboxError", "the kernel driver gave no result: " + \
-                    (run.get("stderr") or "")[-2000:]
+                    (run.get("stderr") or "").strip()[-2000:]
         else:
             out["cells"], out["kernel"] = doc.get("cells", []), doc.get("kernel")
             if doc.get("timed_out"):
