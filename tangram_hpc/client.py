@@ -46,7 +46,7 @@ from typing import Any, Iterable
 import zmq
 
 from . import protocol as P
-from .actions import ActionResult, ActionSpec, sandbox
+from .actions import ActionResult, ActionSpec, run_cells, sandbox
 from .client_session import ClientSession, CoordinatorError
 from .connection import ConnectionInfo, default_connection_file, reread_connection
 
@@ -711,6 +711,11 @@ class EnvHandle(_EnvHandleBase):
         """Run a command in this environment and wait (up to ``wait`` seconds) for its result."""
         return self.submit(cmd, **kw).result(wait)
 
+    def run_cells(self, cells: str | list[str], *, wait: float | None = None, **kw: Any) -> ActionResult:
+        """Run Python cells in this environment's kernel and wait; ``kw``: :func:`~tangram_hpc.run_cells`
+        arguments (docs/sandbox.md, "Kernel mode")."""
+        return self.client.submit(run_cells(cells, env=self.id, **kw)).result(wait)
+
     def __enter__(self) -> "EnvHandle":
         return self
 
@@ -727,6 +732,9 @@ class AsyncEnvHandle(_EnvHandleBase):
 
     async def run(self, cmd: str | list[str], **kw: Any) -> ActionResult:
         return await self.submit(cmd, **kw)
+
+    async def run_cells(self, cells: str | list[str], **kw: Any) -> ActionResult:
+        return await self.client.submit_nowait(run_cells(cells, env=self.id, **kw))
 
     async def __aenter__(self) -> "AsyncEnvHandle":
         return self

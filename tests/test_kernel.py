@@ -251,6 +251,19 @@ def test_where_processes_are_not_kept_the_next_action_says_the_kernel_restarted(
 
 
 @sandboxed
+def test_cells_through_the_coordinator_and_a_worker(tmp_path):
+    from tangram_hpc.launch import LocalCluster
+    with LocalCluster(workers=1, cores=1, run_dir=tmp_path / "run") as cl, cl.client() as c:
+        with c.env("cells") as e:
+            first = e.run_cells(["a = 6", "a * 7"], wait=120)
+            second = e.run_cells("a", wait=120)
+    assert first.status == Status.OK and first.output["cells"][1]["display"] == [{"text/plain": "42"}]
+    assert second.worker == first.worker
+    # Each action ends its processes until environments keep a live session: the kernel says so.
+    assert second.output["kernel"]["restarted"] and second.output["cells"][0]["error"][0]["ename"] == "NameError"
+
+
+@sandboxed
 def test_hostile_cells_in_the_sandbox(mgr):
     r = mgr.run(run_cells(["import os\nif os.fork() == 0:\n    import time; time.sleep(3600)\nz = 3",
                            "z", "print('q' * 10_000_000)", "import os; os._exit(9)", "z"], env="k3"), CPU)
