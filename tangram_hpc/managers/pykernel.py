@@ -154,7 +154,10 @@ class _Capture:
         self.thread.join(KILL_GRACE_S)
 
     def _drain(self) -> None:
-        tails = {r: b"" for r in self.reads}
+        # The last len(marker) - 1 bytes of each pipe are held back until it is known whether they
+        # begin the marker, so the marker never reaches the output.
+        hold = len(self.marker) - 1
+        pending = {r: b"" for r in self.reads}
         open_ = set(self.reads)
         flooded = False
         try:
@@ -162,18 +165,15 @@ class _Capture:
                 ready, _, _ = select.select(list(open_), [], [])
                 for r in ready:
                     chunk = os.read(r, 1 << 16)
-                    seen = tails[r] + chunk
+                    seen = pending[r] + chunk
                     end = seen.find(self.marker)
-                    if end >= 0:
-                        chunk = seen[len(tails[r]):end] if end >= len(tails[r]) else b""
-                        self._keep(self.reads[r], chunk)
+                    if end >= 0 or not chunk:
+                        self._keep(self.reads[r], seen[:end] if end >= 0 else seen)
                         open_.discard(r)
                         continue
-                    if not chunk:
-                        open_.discard(r)
-                        continue
-                    tails[r] = seen[-len(self.marker):]
-                    self._keep(self.reads[r], chunk)
+                    cut = max(0, len(seen) - hold)
+                    self._keep(self.reads[r], seen[:cut])
+                    pending[r] = seen[cut:]
                     if self.total > self.kill and not flooded:
                         flooded = True
                         self.on_flood()
@@ -191,13 +191,7 @@ class _Capture:
             buf += chunk[:room]
 
     def text(self, fd: int) -> str:
-        # The marker's prefix may have been kept at the end of the last chunk before it was whole.
-        data = bytes(self.kept[fd])
-        for n in range(min(len(self.marker), len(data)), 0, -1):
-            if data.endswith(self.marker[:n]):
-                data = data[:-n]
-                break
-        return data.decode("utf-8", "replace")
+        return bytes(self.kept[fd]).decode("utf-8", "replace")
 
 
 def _flush_std() -> None:
