@@ -104,10 +104,13 @@ def test_outputs_display_and_errors_as_jupyter_reports_them(envdir):
     assert not any(pykernel.__file__ in line for line in err["traceback"])  # no frames of the kernel's own
     assert c[5]["error"][0]["ename"] == "SystemExit"                    # the kernel stays, as in Jupyter
     assert c[6]["display"] == [{"text/plain": "1"}]
+    odd = drive("class Odd(Exception):\n    def __str__(self):\n        raise RuntimeError\nraise Odd()", "1")["cells"]
+    assert odd[0]["error"][0]["ename"] == "Odd" and odd[1]["display"] == [{"text/plain": "1"}]
     nul = drive("import os; os.write(1, b'a\\0'); os.write(2, b'\\0')")["cells"][0]
     assert nul["stdout"] == "a\0" and nul["stderr"] == "\0"        # output that looks like the cell's end
     syntax = drive("def (")["cells"][0]
     assert syntax["status"] == "error" and syntax["error"][0]["ename"] == "SyntaxError"
+    assert any("^" in line for line in syntax["error"][0]["traceback"])
 
 
 def test_a_cell_past_its_timeout_is_interrupted_and_the_state_kept(envdir):

@@ -227,13 +227,20 @@ def _error(exc: BaseException, ename: str | None = None, evalue: str | None = No
     about the cell."""
     import traceback
     ename = ename or type(exc).__name__
-    evalue = str(exc) if evalue is None else evalue
+    if evalue is None:
+        try:
+            evalue = str(exc)
+        except Exception:       # the cell's own exception class: its __str__ may raise too
+            evalue = f"<{ename} whose str() raised>"
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename != _THIS_FILE]
     lines = ["Traceback (most recent call last):", *traceback.format_list(frames)] if frames else []
-    if isinstance(exc, _Interrupt):
-        lines.append(f"{ename}: {evalue}")
-    else:
-        lines += traceback.format_exception_only(type(exc), exc)
+    last = [f"{ename}: {evalue}" if evalue else ename]
+    if not isinstance(exc, _Interrupt):
+        try:
+            last = traceback.format_exception_only(type(exc), exc)   # a SyntaxError's line and caret
+        except Exception:
+            pass
+    lines += last
     return {"ename": ename, "evalue": evalue, "traceback": [line.rstrip("\n") for line in lines]}
 
 
