@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import msgpack
 import pytest
@@ -246,8 +247,8 @@ def test_cells_of_one_action_share_the_kernel_in_the_sandbox(mgr):
 
 @sandboxed
 def test_where_processes_are_not_kept_the_next_action_says_the_kernel_restarted(mgr):
-    # Each sandbox action ends its processes (until the environment keeps a live session): the
-    # kernel is gone, and the response must say so rather than fail on a missing variable silently.
+    # Without live sessions each sandbox action ends its processes: the kernel is gone, and the
+    # response must say so rather than fail on a missing variable silently.
     first = mgr.run(run_cells("a = 1", env="k2"), CPU).output
     second = mgr.run(run_cells("a", env="k2"), CPU).output
     assert first["kernel"]["started"] and not first["kernel"]["restarted"]
@@ -286,3 +287,69 @@ def test_hostile_cells_in_the_sandbox(mgr):
 def test_the_total_timeout_in_the_sandbox_is_a_failed_response(mgr):
     out = mgr.run(run_cells("import time\ntime.sleep(600)", total_timeout=1), CPU)
     assert out.output["status"] == "Failed" and out.output["driver"]["status"] == "TimeLimitExceeded"
+
+
+# -- in a live session: the kernel is kept, frozen, between actions --------------------------------
+
+@pytest.fixture
+def live_mgr(tmp_path):
+    m = SandboxManager(tmp_path / "envs", tmp_path / "snapshots", sessions=True, result_bytes=1 << 20)
+    if m.sessions is None:
+        m.close()
+        pytest.skip(f"no live sessions here: {m.sessionless_reason}")
+    yield m
+    m.close()
+
+
+@sandboxed
+def test_in_a_live_session_a_variable_set_in_one_action_is_read_in_the_next(live_mgr):
+    first = live_mgr.run(run_cells(["import os\na = 41", "os.getpid()"], env="s1"), CPU).output
+    assert first["status"] == "Success" and first["kernel"]["started"]
+    second = live_mgr.run(run_cells(["a + 1", "os.getpid()", "open('later.txt', 'w').write('x')"], env="s1",
+                                    fetch_files=["later.txt"]), CPU).output
+    assert not second["kernel"]["started"] and second["kernel"]["id"] == first["kernel"]["id"]
+    assert second["cells"][0]["display"] == [{"text/plain": "42"}]
+    assert second["cells"][1]["display"] == first["cells"][1]["display"]      # the same process
+    assert "later.txt" in second["files"]           # written by the kept kernel into this action's layer
+    third = live_mgr.run(run_cells("open('later.txt').read()", env="s1"), CPU).output
+    assert third["cells"][0]["display"] == [{"text/plain": "'x'"}]
+
+
+@sandboxed
+def test_in_a_live_session_a_reclaimed_kernel_says_it_restarted(tmp_path):
+    m = SandboxManager(tmp_path / "envs", sessions=True, session_idle_s=0.01)
+    try:
+        if m.sessions is None:
+            pytest.skip(f"no live sessions here: {m.sessionless_reason}")
+        assert m.run(run_cells("b = 1", env="s2"), CPU).output["kernel"]["started"]
+        m.gc(now=time.monotonic() + 60)                       # idle past its time: reclaimed
+        assert m.sessions.get("s2") is None
+        after = m.run(run_cells("b", env="s2"), CPU).output
+        assert after["kernel"]["restarted"] and after["cells"][0]["error"][0]["ename"] == "NameError"
+    finally:
+        m.close()
+
+
+@sandboxed
+def test_in_a_live_session_os_exit_ends_only_the_kernel(live_mgr):
+    out = live_mgr.run(run_cells(["c = 1", "import os; os._exit(3)"], env="s3"), CPU).output
+    assert [cell["status"] for cell in out["cells"]] == ["ok", "died"]
+    after = live_mgr.run(run_cells("c", env="s3"), CPU).output
+    assert after["kernel"]["restarted"] and after["cells"][0]["error"][0]["ename"] == "NameError"
+
+
+@sandboxed
+def test_in_a_live_session_through_a_client_the_next_action_reads_the_variable(tmp_path, monkeypatch):
+    from tangram_hpc.launch import LocalCluster
+    probe = SandboxManager(tmp_path / "probe", sessions=True)
+    why = probe.sessionless_reason
+    probe.close()
+    if why is not None:
+        pytest.skip(f"no live sessions here: {why}")
+    monkeypatch.setenv("TANGRAM_SANDBOX_SESSIONS", "1")
+    with LocalCluster(workers=1, cores=1, run_dir=tmp_path / "run") as cl, cl.client() as c:
+        with c.env("cells") as e:
+            first = e.run_cells(["a = 6"], wait=120)
+            second = e.run_cells("a * 7", wait=120)
+    assert first.status == Status.OK and first.output["kernel"]["started"]
+    assert not second.output["kernel"]["started"] and second.output["cells"][0]["display"] == [{"text/plain": "42"}]

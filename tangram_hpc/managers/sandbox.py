@@ -48,8 +48,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, NamedTuple
 
-import msgpack
-
 from ..actions import ActionSpec, Status
 from ..errors import TangramError
 from . import sandboxfusion as sf
@@ -60,7 +58,7 @@ from .diskquota import QuotaWatch, held_deleted
 from . import env_layers
 from .env_templates import UnknownTemplate
 from .environments import EnvStore, Environment
-from .fs_inside import EnvError, is_plain_dir, read_inside, size_inside
+from .fs_inside import EnvError, is_plain_dir
 from .limits import WRAPPER_ENVIRON, Limits, LimitsError, wrapper_argv
 from .process import ProcResult, run_bounded
 from .live_envs import LiveEnvs
@@ -81,8 +79,6 @@ _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "N
                 "PYTEST_XDIST_AUTO_NUM_WORKERS", "TANGRAM_NCPUS")
 #: The largest result a worker sends unless told otherwise (the coordinator's default ``max_output_bytes``).
 RESULT_BYTES = 8 << 20
-#: What a result holds besides outputs and fetched files (field names, numbers, the error text).
-_RESULT_OVERHEAD = 16 << 10
 _unsafe_warned = False
 
 
@@ -612,11 +608,12 @@ class SandboxManager:
         """Cells in the environment's kernel: its driver runs as the step of a run_code (:mod:`.pykernel`)."""
         req = sf.parse_run_jupyter(spec.payload)
         lim = self._limits(spec, None)
-        out = self._run_code(spec, cpus, cancel_fd, req.driver(lim.output_bytes, lim.output_kill_bytes))
+        out = self._run_code(spec, cpus, cancel_fd, req.driver(lim.output_bytes, lim.output_kill_bytes),
+                             live=self.sessions is not None)   # the kernel lives on in the session
         return SandboxOutcome(out.status, req.response(out.output, out.error), out.error)
 
     def _run_code(self, spec: ActionSpec, cpus, cancel_fd: int | None = None,
-                  req: sf.RunCodeRequest | None = None) -> SandboxOutcome:
+                  req: sf.RunCodeRequest | None = None, live: bool = False) -> SandboxOutcome:
         req = req or sf.parse_run_code(spec.payload)
         base = self._limits(spec, {"memory_mb": req.memory_mb} if req.memory_mb else None)
         try:
@@ -643,8 +640,11 @@ class SandboxManager:
             compile_argv, run_argv = req.argvs()
 
             def step(argv, stdin, timeout_s):
-                res = self._exec(env, argv, stdin, {}, base.merged({"timeout_s": timeout_s}), cpus, False,
-                                 cancel_fd, attempt).res
+                lim = base.merged({"timeout_s": timeout_s})
+                if live and not env.throwaway:
+                    res = self.live.exec(env, argv, stdin, {}, lim, cpus, cancel_fd, attempt).res
+                else:
+                    res = self._exec(env, argv, stdin, {}, lim, cpus, False, cancel_fd, attempt).res
                 return res, sf.command_result(res)
 
             ok = True
@@ -661,8 +661,9 @@ class SandboxManager:
                     return SandboxOutcome(Status.CANCELLED, None, "cancelled while running")
                 if res.stopped:
                     return _stopped(res.stopped, compile_result, run_result)
-            fetched = self._fetch(env, attempt, req.fetch_files, sf.response(compile_result, run_result, {}))
-        except _TooLarge as exc:
+            fetched = sf.fetch_files(env.path, attempt, req.fetch_files, sf.response(compile_result, run_result, {}),
+                                     self.result_bytes)
+        except sf.FetchTooLarge as exc:
             return SandboxOutcome(Status.FAILED, sf.response(compile_result, run_result, {}, str(exc)), str(exc))
         except (EnvError, OSError) as exc:
             return SandboxOutcome(Status.ERROR, sf.response(compile_result, run_result, {}, str(exc)),
@@ -671,47 +672,6 @@ class SandboxManager:
             self._end(env, waited is None, attempt, spec.id)
             self.envs.release(env)
         return SandboxOutcome(Status.OK, sf.response(compile_result, run_result, fetched))
-
-    def _fetch(self, env: Environment, attempt: Path | None, names: list[str], without: dict) -> dict[str, bytes]:
-        """The files ``names`` of ``env`` as its attempt left them (those that are regular files),
-        when the result ``without`` them plus their sizes fits :attr:`result_bytes`; else
-        :class:`_TooLarge`, before any is read.
-
-        Sizes, not blocks: a sparse file of 1 GiB holds nothing on disk but reads as 1 GiB.  Files
-        go into the response base64-encoded (4 bytes for 3)."""
-        room = (self.result_bytes - _packed_size(without) - _RESULT_OVERHEAD) * 3 // 4
-        sizes: dict[str, int] = {}
-        roots: dict[str, Path] = {}
-        for name in dict.fromkeys(names):
-            root = env.path if attempt is None else env_layers.layered_root(attempt / "upper", env.path, name)
-            size = size_inside(root, name) if root is not None else None
-            if size is None:
-                continue
-            if size > room:
-                raise _TooLarge(f"fetch_files: {name!r} holds {size} bytes, more than the {max(room, 0)} "
-                                f"bytes a result can carry (the worker's result limit is "
-                                f"{self.result_bytes} bytes, files go base64-encoded); nothing was fetched")
-            sizes[name] = size
-            roots[name] = root
-        total = sum(sizes.values())
-        if total > room:
-            raise _TooLarge(f"fetch_files: the {len(sizes)} files hold {total} bytes together, more than the "
-                            f"{max(room, 0)} bytes a result can carry (the worker's result limit is "
-                            f"{self.result_bytes} bytes, files go base64-encoded); nothing was fetched")
-        fetched: dict[str, bytes] = {}
-        for name, size in sizes.items():
-            data = read_inside(roots[name], name, size)   # never more than was counted
-            if data is not None:
-                fetched[name] = data
-        return fetched
-
-
-class _TooLarge(Exception):
-    """Files asked for that no result could carry."""
-
-
-def _packed_size(doc: Any) -> int:
-    return len(msgpack.packb(doc, use_bin_type=True))
 
 
 def _unsettled(env_id: str | None, exc: BaseException) -> str:

@@ -48,12 +48,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+import msgpack
+
 from ..errors import TangramError
-from .fs_inside import EnvError, _parts as relative_parts  # the rule the worker writes files by
+from . import env_layers
+from .fs_inside import EnvError, read_inside, size_inside, _parts as relative_parts  # the rule the worker writes files by
 
 __all__ = ["RunCodeRequest", "RunCodeError", "LANGUAGES", "RUN_CODE_FIELDS", "MAX_TIMEOUT_S",
            "parse_run_code", "is_run_code", "command_result", "response", "utf8",
-           "RunJupyterRequest", "RUN_JUPYTER_FIELDS", "is_run_jupyter", "parse_run_jupyter"]
+           "RunJupyterRequest", "RUN_JUPYTER_FIELDS", "is_run_jupyter", "parse_run_jupyter", "fetch_files",
+           "FetchTooLarge"]
 
 CODE_DIR = ".run_code"
 
@@ -417,3 +421,48 @@ def parse_run_jupyter(p: Mapping[str, Any]) -> RunJupyterRequest:
                              files=_files(p.get("files")),
                              fetch_files=[_inside("fetch_files", name) for name in _strings(p, "fetch_files")],
                              template=template)
+
+
+# -- fetch_files ------------------------------------------------------------------------------------
+
+#: What a result holds besides outputs and fetched files (field names, numbers, the error text).
+_RESULT_OVERHEAD = 16 << 10
+
+
+class FetchTooLarge(Exception):
+    """Files asked for that no result could carry."""
+
+
+def fetch_files(env_path: Path, attempt: Path | None, names: list[str], without: dict,
+                result_bytes: int) -> dict[str, bytes]:
+    """The files ``names`` of the environment at ``env_path`` as its attempt left them (those that
+    are regular files), when the result ``without`` them plus their sizes fits ``result_bytes``;
+    else :class:`FetchTooLarge`, before any is read.
+
+    Sizes, not blocks: a sparse file of 1 GiB holds nothing on disk but reads as 1 GiB.  Files
+    go into the response base64-encoded (4 bytes for 3)."""
+    room = (result_bytes - len(msgpack.packb(without, use_bin_type=True)) - _RESULT_OVERHEAD) * 3 // 4
+    sizes: dict[str, int] = {}
+    roots: dict[str, Path] = {}
+    for name in dict.fromkeys(names):
+        root = env_path if attempt is None else env_layers.layered_root(attempt / "upper", env_path, name)
+        size = size_inside(root, name) if root is not None else None
+        if size is None:
+            continue
+        if size > room:
+            raise FetchTooLarge(f"fetch_files: {name!r} holds {size} bytes, more than the {max(room, 0)} "
+                                f"bytes a result can carry (the worker's result limit is "
+                                f"{result_bytes} bytes, files go base64-encoded); nothing was fetched")
+        sizes[name] = size
+        roots[name] = root
+    total = sum(sizes.values())
+    if total > room:
+        raise FetchTooLarge(f"fetch_files: the {len(sizes)} files hold {total} bytes together, more than the "
+                            f"{max(room, 0)} bytes a result can carry (the worker's result limit is "
+                            f"{result_bytes} bytes, files go base64-encoded); nothing was fetched")
+    fetched: dict[str, bytes] = {}
+    for name, size in sizes.items():
+        data = read_inside(roots[name], name, size)   # never more than was counted
+        if data is not None:
+            fetched[name] = data
+    return fetched
