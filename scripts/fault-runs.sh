@@ -12,13 +12,16 @@
 # environments, and the tests passed and failed.  Exit status 0 only when every run passed with no
 # line lost or duplicated.  Needs the loopback Slurm cluster (scripts/dev-cluster.sh start).
 #
-# PYTHON names the interpreter (default .venv/bin/python); FAULT_RUNS_HOG=0 runs without the hog.
+# PYTHON names the interpreter (default .venv/bin/python; the Slurm jobs run it too, as TANGRAM_PYTHON);
+# FAULT_RUNS_HOG=0 runs without the hog.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 runs=${1:-10}
 [[ $runs =~ ^[0-9]+$ ]] || { echo "usage: $0 [N] [pytest arguments...]" >&2; exit 2; }
 shift || true
 python=${PYTHON:-.venv/bin/python}
+[[ $python == */* ]] && python=$(cd "$(dirname "$python")" && pwd)/$(basename "$python")
+export TANGRAM_PYTHON=${TANGRAM_PYTHON:-$python}
 tests=(tests/test_env_faults.py tests/test_faults.py tests/test_fault_injection.py tests/test_env_restart.py)
 work=$(mktemp -d -t tangram-fault-runs.XXXXXX)
 
