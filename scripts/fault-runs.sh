@@ -6,7 +6,8 @@
 # Each run is one pytest of the fault tests: the stateful-environment scenarios of
 # tests/test_env_faults.py (worker SIGKILL, SIGSTOP, scancel, drain at the time limit, coordinator
 # stopped and restarted, coordinator killed and restarted; every action appends its id to its
-# environment's log.txt, read back from the environments' files at the end), tests/test_faults.py,
+# environment's log.txt, read back from the environments' files at the end), a node lost on the
+# multi-node cluster (tests/test_node_loss.py, the same check), tests/test_faults.py,
 # tests/test_fault_injection.py and the coordinator restarts of tests/test_env_restart.py.  It prints,
 # per run and in total: the scenarios' actions, those ok, lines lost and lines duplicated in the
 # environments, and the tests passed and failed.  Exit status 0 only when every run passed with no
@@ -22,7 +23,8 @@ shift || true
 python=${PYTHON:-.venv/bin/python}
 [[ $python == */* ]] && python=$(cd "$(dirname "$python")" && pwd)/$(basename "$python")
 export TANGRAM_PYTHON=${TANGRAM_PYTHON:-$python}
-tests=(tests/test_env_faults.py tests/test_faults.py tests/test_fault_injection.py tests/test_env_restart.py)
+tests=(tests/test_env_faults.py tests/test_node_loss.py tests/test_faults.py tests/test_fault_injection.py
+       tests/test_env_restart.py)
 work=$(mktemp -d -t tangram-fault-runs.XXXXXX)
 
 hogs=()
