@@ -49,6 +49,11 @@ LAUNCH = REPO / "scripts" / "launch-coordinator.sh"
 #: coordinator's job and launch it again (a new run directory, as the script does); crash-restart:
 #: SIGKILL the coordinator process, then launch it again on the same run directory.
 FAULTS = ("sigstop", "scancel", "sigkill", "drain", "restart", "crash-restart")
+#: A node lost (on the multi-node cluster of ``scripts/dev-cluster.sh multi``, SLURM_CONF naming it):
+#: the coordinator runs on its head node, and the node of a worker running actions loses its slurmd
+#: and every process of its jobs at once.
+NODE_LOSS = "node-loss"
+DEV_CLUSTER = REPO / "scripts" / "dev-cluster.sh"
 
 
 @dataclass
@@ -67,6 +72,8 @@ class Outcome:
     leaked_jobs: list[str] = field(default_factory=list)   # jobs of the scenario still there after its stop
     duplicated_ids: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    run_dirs: list[Path] = field(default_factory=list)     # the coordinator's (one per launch)
+    victim_jobs: list[str] = field(default_factory=list)   # the worker jobs the fault struck
 
     def row(self) -> str:
         extra = f"{self.envs_lost} envs lost; " if self.envs_lost else ""
@@ -78,16 +85,18 @@ class Outcome:
 class Coordinator:
     """A coordinator started with scripts/launch-coordinator.sh in ``shared``; restartable the same way."""
 
-    def __init__(self, shared: Path, env: dict[str, str], name: str):
+    def __init__(self, shared: Path, env: dict[str, str], name: str, sbatch_args: tuple[str, ...] = ()):
         self.shared = shared
         self.env = env
         self.name = name
+        self.sbatch_args = sbatch_args
         self.job: str | None = None
         self.conn = str(shared / "coordinator.json")
 
     def launch(self) -> None:
         out = subprocess.run([str(LAUNCH), "--shared", str(self.shared), "--wait", "90", "--",
-                              f"--job-name={self.name}"], capture_output=True, text=True, env=self.env,
+                              f"--job-name={self.name}", *self.sbatch_args], capture_output=True, text=True,
+                             env=self.env,
                              timeout=120)
         if out.returncode != 0:
             raise RuntimeError(f"launch-coordinator.sh failed: {out.stderr}")
@@ -137,6 +146,16 @@ def _leaked_jobs(directory: Path, wait: float = 30.0) -> list[str]:
 def _worker_job(handle: str) -> str | None:
     out = subprocess.run(["squeue", "-h", "-n", handle, "-o", "%i"], capture_output=True, text=True)
     return out.stdout.split()[0] if out.stdout.split() else None
+
+
+def _node_of(job: str) -> str:
+    out = subprocess.run(["squeue", "-h", "-j", job, "-o", "%N"], capture_output=True, text=True, check=True)
+    return out.stdout.strip()
+
+
+def _jobs_on(node: str) -> list[str]:
+    out = subprocess.run(["squeue", "-h", "-w", node, "-o", "%i"], capture_output=True, text=True, check=True)
+    return out.stdout.split()
 
 
 class Trajectories:
@@ -258,11 +277,12 @@ def _busy_worker(client: Client, timeout: float = 120.0) -> dict:
 def run_fault(fault: str, workdir: Path, *, envs: int = 50, steps: int = 3, sleep_s: float = 0.5,
               half_way: bool = False, keep: bool = False, log=print) -> Outcome:
     """One scenario; ``workdir`` must be on a filesystem the Slurm jobs see (the loopback cluster: any)."""
-    assert fault in FAULTS, fault
+    assert fault in FAULTS or fault == NODE_LOSS, fault
     t0 = time.monotonic()
     shared = workdir / fault
     shared.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    # not the variables of a Slurm job this may run in; the cluster's configuration file, though
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}
     # environments start as a checkout, so the moves of scancel, drain and the restarts are deltas over it;
     # the workers the coordinator launches read its configuration file
     config = shared / "tangram.toml"
@@ -278,7 +298,7 @@ def run_fault(fault: str, workdir: Path, *, envs: int = 50, steps: int = 3, slee
         env.update(TANGRAM_WORKER_TIME="4", TANGRAM_EXTRA_ARGS=f"--slurm-startup 5 --slurm-replace-before 175 {with_config}")
     if fault == "crash-restart":
         env.update(TANGRAM_RUN_DIR=str(shared / "runs" / "fixed"))
-    coord = Coordinator(shared, env, f"tgenv-{fault}")
+    coord = Coordinator(shared, env, f"tgenv-{fault}", ("--partition=head",) if fault == NODE_LOSS else ())
     coord.launch()
     outcome = Outcome(fault)
     client = Client(connection_file=coord.conn)
@@ -287,7 +307,7 @@ def run_fault(fault: str, workdir: Path, *, envs: int = 50, steps: int = 3, slee
         traj.start()
         if fault != "drain":
             traj.pump_until_every_env_ran()   # the faults strike workers that hold environments
-        if fault in ("sigstop", "scancel", "sigkill"):
+        if fault in ("sigstop", "scancel", "sigkill", NODE_LOSS):
             # Strike while the victim's commands sleep, not as they end: the first actions of all
             # environments end together, right as the pump above returns, and a command killed
             # between its append and its journal record runs again (the at-least-once window of
@@ -302,7 +322,13 @@ def run_fault(fault: str, workdir: Path, *, envs: int = 50, steps: int = 3, slee
                 os.kill(victim["pid"], signal.SIGCONT)
             elif fault == "scancel":
                 job = _worker_job(victim["handle"])
+                outcome.victim_jobs = [job]
                 subprocess.run(["scancel", job], check=True)
+            elif fault == NODE_LOSS:
+                node = _node_of(_worker_job(victim["handle"]))
+                outcome.victim_jobs = _jobs_on(node)       # every worker there is lost with it
+                log(f"[{fault}] node {node} lost, with jobs {outcome.victim_jobs}")
+                subprocess.run([str(DEV_CLUSTER), "multi", "kill-node", node], check=True, capture_output=True)
             else:
                 os.kill(victim["pid"], signal.SIGKILL)
             traj.pump(time.monotonic() + 300, more=False)
@@ -338,6 +364,7 @@ def run_fault(fault: str, workdir: Path, *, envs: int = 50, steps: int = 3, slee
     finally:
         client.close()
         coord.stop()
+        outcome.run_dirs = sorted(p.parent for p in shared.glob("runs/*/slurm_jobs.log"))
         outcome.leaked_jobs = _leaked_jobs(shared)
         if outcome.leaked_jobs:
             outcome.notes.append(f"worker jobs left running after the coordinator stopped: {outcome.leaked_jobs}")
@@ -347,7 +374,8 @@ def run_fault(fault: str, workdir: Path, *, envs: int = 50, steps: int = 3, slee
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("faults", nargs="*", default=list(FAULTS), help=f"some of {', '.join(FAULTS)} (default: all)")
+    ap.add_argument("faults", nargs="*", default=list(FAULTS),
+                    help=f"some of {', '.join(FAULTS)} (default: all), or {NODE_LOSS} (SLURM_CONF: the multi-node cluster)")
     ap.add_argument("--envs", type=int, default=50)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--sleep", type=float, default=0.5, help="seconds each action sleeps before its append")
@@ -355,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--half-way", action="store_true", help="'sleep; echo' instead of 'sleep && echo'")
     ap.add_argument("--keep", action="store_true", help="leave the environments (do not close them) to look into")
     a = ap.parse_args(argv)
-    unknown = set(a.faults) - set(FAULTS)
+    unknown = set(a.faults) - set(FAULTS) - {NODE_LOSS}
     if unknown:
         ap.error(f"unknown faults {sorted(unknown)}; choose from {', '.join(FAULTS)}")
     import tempfile

@@ -10,6 +10,9 @@ environment must hold every ok action's line exactly once and the checkout it st
 """
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 
 from env_faults import FAULTS, run_fault
@@ -37,6 +40,11 @@ def test_every_ok_action_leaves_its_line_once_in_its_environment(fault, tmp_path
     sleep_s = 1.5 if fault == "scancel" else 0.5
     o = run_fault(fault, tmp_path, envs=12, steps=3, sleep_s=sleep_s, log=lambda *_: None)
     summary = f"{o.row()} {' '.join(o.notes)}"
+    if os.environ.get("TANGRAM_FAULT_COUNTS"):      # scripts/fault-runs.sh totals these over its runs
+        with open(os.environ["TANGRAM_FAULT_COUNTS"], "a") as f:
+            f.write(json.dumps({"fault": fault, "actions": o.actions, "ok": o.ok, "lost": o.lost,
+                                "duplicated": o.duplicated, "envs_lost": o.envs_lost,
+                                "seconds": round(o.seconds, 1), "notes": o.notes[:20]}) + "\n")
     assert o.actions >= 36 and o.ok == o.actions, summary
     assert o.lost == 0 and o.duplicated == 0 and o.envs_lost == 0, summary
     assert o.leaked_jobs == [], summary     # every job of the scenario ended with its coordinator

@@ -159,6 +159,68 @@ def test_paths_past_path_max_and_every_mode_survive_a_restore_and_an_adoption(tm
         w3.close()
 
 
+def _nest(levels: int, name: str = "d") -> str:
+    """A command nesting ``levels`` directories ``name`` (one call each: no path grows past PATH_MAX)."""
+    return (f"python3 -c \"import os\nfor i in range({levels}):\n  os.mkdir('{name}'); os.chdir('{name}')\n"
+            f"open('deep', 'w').write('deep\\n')\"")
+
+
+def _read_nested(levels: int, name: str = "d") -> str:
+    return f"python3 -c \"import os\nfor i in range({levels}):\n  os.chdir('{name}')\nprint(open('deep').read(), end='')\""
+
+
+NO_DISK_QUOTA = {"disk_mb": None, "disk_files": None}
+
+
+@pytest.fixture
+def deep_tmp(tmp_path):
+    """tmp_path, emptied by the code under test: pytest's own removal (shutil.rmtree) recurses per
+    level and fails on trees this deep, for every later session sharing its base directory."""
+    from tangram_hpc.managers.fs_inside import _rmtree
+    yield tmp_path
+    for child in tmp_path.iterdir():
+        _rmtree(child)
+
+
+def test_a_tree_thousands_of_levels_deep_is_saved_restored_adopted_and_removed(deep_tmp):
+    """Past the interpreter's recursion limit and a descriptor per level: an environment that deep
+    (a runaway loop, or a package manager's nesting) still moves when its worker drains or dies."""
+    shared = deep_tmp / "shared" / "snapshots"
+    w1 = SandboxManager(deep_tmp / "w1" / "envs", shared)
+    w2 = SandboxManager(deep_tmp / "w2" / "envs", shared)
+    w3 = SandboxManager(deep_tmp / "w3" / "envs", shared)
+    try:
+        made = w1.run(act(_nest(1500) + " && " + _nest(40, "n" * 200), env="e", limits=NO_DISK_QUOTA), CPU)
+        assert made.status == Status.OK, made
+        w2.restore("e", w1.snapshot("e"))
+        assert w1.drop("e") and not any((deep_tmp / "w1" / "envs").glob("e*"))
+        both = _read_nested(1500) + " && " + _read_nested(40, "n" * 200)
+        r = w2.run(act(both, env="e", limits=NO_DISK_QUOTA), CPU)
+        assert (r.status, r.output["stdout"]) == (Status.OK, "deep\ndeep\n"), r
+        w3.adopt("e", str(w2.root))
+        r = w3.run(act(both, env="e", limits=NO_DISK_QUOTA), CPU)
+        assert (r.status, r.output["stdout"]) == (Status.OK, "deep\ndeep\n"), r
+    finally:
+        w1.close()
+        w2.close()
+        w3.close()
+
+
+def test_a_tree_past_the_depth_bound_fails_to_save_with_a_clear_error_and_stays_usable(deep_tmp):
+    """Deeper than MAX_DEPTH, a save stops at the bound with an error saying why (the worker answers
+    the drain at once, the environment stays where it is), and the tree can still be removed."""
+    from tangram_hpc.managers.fs_inside import MAX_DEPTH, EnvError
+    with SandboxManager(deep_tmp / "envs", deep_tmp / "snapshots") as m:
+        made = m.run(act(_nest(MAX_DEPTH + 10), env="e", limits=NO_DISK_QUOTA), CPU)
+        assert made.status == Status.OK, made
+        with pytest.raises(EnvError, match=f"deeper than {MAX_DEPTH} levels"):
+            m.snapshot("e")
+        assert not any((deep_tmp / "snapshots").rglob("*.partial"))
+        r = m.run(act(_read_nested(MAX_DEPTH + 10), env="e", limits=NO_DISK_QUOTA), CPU)
+        assert (r.status, r.output["stdout"]) == (Status.OK, "deep\n"), r
+        assert m.drop("e") and not any((deep_tmp / "envs").glob("e*"))
+
+
 def test_restore_rejects_escaping_snapshot(tmp_path):
     import io
     import tarfile

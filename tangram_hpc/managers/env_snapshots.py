@@ -17,9 +17,9 @@ from pathlib import Path
 
 import msgpack
 
-from ..envfiles import NOFOLLOW_DIR, PAX_ENV, PAX_GEN
+from ..envfiles import PAX_ENV, PAX_GEN
 from .env_bases import Base, BaseRef, unchanged
-from .fs_inside import _CHANGED_MEANWHILE, _MAX_DEPTH, _NOFOLLOW_FILE, EnvError, _OpenPath
+from .fs_inside import _CHANGED_MEANWHILE, _NOFOLLOW_FILE, MAX_DEPTH, EnvError, _OpenPath, _walk
 
 __all__ = ["JOURNAL_KEEP", "JOURNAL_MAX_BYTES", "JOURNAL_RECORD_BYTES", "bounded_record"]
 
@@ -150,18 +150,39 @@ def _tar_tree(tar: tarfile.TarFile, root: Path, delta: _Delta | None = None) -> 
 
     FIFOs, sockets and devices are left out (:meth:`EnvStore.restore` refuses them).
     """
-    fd = os.open(root, NOFOLLOW_DIR)
+    cur = _OpenPath(root)
     try:
-        st = os.fstat(fd)
+        st = os.fstat(cur.fd)
         tar.addfile(_tarinfo(".", st, tarfile.DIRTYPE))
-        _tar_dir(tar, fd, ".", {}, 1, delta)
+        links: dict = {}
+        for name, entry in _walk(cur):
+            if entry is None:
+                continue
+            try:
+                if stat.S_ISDIR(entry.st_mode):         # (the walk is in it)
+                    path = "./" + "/".join(cur.names)
+                    if not (delta is not None and delta.keeps(path, entry)):
+                        tar.addfile(_tarinfo(path, os.fstat(cur.fd), tarfile.DIRTYPE))
+                    continue
+                path = "./" + "/".join([*cur.names, name])
+                if delta is not None and delta.keeps(path, entry):
+                    continue
+                if stat.S_ISLNK(entry.st_mode):
+                    ti = _tarinfo(path, entry, tarfile.SYMTYPE)
+                    ti.linkname = os.readlink(name, dir_fd=cur.fd)
+                    tar.addfile(ti)
+                elif stat.S_ISREG(entry.st_mode):
+                    _tar_file(tar, cur.fd, name, path, links)
+            except OSError as exc:
+                if exc.errno not in _CHANGED_MEANWHILE:
+                    raise           # (else removed or replaced while being saved)
         if delta is not None:
             last = _tarinfo(".", st, tarfile.DIRTYPE)
             last.pax_headers = {_PAX_DELETED: base64.b64encode(
                 msgpack.packb(delta.deleted(), use_bin_type=True)).decode()}
             tar.addfile(last)
     finally:
-        os.close(fd)
+        cur.close()
 
 
 def _write_tar(out: Path, root: Path, headers: dict[str, str], delta: _Delta | None = None) -> None:
@@ -254,8 +275,8 @@ def _extract(tar: tarfile.TarFile, dest: Path, members: list[tarfile.TarInfo]) -
 
 def _member_parts(name: str) -> list[str]:
     parts = [p for p in name.split("/") if p not in ("", ".")]
-    if len(parts) > _MAX_DEPTH + 1:
-        raise EnvError(f"snapshot member {name[:200]!r}... nests deeper than {_MAX_DEPTH} levels")
+    if len(parts) > MAX_DEPTH + 1:
+        raise EnvError(f"snapshot member {name[:200]!r}... nests deeper than {MAX_DEPTH} levels")
     return parts
 
 
@@ -276,39 +297,6 @@ def _tarinfo(name: str, st: os.stat_result, kind: bytes) -> tarfile.TarInfo:
     ti.mtime = int(st.st_mtime)
     ti.uid, ti.gid = st.st_uid, st.st_gid
     return ti
-
-
-def _tar_dir(tar: tarfile.TarFile, dirfd: int, arc: str, links: dict, depth: int,
-             delta: _Delta | None = None) -> None:
-    if depth > _MAX_DEPTH:
-        raise EnvError(f"environment nests directories deeper than {_MAX_DEPTH} levels: not saved")
-    with os.scandir(dirfd) as it:
-        names = sorted(e.name for e in it)
-    for name in names:
-        path = f"{arc}/{name}"
-        try:
-            st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
-            kept = delta is not None and delta.keeps(path, st)
-            if stat.S_ISDIR(st.st_mode):
-                sub = os.open(name, NOFOLLOW_DIR, dir_fd=dirfd)
-                try:
-                    if not kept:
-                        tar.addfile(_tarinfo(path, os.fstat(sub), tarfile.DIRTYPE))
-                    _tar_dir(tar, sub, path, links, depth + 1, delta)
-                finally:
-                    os.close(sub)
-            elif kept:
-                continue
-            elif stat.S_ISLNK(st.st_mode):
-                ti = _tarinfo(path, st, tarfile.SYMTYPE)
-                ti.linkname = os.readlink(name, dir_fd=dirfd)
-                tar.addfile(ti)
-            elif stat.S_ISREG(st.st_mode):
-                _tar_file(tar, dirfd, name, path, links)
-        except OSError as exc:
-            if exc.errno not in _CHANGED_MEANWHILE:
-                raise
-            continue  # removed or replaced while being saved
 
 
 def _tar_file(tar: tarfile.TarFile, dirfd: int, name: str, path: str, links: dict) -> None:

@@ -10,20 +10,23 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import stat
-import sys
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from ..envfiles import NOFOLLOW_DIR
 from ..errors import TangramError
 
-__all__ = ["EnvError", "write_inside", "read_inside", "size_inside", "is_plain_dir", "chown_tree"]
+__all__ = ["EnvError", "write_inside", "read_inside", "size_inside", "is_plain_dir", "chown_tree", "MAX_DEPTH",
+           "MAX_PATH_BYTES"]
 
 _NOFOLLOW_FILE = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
-#: Snapshots of deeper trees are refused (the walk holds one descriptor per level).
-_MAX_DEPTH = 256
+#: Deeper trees are not saved, restored, copied or chowned (an error saying so): a snapshot stores
+#: each entry's whole path, so a tree's cost grows with the square of its depth; no tree of real
+#: use comes near.
+MAX_DEPTH = 4096
+#: ... nor trees with a path longer than this (bytes, below the environment), for the same reason.
+MAX_PATH_BYTES = 64 << 10
 _CHANGED_MEANWHILE = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.ELOOP, errno.ENXIO})
 
 
@@ -206,12 +209,40 @@ def _open_dirs_for_owner(root: Path) -> list[tuple[str, int]]:
 
 
 class _OpenPath:
-    """Descriptors of the directories from a root down to the one last asked for, kept open so
-    that the entries of one directory (together in a snapshot) do not walk down again."""
+    """One descriptor of a directory of a tree, moved down by name and back up by ``..``: a deep
+    tree costs one descriptor, not one per level.  Each step up is checked against the directory
+    passed on the way down, so a tree changed meanwhile (a directory moved by a process left in
+    it) stops the walk with an error instead of leading it anywhere else."""
 
-    def __init__(self, root: Path):
-        self.fds = [os.open(root, NOFOLLOW_DIR)]
-        self.names: list[str] = []
+    def __init__(self, root: Path, bounded: bool = True):
+        self.fd = os.open(root, NOFOLLOW_DIR)
+        self.names: list[str] = []           # the path from the root, one name per level
+        self._ids = [_identity(self.fd)]
+        self._bytes = 0
+        self._bounded = bounded              # by MAX_DEPTH and MAX_PATH_BYTES (a removal is not)
+
+    def down(self, name: str) -> None:
+        """Into the directory ``name`` (never through a symlink); OSError when it is not one."""
+        if self._bounded and len(self.names) >= MAX_DEPTH:
+            raise EnvError(f"the environment nests directories deeper than {MAX_DEPTH} levels")
+        if self._bounded and self._bytes + len(name) + 1 > MAX_PATH_BYTES:
+            raise EnvError(f"the environment has paths longer than {MAX_PATH_BYTES} bytes")
+        fd = os.open(name, NOFOLLOW_DIR, dir_fd=self.fd)
+        os.close(self.fd)
+        self.fd = fd
+        self.names.append(name)
+        self._ids.append(_identity(fd))
+        self._bytes += len(name) + 1
+
+    def up(self) -> None:
+        fd = os.open("..", NOFOLLOW_DIR, dir_fd=self.fd)
+        if _identity(fd) != self._ids[-2]:
+            os.close(fd)
+            raise EnvError(f"directory {'/'.join(self.names)[:200]!r} moved while the environment was walked")
+        os.close(self.fd)
+        self.fd = fd
+        self._bytes -= len(self.names.pop()) + 1
+        self._ids.pop()
 
     def open(self, parts: list[str], what: str) -> int:
         """The directory ``parts`` below the root (never through a symlink)."""
@@ -220,85 +251,129 @@ class _OpenPath:
         while k < len(names) and k < len(parts) and names[k] == parts[k]:
             k += 1
         while len(names) > k:
-            names.pop()
-            os.close(self.fds.pop())
+            self.up()
         for part in parts[k:]:
             try:
-                fd = os.open(part, NOFOLLOW_DIR, dir_fd=self.fds[-1])
+                self.down(part)
             except OSError as exc:
                 raise EnvError(f"snapshot member {what[:200]!r}: {part[:200]!r} is not a plain directory") from exc
-            names.append(part)
-            self.fds.append(fd)
-        return self.fds[-1]
+        return self.fd
 
     def close(self) -> None:
-        for fd in self.fds:
-            os.close(fd)
-        self.fds = []
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _identity(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
+
+
+def _walk(cur: _OpenPath, force: bool = False) -> Iterator[tuple[str, os.stat_result | None]]:
+    """Every entry below ``cur``'s directory, depth first in name order, without recursion.
+
+    Yields ``(name, lstat)``: for a directory once ``cur`` is in it, for anything else with ``cur``
+    at the directory holding it; then ``(name, None)`` when a directory's entries are done, ``cur``
+    back at its parent.  Entries removed or replaced meanwhile are left out.  ``force``: a directory
+    that cannot be opened for want of permission (sandboxed code's chmod) is given it first.
+    """
+    top = len(cur.names)
+    pending = [_names(cur.fd)]
+    while pending:
+        if not pending[-1]:
+            pending.pop()
+            if len(cur.names) > top:
+                name = cur.names[-1]
+                cur.up()
+                yield name, None
+            continue
+        name = pending[-1].pop()
+        try:
+            st = os.stat(name, dir_fd=cur.fd, follow_symlinks=False)
+            if stat.S_ISDIR(st.st_mode):
+                _down(cur, name, force)
+        except OSError as exc:
+            if exc.errno in _CHANGED_MEANWHILE:
+                continue
+            raise
+        if stat.S_ISDIR(st.st_mode):
+            pending.append(_names(cur.fd))
+        yield name, st
+
+
+def _names(fd: int) -> list[str]:
+    return sorted(os.listdir(fd), reverse=True)     # popped from the end: in name order
+
+
+def _down(cur: _OpenPath, name: str, force: bool) -> None:
+    try:
+        cur.down(name)
+    except PermissionError:
+        if not force:
+            raise
+        # a directory (lstat above) of a tree being removed, which no sandboxed process runs in
+        # any more; only a worker that is not root gets here, and it cannot chmod what is not its own
+        os.chmod(name, 0o700, dir_fd=cur.fd)
+        cur.down(name)
 
 
 def _copy_tree(src: Path, dest: Path) -> None:
     """Copy the tree ``src`` to the new directory ``dest`` (symlinks as symlinks, modes and times
-    kept, devices and fifos left out), one level at a time: its paths may be longer than PATH_MAX."""
-    top = os.open(src, NOFOLLOW_DIR)
+    kept, devices and fifos left out); its paths may be longer than PATH_MAX."""
+    os.mkdir(dest, 0o700)
+    cur, out = _OpenPath(src), _OpenPath(dest)
     try:
-        os.mkdir(dest, 0o700)
-        out = os.open(dest, NOFOLLOW_DIR)
-        try:
-            _copy_dir(top, out, 1)
-            _copy_meta(os.fstat(top), out)
-        finally:
-            os.close(out)
+        for name, st in _walk(cur):
+            try:
+                if st is None:          # its entries are copied: its mode and time now
+                    out.up()
+                    _copy_meta(os.stat(name, dir_fd=cur.fd, follow_symlinks=False), out.fd, name)
+                elif stat.S_ISDIR(st.st_mode):
+                    os.mkdir(name, 0o700, dir_fd=out.fd)
+                    out.down(name)
+                elif stat.S_ISLNK(st.st_mode):
+                    os.symlink(os.readlink(name, dir_fd=cur.fd), name, dir_fd=out.fd)
+                    os.utime(name, ns=(st.st_atime_ns, st.st_mtime_ns), dir_fd=out.fd, follow_symlinks=False)
+                elif stat.S_ISREG(st.st_mode):
+                    _copy_file(cur.fd, out.fd, name)
+            except OSError as exc:
+                if exc.errno not in _CHANGED_MEANWHILE:
+                    raise
+        _copy_meta(os.fstat(cur.fd), out.fd)
     finally:
-        os.close(top)
+        cur.close()
+        out.close()
 
 
-def _copy_meta(st: os.stat_result, fd: int) -> None:
+def _copy_meta(st: os.stat_result, fd: int, name: str | None = None) -> None:
+    """Mode and times of ``st`` onto ``fd`` (or its directory ``name``)."""
+    if name is not None:
+        fd = os.open(name, NOFOLLOW_DIR, dir_fd=fd)
+        try:
+            _copy_meta(st, fd)
+        finally:
+            os.close(fd)
+        return
     os.chmod(fd, stat.S_IMODE(st.st_mode))
     os.utime(fd, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
-def _copy_dir(src: int, dst: int, depth: int) -> None:
-    if depth > _MAX_DEPTH:
-        raise EnvError(f"environment nests directories deeper than {_MAX_DEPTH} levels: not copied")
-    with os.scandir(src) as it:
-        names = [e.name for e in it]
-    for name in names:
+def _copy_file(src: int, dst: int, name: str) -> None:
+    fin = os.open(name, os.O_RDONLY | _NOFOLLOW_FILE, dir_fd=src)
+    try:
+        st = os.fstat(fin)
+        if not stat.S_ISREG(st.st_mode):
+            return                  # replaced by something else since it was listed
+        fout = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW_FILE, 0o600, dir_fd=dst)
         try:
-            st = os.stat(name, dir_fd=src, follow_symlinks=False)
-            if stat.S_ISDIR(st.st_mode):
-                sub = os.open(name, NOFOLLOW_DIR, dir_fd=src)
-                try:
-                    os.mkdir(name, 0o700, dir_fd=dst)
-                    out = os.open(name, NOFOLLOW_DIR, dir_fd=dst)
-                    try:
-                        _copy_dir(sub, out, depth + 1)
-                        _copy_meta(os.fstat(sub), out)
-                    finally:
-                        os.close(out)
-                finally:
-                    os.close(sub)
-            elif stat.S_ISLNK(st.st_mode):
-                os.symlink(os.readlink(name, dir_fd=src), name, dir_fd=dst)
-                os.utime(name, ns=(st.st_atime_ns, st.st_mtime_ns), dir_fd=dst, follow_symlinks=False)
-            elif stat.S_ISREG(st.st_mode):
-                fin = os.open(name, os.O_RDONLY | _NOFOLLOW_FILE, dir_fd=src)
-                try:
-                    st = os.fstat(fin)
-                    if not stat.S_ISREG(st.st_mode):
-                        continue            # replaced by something else since it was listed
-                    fout = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW_FILE, 0o600, dir_fd=dst)
-                    try:
-                        while os.sendfile(fout, fin, None, 1 << 24):
-                            pass
-                        _copy_meta(st, fout)
-                    finally:
-                        os.close(fout)
-                finally:
-                    os.close(fin)
-        except OSError as exc:
-            if exc.errno not in _CHANGED_MEANWHILE:
-                raise
+            while os.sendfile(fout, fin, None, 1 << 24):
+                pass
+            _copy_meta(st, fout)
+        finally:
+            os.close(fout)
+    finally:
+        os.close(fin)
 
 
 def _chown_inside(root: Path, rels: Iterable[str], uid: int) -> None:
@@ -323,40 +398,44 @@ def _chown_inside(root: Path, rels: Iterable[str], uid: int) -> None:
 
 
 def chown_tree(path: Path, uid: int) -> None:
-    """Give ``uid`` the tree ``path``, one level at a time (paths may be longer than PATH_MAX)."""
-    top = os.open(path, NOFOLLOW_DIR)
+    """Give ``uid`` the tree ``path``; its paths may be longer than PATH_MAX."""
+    cur = _OpenPath(path)
     try:
-        os.chown(top, uid, uid)
-        _chown_dir(top, uid, 1)
+        os.fchown(cur.fd, uid, uid)
+        for name, st in _walk(cur):
+            if st is None:
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                os.fchown(cur.fd, uid, uid)     # (the walk is in it)
+            else:
+                os.chown(name, uid, uid, dir_fd=cur.fd, follow_symlinks=False)
     finally:
-        os.close(top)
-
-
-def _chown_dir(dirfd: int, uid: int, depth: int) -> None:
-    if depth > _MAX_DEPTH:
-        raise EnvError(f"environment nests directories deeper than {_MAX_DEPTH} levels")
-    with os.scandir(dirfd) as it:
-        entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
-    for name, is_dir in entries:
-        os.chown(name, uid, uid, dir_fd=dirfd, follow_symlinks=False)
-        if is_dir:
-            sub = os.open(name, NOFOLLOW_DIR, dir_fd=dirfd)
-            try:
-                _chown_dir(sub, uid, depth + 1)
-            finally:
-                os.close(sub)
+        cur.close()
 
 
 def _rmtree(path: Path) -> None:
-    def onerror(func, p, exc_info):  # sandboxed code may have removed write permission
-        try:
-            os.chmod(os.path.dirname(p), 0o700)
-            os.chmod(p, 0o700, follow_symlinks=False) if not os.path.islink(p) else None
-            func(p)
-        except OSError:
-            pass
-    if os.path.lexists(path):
-        if sys.version_info >= (3, 12):
-            shutil.rmtree(path, onexc=onerror)
-        else:
-            shutil.rmtree(path, onerror=onerror)
+    """Remove the tree ``path`` if it is there, whatever permissions sandboxed code left in it."""
+    try:
+        cur = _OpenPath(path, bounded=False)
+    except FileNotFoundError:
+        return
+    except OSError:                 # not a directory
+        Path(path).unlink(missing_ok=True)
+        return
+    writable = os.geteuid() == 0    # root needs no write permission on a directory to empty it
+    try:
+        if not writable:
+            os.fchmod(cur.fd, 0o700)
+        for name, st in _walk(cur, force=not writable):
+            try:
+                if st is None:
+                    os.rmdir(name, dir_fd=cur.fd)
+                elif not stat.S_ISDIR(st.st_mode):
+                    os.unlink(name, dir_fd=cur.fd)
+                elif not writable:
+                    os.fchmod(cur.fd, 0o700)    # (the walk is in it)
+            except FileNotFoundError:
+                pass
+    finally:
+        cur.close()
+    os.rmdir(path)
