@@ -16,6 +16,8 @@ is answered exactly once.  Then, at each environment count (created cumulatively
 action each, never closed), it measures:
 
 * ``act/s`` light-action throughput, and the client's round trip p50/p99 under that load;
+* ``place µs`` the placement policy alone, in this process, per light / one-core action (its
+  submit, schedule and finish; the part of the coordinator's CPU that a scan over workers would grow);
 * ``cpu µs/act`` the coordinator's CPU per action (from /proc, less its idle rate measured just
   before), and its ratio to the first row (the fewest workers, no environments);
 * ``hb %core`` the coordinator's CPU while only heartbeats flow (both ways), as a share of one
@@ -481,6 +483,35 @@ def measure(h: Harness, coord: CoordinatorProcess, args, row: dict) -> dict:
     return row
 
 
+def placement_cost(workers: int, n: int, cores: int, policy: str = "elastic") -> dict:
+    """The placement policy alone, in this process: µs per action of submit, schedule and finish for
+    ``n`` light and ``n`` one-core no-ops over ``workers`` workers (no sockets, no ledger)."""
+    from tangram_hpc.actions import ActionSpec
+    from tangram_hpc.launch import make_policy
+    from tangram_hpc.resources import WorkerInfo
+    out = {}
+    for name, make in (("light", noop), ("core", long_action)):
+        p = make_policy(policy)
+        now = 1000.0
+        for i in range(workers):
+            p.add_worker(WorkerInfo(id=f"w{i}", cores=cores, mem_mb=0, gpus=0, gpu_mem_mb=0,
+                                    kinds=frozenset({"function", "sandbox"})), now)
+        specs = [ActionSpec.from_wire(make(i)) for i in range(n)]
+        t0 = time.process_time()      # CPU time: the machine may be shared
+        for i in range(0, n, 1000):
+            for s in specs[i:i + 1000]:
+                p.submit(s, now)
+            while p.pending_count:
+                started = p.schedule(now)
+                if not started:
+                    break
+                now += 1e-4
+                for a in started:
+                    p.finished(a.action_id, now, run_time=1e-4)
+        out[name] = 1e6 * (time.process_time() - t0) / n
+    return out
+
+
 def queued_memory(h: Harness, coord: CoordinatorProcess, queued: int) -> float:
     """KiB of coordinator RSS per live action while ``queued`` wait behind full workers."""
     slots = len(h.workers) * h.cores
@@ -515,6 +546,7 @@ def scale_run(args, workers: int, envs: list[int], rows: list[dict], say) -> Non
         coord = CoordinatorProcess(Path(tmp), "--heartbeat", str(args.heartbeat), insecure=args.insecure)
         h = Harness(coord.info, cores=args.cores, heartbeat_s=args.heartbeat, duration=args.duration)
         try:
+            placement = placement_cost(workers, args.placement, args.cores)
             h.idle(0.5)
             rss0 = coord.rss_kib()
             h.add_workers(workers)
@@ -522,7 +554,8 @@ def scale_run(args, workers: int, envs: list[int], rows: list[dict], say) -> Non
             per_worker = (coord.rss_kib() - rss0) / workers
             made = 0
             for level in [0, *envs]:
-                row = {"workers": workers, "envs": level, "kib_worker": per_worker}
+                row = {"workers": workers, "envs": level, "kib_worker": per_worker,
+                       "place_light_us": placement["light"], "place_core_us": placement["core"]}
                 if level > made:
                     rss0 = coord.rss_kib()
                     t = time.monotonic()
@@ -534,6 +567,7 @@ def scale_run(args, workers: int, envs: list[int], rows: list[dict], say) -> Non
                 measure(h, coord, args, row)
                 st, _ = h.status()
                 row["workers_seen"] = len(st["workers"])
+                row["workers_lost"] = st["workers_lost"]     # 0 unless the harness (or the machine) stalled
                 row["envs_seen"] = sum(w["envs"] for w in st["workers"])
                 if level == envs[-1] if envs else level == 0:
                     row["kib_queued"] = queued_memory(h, coord, args.queued)
@@ -550,11 +584,12 @@ def scale_run(args, workers: int, envs: list[int], rows: list[dict], say) -> Non
 _COLUMNS = [("workers", "workers", "{:.0f}"), ("envs", "envs", "{:.0f}"), ("actions_s", "act/s", "{:.0f}"),
             ("cpu_us_action", "cpu µs/act", "{:.1f}"), ("cpu_ratio", "x first", "{:.2f}"),
             ("harness_us_action", "harness µs/act", "{:.1f}"),
+            ("place_light_us", "place µs light", "{:.1f}"), ("place_core_us", "place µs core", "{:.1f}"),
             ("rtt_p50_ms", "rtt p50 ms", "{:.1f}"), ("rtt_p99_ms", "rtt p99 ms", "{:.1f}"),
             ("hb_core_pct", "hb %core", "{:.1f}"), ("hb_us", "µs/hb", "{:.0f}"),
             ("kib_worker", "KiB/worker", "{:.1f}"), ("kib_env", "KiB/env", "{:.2f}"),
             ("kib_queued", "KiB/queued", "{:.2f}"), ("status_ms", "status ms", "{:.1f}"),
-            ("top_ms", "top ms", "{:.1f}"), ("rss_mib", "RSS MiB", "{:.0f}")]
+            ("top_ms", "top ms", "{:.1f}"), ("rss_mib", "RSS MiB", "{:.0f}"), ("workers_lost", "lost", "{:.0f}")]
 
 
 def table(rows: list[dict]) -> str:
@@ -572,6 +607,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="environment counts measured at (created cumulatively, for each worker count)")
     ap.add_argument("--actions", type=int, default=20_000, help="light no-ops per throughput measurement")
     ap.add_argument("--queued", type=int, default=100_000, help="actions queued for the memory per queued action")
+    ap.add_argument("--placement", type=int, default=20_000, help="actions through the placement policy alone")
     ap.add_argument("--cores", type=int, default=8, help="cores each simulated worker registers")
     ap.add_argument("--heartbeat", type=float, default=1.0, help="heartbeat_s of the coordinator and the workers")
     ap.add_argument("--duration", type=float, default=0.0, help="mean run time of an action in seconds (exponential)")
@@ -588,10 +624,9 @@ def main(argv: list[str] | None = None) -> int:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(max(want, soft), hard), hard))
     rows: list[dict] = []
 
-    def say(row: dict) -> None:
-        if not args.json:
-            print(f"  {row['workers']} workers, {row['envs']} environments: {row['actions_s']:.0f} act/s, "
-                  f"{row['cpu_us_action']:.1f} µs/act", file=sys.stderr, flush=True)
+    def say(row: dict) -> None:     # progress on stderr, the table or JSON on stdout at the end
+        print(f"  {row['workers']} workers, {row['envs']} environments: {row['actions_s']:.0f} act/s, "
+              f"{row['cpu_us_action']:.1f} µs/act", file=sys.stderr, flush=True)
 
     for w in args.workers:
         scale_run(args, w, args.envs, rows, say)
