@@ -33,6 +33,8 @@ __all__ = ["TopView", "add_arguments", "main"]
 
 #: the window of rates and percentiles, in seconds
 WINDOW_S = 60.0
+#: workers drawn one row each; past it, the first in trouble and the busiest
+MAX_WORKER_ROWS = 40
 
 _TABLE: dict[str, Any] = {"show_edge": False, "pad_edge": False, "header_style": "bold", "title_style": "bold cyan"}
 #: Columns of a frame written to a pipe or a file (the widest frame the view draws).
@@ -159,7 +161,15 @@ class TopView:
                         ("time left", {"justify": "right"}), ("envs", {"justify": "right"}),
                         ("services", {"overflow": "fold"})):
             table.add_column(col, **kw)
-        for w in workers:
+        shown = workers
+        if len(workers) > MAX_WORKER_ROWS:
+            # At thousands of workers a row each would take seconds to draw and scroll off anyway:
+            # those not ok first, then the busiest; the rest are counted in the caption.
+            shown = sorted(workers, key=lambda w: (w.get("state", "ok") == "ok", -w.get("busy_cores", 0),
+                                                   -w.get("running", 0)))[:MAX_WORKER_ROWS]
+            table.caption = f"{len(workers) - len(shown):,} more workers not shown (idlest)"
+            table.caption_justify = "left"
+        for w in shown:
             busy, cores = w.get("busy_cores", 0), w.get("cores", 0)
             zombie = w.get("zombie_cores", 0)
             state = str(w.get("state", ""))

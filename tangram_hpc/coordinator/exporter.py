@@ -8,16 +8,19 @@ the loop unless a scrape asks.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable
 
+from ..errors import ConfigError
 from ..metrics import Family, prometheus_collector
 from ..netaddr import advertised_host
 
-__all__ = ["LoopHandoff", "MetricsServer"]
+__all__ = ["LoopHandoff", "MetricsServer", "start_metrics"]
 
 log = logging.getLogger("tangram.coordinator")
 
@@ -72,6 +75,39 @@ class MetricsServer:
         self._httpd.server_close()
         self.handoff.close()
         self._thread.join(timeout=5)
+        if self.target_file is not None:
+            self.target_file.unlink(missing_ok=True)
+
+    target_file: Path | None = None     # the scrape target written for Prometheus (write_target)
+
+    def write_target(self, path: Path, labels: dict[str, str]) -> None:
+        """The endpoint in Prometheus's file_sd format, so that a Prometheus watching the targets
+        directory finds a coordinator whose port was picked at start (metrics_port 0); removed on close."""
+        target = [{"targets": [f"{self.host}:{self.port}"], "labels": labels}]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")   # file_sd ignores it; the rename is atomic
+        tmp.write_text(json.dumps(target) + "\n")
+        os.replace(tmp, path)
+        self.target_file = path
+
+
+def start_metrics(config, build: Callable[[], list[Family]], coordinator_id: str) -> MetricsServer:
+    """The endpoint a coordinator's [coordinator] ``config`` asks for (``metrics_port`` set), with its
+    scrape target written to ``metrics_targets_dir`` (default: the run directory); a port that cannot
+    be served or a missing ``prometheus_client`` is a :class:`ConfigError`."""
+    host, port = config.metrics_host or config.host, config.metrics_port
+    try:
+        server = MetricsServer(host, port, build, advertise_host=config.advertise_host)
+    except ImportError as e:
+        raise ConfigError(f"metrics_port is set, but {e}") from None
+    except OSError as e:
+        raise ConfigError(f"cannot serve metrics on {host}:{port} (metrics_host, metrics_port): "
+                          f"{e.strerror or e}") from None
+    log.info("Prometheus metrics at %s", server.url)
+    run = config.run_dir.name
+    server.write_target(Path(config.metrics_targets_dir or config.run_dir) / f"tangram-{run}.json",
+                        {"coordinator": coordinator_id, "run": run})
+    return server
 
 
 class LoopHandoff:

@@ -10,11 +10,9 @@ decode, a dict insert, a policy call and an encode.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
-from pathlib import Path
 from typing import Any
 
 import zmq
@@ -25,25 +23,26 @@ from ..backends.base import WorkerBackend
 from ..backends.guards import LaunchThrottle
 from ..config import CoordinatorSettings, LaunchSettings
 from ..connection import ConnectionInfo
-from ..errors import ConfigError
 from ..netaddr import advertised_host
 from ..policy.base import PoolPolicy, SchedulingPolicy
 from ..runlog import RunLog
 from ..security import CurveKeys
 from .environments import EnvironmentDirectory
+from .faults import FrameFaults
 from .ledger import ActionLedger
 from .metrics import CoordinatorMetrics
 from .outbox import Outbox
 from .pool_driver import PoolDriver
 from .registry import WorkerRecord, WorkerRegistry
 from .state_dir import StateDir
+from .status import status_reply
 
 log = logging.getLogger("tangram.coordinator")
 
 _BATCH = 2000          # messages drained from one socket per loop turn
 _BYE = P.encode(P.STOP, {"reason": "coordinator shutting down", "reregister": False})
 _RESULT_SLICE = 5000   # results per RESULT frame
-_FAILURE_LOG_S = 60.0  # a failure of one kind is logged with its traceback at most this often
+_MORE, _NOW = int(zmq.SNDMORE | zmq.NOBLOCK), int(zmq.NOBLOCK)
 
 
 class Coordinator:
@@ -86,15 +85,17 @@ class Coordinator:
         self._started = time.time()
         self._ctx: zmq.Context | None = None
         self.info: ConnectionInfo | None = None
-        self._bad_frame_logged: set[str] = set()
-        self._failure_logged: dict[tuple, float] = {}   # (message type, exception type) -> when last logged
+        self.faults = FrameFaults(self.ledger)
         self._unreachable: set[str] = set()     # workers a send failed to: lost after their last frames
+        self._next_heartbeat = 0.0              # time.time() of the next heartbeat to the workers
+        self._heard_until = time.time()         # every frame workers sent before then has been read
 
     # -- sockets -----------------------------------------------------------
     def bind(self) -> ConnectionInfo:
         cfg = self.config
         if cfg.metrics_port is not None and self._metrics_server is None:
-            self._start_metrics(cfg.metrics_host or cfg.host, cfg.metrics_port)
+            from .exporter import start_metrics
+            self._metrics_server = start_metrics(cfg, self._families, self.id)
         ctx = self._ctx = zmq.Context()
         self.clients = self._router(ctx, mandatory=False)
         self.worker_socket = self._router(ctx, mandatory=True)
@@ -113,36 +114,6 @@ class Coordinator:
             slurm_job_id=os.environ.get("SLURM_JOB_ID", ""))
         self.info.write(cfg.connection_file)
         return self.info
-
-    def _start_metrics(self, host: str, port: int) -> None:
-        from .exporter import MetricsServer
-        try:
-            self._metrics_server = MetricsServer(host, port, self._families,
-                                                 advertise_host=self.config.advertise_host)
-        except ImportError as e:
-            raise ConfigError(f"metrics_port is set, but {e}") from None
-        except OSError as e:
-            raise ConfigError(f"cannot serve metrics on {host}:{port} (metrics_host, metrics_port): "
-                              f"{e.strerror or e}") from None
-        log.info("Prometheus metrics at %s", self._metrics_server.url)
-        self._write_scrape_target()
-
-    @property
-    def _scrape_target_file(self) -> Path:
-        run = self.config.run_dir.name
-        return Path(self.config.metrics_targets_dir or self.config.run_dir) / f"tangram-{run}.json"
-
-    def _write_scrape_target(self) -> None:
-        """The endpoint in Prometheus's file_sd format, so that a Prometheus watching the targets
-        directory finds a coordinator whose port was picked at start (metrics_port 0)."""
-        m = self._metrics_server
-        target = [{"targets": [f"{m.host}:{m.port}"], "labels": {"coordinator": self.id,
-                                                                 "run": self.config.run_dir.name}}]
-        path = self._scrape_target_file
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")   # file_sd ignores it; the rename is atomic
-        tmp.write_text(json.dumps(target) + "\n")
-        os.replace(tmp, path)
 
     @property
     def metrics_url(self) -> str | None:
@@ -197,9 +168,11 @@ class Coordinator:
             while not self._stop:
                 now_m = time.monotonic()
                 wait = 0.0 if ledger.dirty else max(0.0, next_tick - now_m)
+                polled = time.time()
                 events = dict(poller.poll(int(wait * 1000) + (0 if wait == 0 else 1)))
-                if self.worker_socket in events:
-                    self._drain(self.worker_socket, self._decode_worker, self._on_worker_frame)
+                if self.worker_socket not in events or \
+                        self._drain(self.worker_socket, self._decode_worker, self._on_worker_frame):
+                    self._heard_until = polled   # every frame a worker sent before then has been read
                 if self.clients in events:
                     self._drain(self.clients, self._decode_client, self._on_client_frame)
                 if exporter is not None and exporter.fd in events:
@@ -228,14 +201,13 @@ class Coordinator:
             if self.pool_driver is not None:
                 self.pool_driver.cancel_starting(time.time())
             for w in self.workers:
-                self._send_ident(w.ident, _BYE)
+                self._send_worker(w, _BYE)     # one gone already is not waited for
             self._await_workers_leaving()
         self._flush_logs()
         self._flush_state(time.time())
         if self._metrics_server is not None:
             self._metrics_server.close()
             self._metrics_server = None
-            self._scrape_target_file.unlink(missing_ok=True)
         if self._ctx is None:
             return
         if self.curve is not None:
@@ -271,78 +243,28 @@ class Coordinator:
         except OSError as e:
             log.warning("could not write the state directory %s: %s", self.state.path, e)
 
-    def _drain(self, sock: zmq.Socket, decode, apply) -> None:
+    def _drain(self, sock: zmq.Socket, decode, apply) -> bool:
         """Up to a batch of frames from ``sock``: each is decoded and checked by ``decode`` (a frame
         it refuses is answered ERROR), then handled by ``apply`` (a failure there is a bug: see
-        :meth:`_failed`)."""
+        :meth:`.FrameFaults.failed`).  True when ``sock`` had no more."""
         for _ in range(_BATCH):
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
             except zmq.Again:
-                return
+                return True
             ident = frames[0]
             try:
                 if len(frames) != 2:
                     raise P.ProtocolError("malformed", "expected exactly one frame")
                 mtype, body = decode(ident, frames[1])
             except P.ProtocolError as e:
-                self._bad_frame(sock, ident, e)
+                self.faults.refused(sock, ident, e)
                 continue
             try:
                 apply(ident, mtype, body, len(frames[1]))
             except Exception as e:
-                self._failed(sock, ident, mtype, body, e)
-
-    def _bad_frame(self, sock: zmq.Socket, ident: bytes, err: P.ProtocolError) -> None:
-        self.counters.bad_frames += 1
-        if err.code not in self._bad_frame_logged:  # once per kind of fault, not per frame
-            self._bad_frame_logged.add(err.code)
-            log.warning("rejected a frame (%s): %s", err.code, err)
-        try:
-            sock.send_multipart([ident, P.error_frame(err.code, str(err))], zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass  # peer gone or queue full: dropped, and counted above
-
-    def _failed(self, sock: zmq.Socket, ident: bytes, mtype: P.MsgType, body, err: Exception) -> None:
-        """Handling a valid frame raised: a bug in the ledger, the policy or this loop.  It is logged with
-        its traceback (once a minute per kind), counted (``internal_errors``), and the actions the frame
-        names end with an error result, so that no client waits on an action in an unknown state; the
-        loop goes on."""
-        self.counters.internal_errors += 1
-        now = time.time()
-        kind = (mtype, type(err).__name__)
-        if now - self._failure_logged.get(kind, -_FAILURE_LOG_S) >= _FAILURE_LOG_S:
-            self._failure_logged[kind] = now
-            log.error("handling a %s frame failed (%d failures so far); the actions it names end with an error",
-                      mtype.name, self.counters.internal_errors, exc_info=err)
-        why = f"internal error in the coordinator while handling {mtype.name}: {type(err).__name__}: {err}"[:500]
-        try:
-            if mtype == P.SUBMIT:
-                ids = [w["i"] for w in body if isinstance(w, dict) and isinstance(w.get("i"), str)]
-                self.ledger.abort(ids, why, now, client=ident)
-            elif mtype == P.CANCEL:
-                self.ledger.abort(body, why, now)
-            elif mtype in (P.DONE, P.OUTCOMES):
-                wid = ident.decode("utf-8", "replace")
-                ended = [o.id for o in self._outcomes(body) if self.ledger.attempt_of(o.id) == (o.attempt, wid)]
-                self.ledger.abort(ended, why, now, ended_on=wid)
-        except Exception:
-            log.exception("could not end the actions of a %s frame whose handling failed", mtype.name)
-        if sock is self.clients and mtype != P.SUBMIT:   # a client waiting for a reply gets one
-            try:
-                sock.send_multipart([ident, P.error_frame("internal", why)], zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
-
-    @staticmethod
-    def _outcomes(items: list) -> list[P.Outcome]:
-        out = []
-        for item in items:
-            try:
-                out.append(P.check_done(item))
-            except P.ValidationError:
-                pass
-        return out
+                self.faults.failed(sock, ident, mtype, body, e, answer=sock is self.clients)
+        return False
 
     # -- frames in ---------------------------------------------------------------
     def _decode_client(self, ident: bytes, frame: bytes) -> tuple[P.MsgType, object]:
@@ -439,7 +361,7 @@ class Coordinator:
     def _bad_items(self, ident: bytes, what: str, bad: int) -> None:
         """Items of a worker's list body that failed their check (each skipped alone, the rest handled)."""
         if bad:
-            self._bad_frame(self.worker_socket, ident, P.ProtocolError(
+            self.faults.refused(self.worker_socket, ident, P.ProtocolError(
                 "invalid", f"{bad} malformed {what} item(s) from worker {ident.decode('utf-8', 'replace')} ignored"))
 
     # -- frames out --------------------------------------------------------------
@@ -509,21 +431,32 @@ class Coordinator:
 
     def _send_ident(self, ident: bytes, frame: bytes) -> bool:
         try:
-            self.worker_socket.send_multipart([ident, frame], zmq.NOBLOCK)
+            # two sends with plain int flags: send_multipart's flag arithmetic on enums costs more than the send
+            send = self.worker_socket.send
+            send(ident, _MORE)
+            send(frame, _NOW)
             return True
-        except zmq.ZMQError:
+        except zmq.ZMQError:     # unreachable: ROUTER_MANDATORY refuses the identity, nothing was queued
             return False
 
     # -- periodic work -------------------------------------------------------
     def _tick(self, now: float) -> None:
         timeout = self.config.worker_timeout_s
-        hb = P.encode(P.HEARTBEAT, {"coordinator": self.id})
+        # Ticks come twice per heartbeat_s; each worker hears from us once per heartbeat_s (at 2,000
+        # workers the sends are most of what an idle coordinator does).
+        hb = None
+        if now >= self._next_heartbeat:
+            self._next_heartbeat = now + self.config.heartbeat_s * 0.95
+            hb = P.encode(P.HEARTBEAT, {"coordinator": self.id})
+        # Silence counts until the last instant all workers' frames were read: after a long turn
+        # (a large batch dispatched, a status at 2,000 workers) their heartbeats wait unread.
+        heard = min(now, self._heard_until)
         for w in self.workers:
             if w.info.id not in self.workers.by_id:
                 continue  # lost while this loop ran
-            if now - w.last_seen > timeout:
+            if heard - w.last_seen > timeout:
                 self.ledger.lose_worker(w.info.id, now, f"no heartbeat for {now - w.last_seen:.1f}s")
-            else:
+            elif hb is not None:
                 self._send_worker(w, hb)
         self.ledger.expire(now)
         if self.pool_driver is not None:
@@ -543,35 +476,5 @@ class Coordinator:
     def status(self, allocations: bool = False) -> dict:
         now = time.time()
         self._flush_logs()
-        c = self.counters
-        out = {
-            "coordinator": self.id, "uptime_s": now - self._started, "pid": os.getpid(),
-            "pending": self.policy.pending_count, "running": self.policy.running_count,
-            "zombie_cores": self.ledger.zombie_cores,
-            "submitted": c.submitted, "completed": c.completed, "failed": c.failed, "retried": c.retried,
-            "rejected": c.rejected, "bad_frames": c.bad_frames, "internal_errors": c.internal_errors,
-            "stale_results": c.stale_results,
-            "workers_lost": c.workers_lost, "launch_failures": c.launch_failures,
-            "launches": c.launches, "reclaims": c.reclaims,
-            "recent_launch_failures": [], "starting_workers": 0, "pool": "", "pool_decisions": [],
-            "metrics_url": self.metrics_url,
-            "by_status": dict(c.by_status), "replayed": c.replayed, "envs_closed": c.envs_closed,
-            "env_moves": c.env_moves,
-            # what the scheduler counts a move as costing, and the restores measured so far (None: none yet)
-            "env_move_s": getattr(self.policy, "env_move_s", None), "env_restore_s": self.ledger.envlife.restore_s,
-            "environments": self.ledger.envlife.directory.counts(),
-            "workers": [
-                {"id": w.info.id, "host": w.info.host, "pid": w.info.extra.get("pid"), "handle": w.info.handle,
-                 "kinds": sorted(w.info.kinds), "cores": w.info.cores, "busy_cores": w.busy_cores,
-                 "zombie_cores": w.zombie_cores,
-                 "running": len(w.running), "gpus": w.info.gpus, "services": sorted(w.services),
-                 "devices": [{"device": d[0], "used_mb": d[1], "budget_mb": d[2],
-                              "free_mb": None if d[3] < 0 else d[3], "resident": d[4]} for d in w.devices],
-                 "envs": len(w.envs), "state": w.state, "last_seen_s": round(now - w.last_seen, 2)}
-                for w in self.workers],
-        }
-        if self.pool_driver is not None:
-            out.update(self.pool_driver.status(now, allocations=allocations))
-            self.pool_driver.describe_workers(out["workers"], now)
-        out.update(self.metrics.status(self.ledger, now))
-        return out
+        return status_reply(self.ledger, self.metrics, self.pool_driver, now, coordinator=self.id,
+                            uptime_s=now - self._started, metrics_url=self.metrics_url, allocations=allocations)
