@@ -212,12 +212,18 @@ class ElasticGrant(Grant):
             return lo
         kl = rec.load
         rigid = kl.rigid - kl.rigid_running if later else kl.rigid
-        share = water_level(kl.capacity - rigid, kl.by_max)
+        queued, drain, held = waiting_for(rec, w)
+        by_max = kl.by_max
+        if held:
+            # memory is scheduled too: the actions it holds back do not share these cores now (the
+            # cores they would leave idle meanwhile are worth more to the ones running)
+            keep = 1.0 - held / max(1, kl.elastic)
+            by_max = {m: int(n * keep + 0.5) for m, n in by_max.items()} if keep > 0 else {}
+        share = water_level(kl.capacity - rigid, by_max)
         c = max(lo, min(hi, int(share) if share != float("inf") else hi))
         if c <= lo:
             return lo
         c = self._knee(rec.p, lo, c)
-        queued, drain = waiting_for(rec, w)
         if queued and c > lo and rec.p < 1.0:
             # Going from c-1 to c cores saves d1 p / (c (c-1)) seconds of this action.  It takes
             # d1 (1-p) more core-seconds, but only while the queue lasts do they delay anyone:
