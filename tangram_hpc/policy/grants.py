@@ -213,13 +213,15 @@ class ElasticGrant(Grant):
         kl = rec.load
         rigid = kl.rigid - kl.rigid_running if later else kl.rigid
         queued, drain, held = waiting_for(rec, w)
-        by_max = kl.by_max
         if held:
-            # memory is scheduled too: the actions it holds back do not share these cores now (the
-            # cores they would leave idle meanwhile are worth more to the ones running)
-            keep = 1.0 - held / max(1, kl.elastic)
-            by_max = {m: int(n * keep + 0.5) for m, n in by_max.items()} if keep > 0 else {}
-        share = water_level(kl.capacity - rigid, by_max)
+            # memory is scheduled too: where it binds, the actions it holds back do not share these
+            # cores now (they would idle meanwhile): only those running here and those that fit do
+            sharing = queued + (rec.worker is not w)
+            for r in w.running.values():
+                sharing += r.elastic
+            share = w.cores / max(1, sharing)
+        else:
+            share = water_level(kl.capacity - rigid, kl.by_max)
         c = max(lo, min(hi, int(share) if share != float("inf") else hi))
         if c <= lo:
             return lo
