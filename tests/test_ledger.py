@@ -441,3 +441,24 @@ def test_the_result_cache_holds_large_outputs_by_their_bytes():
     ledger.done("w1", items, 1.0, nbytes=4 << 20)      # 1 MiB each: a generation is full at 0.5 MiB
     kept = [s.id for s in specs if ledger.answers.recent.get(s.id) is not None]
     assert kept == [specs[-1].id], kept                 # 1 MiB kept of 4, not all four
+
+
+def test_a_reward_call_that_found_the_gpu_held_by_loads_starts_once_they_are_due_without_a_report():
+    """The policy places a GPU worker's services loading when it joins; a call for another service
+    that needs their memory waits for them to be evictable.  Once the loads are due, the next
+    dispatch (the loop's tick) places it, though the worker's heartbeats never changed its list."""
+    from tangram_hpc.policy.elastic import ElasticScheduler
+    from tangram_hpc.resources import ServiceInfo
+
+    services = {n: ServiceInfo(1000, load_s=10.0) for n in ("a", "b", "c")}
+    ledger = ActionLedger(CoordinatorSettings(), ElasticScheduler(services=services))
+    ledger.add_worker(WorkerInfo(id="g", cores=4, gpus=1, gpu_mem_mb=2000, kinds=frozenset({"reward"}),
+                                 services=frozenset(services)), b"g", 0.0)
+    call = ActionSpec(kind="reward", id="c1", demand=Demand(1, 1, 0, 1000, "c"))
+    submit(ledger, C1, call, now=1.0)
+    assert take_assign(ledger, now=1.0) == {}       # a and b hold the memory, loading until t=10
+    ledger.worker_report("g", {"services": []}, 5.0)
+    assert not ledger.dirty                          # the same list as before: nothing reaches the policy
+    ledger.worker_report("g", {"services": []}, 11.0)
+    ledger.dirty = True                              # the loop's tick
+    assert take_assign(ledger, now=11.0) == {"g": [("c1", 1, 1)]}

@@ -971,3 +971,36 @@ def test_a_finish_for_a_waiting_action_leaves_it_waiting():
     assert p.pending_count == 0 and p.running_count == 0
     p.submit(ActionSpec("sandbox", id="wide", demand=Demand(2, 2)), 2)
     assert [(a.action_id, a.cores) for a in p.schedule(2)] == [("wide", 2)]     # both cores free again
+
+
+@pytest.mark.parametrize("policy", [ElasticScheduler, FifoPolicy])
+def test_an_environment_action_waiting_for_memory_holds_back_only_what_needs_as_much(policy):
+    """An environment's actions wait on its worker in one queue per demand: one that waits for
+    memory (ahead in the order) does not hold back a command that needs none."""
+    p = policy()
+    p.add_worker(WorkerInfo("w", 4, 10_000, kinds=CPU), 0)
+    p.submit(ActionSpec("sandbox", id="big1", env="e", demand=Demand(1, 1, 8000), duration_hint=5.0), 0)
+    assert [a.action_id for a in p.schedule(0)] == ["big1"]
+    p.submit(ActionSpec("sandbox", id="big2", env="e", demand=Demand(1, 1, 8000), duration_hint=1.0), 1)
+    p.submit(ActionSpec("sandbox", id="cmd", env="e", demand=Demand(1, 1), duration_hint=2.0), 2)
+    assert [a.action_id for a in p.schedule(2)] == ["cmd"]
+    p.finished("big1", 5, run_time=5.0)
+    assert [a.action_id for a in p.schedule(5)] == ["big2"]
+
+
+def test_cores_that_memory_leaves_idle_go_to_the_actions_that_fit():
+    """Six parallel actions of 9 GB on an 8-core worker with 20 GB: two fit at a time, so each gets
+    all the cores it can use instead of a sixth of the worker (the other four wait for memory,
+    not for cores)."""
+    p = ElasticScheduler()
+    p.add_worker(WorkerInfo("w", 8, 20_000, kinds=CPU), 0)
+    for i in range(6):
+        p.submit(ActionSpec("sandbox", id=f"m{i}", demand=Demand(1, 4, 9000), duration_hint=10.0), 0)
+    started = p.schedule(0)
+    assert len(started) == 2 and [a.cores for a in started] == [4, 4]
+    # the same actions without memory to wait for share the cores
+    q = ElasticScheduler()
+    q.add_worker(WorkerInfo("w", 8, 200_000, kinds=CPU), 0)
+    for i in range(6):
+        q.submit(ActionSpec("sandbox", id=f"m{i}", demand=Demand(1, 4, 9000), duration_hint=10.0), 0)
+    assert [a.cores for a in q.schedule(0)] == [1] * 6

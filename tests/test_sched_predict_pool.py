@@ -444,3 +444,18 @@ def test_a_huge_backlog_is_summed_from_a_sample_that_sees_every_action_in_turn()
     small = PoolController(PoolConfig([CPU_SHAPE]), Predictor())
     d = small._tally(PoolView(0.0, cpu[:cap], []))[CPU]
     assert d.backlog == sum(pred.mean_core_seconds(s) for s in cpu[:cap])   # at the limit: exact, in order
+
+
+def test_gpu_workers_are_held_while_the_run_acts_though_their_calls_come_minutes_apart():
+    """A GPU worker's worth is its resident models: idle past the TTL while the trajectories still
+    act on the CPU side, it is kept (their next call would wait a start-up and a load); once the
+    whole run has gone quiet it is let go."""
+    pc = PoolController(PoolConfig([CPU_SHAPE, GPU_SHAPE], startup_s=60, idle_ttl_s=100))
+    pc.decide(PoolView(0.0, [], [_ws("c", busy=16, running=4), _ws("g", GPU_SHAPE, busy=1, running=1)],
+                       step=0, offered_load={"cpu": 16.0, "gpu": 1.0}))
+    acting = [_ws("c", busy=16, running=4), _ws("g", GPU_SHAPE, idle_since=10.0)]
+    out = pc.decide(PoolView(400.0, [], acting, step=0, offered_load={"cpu": 16.0, "gpu": 0.0}))
+    assert not any(isinstance(d, Reclaim) for d in out) and pc.held("gpu", 400.0) >= GPU_SHAPE.cores
+    quiet = [_ws("c", idle_since=405.0), _ws("g", GPU_SHAPE, idle_since=10.0)]
+    out = pc.decide(PoolView(400.0 + 101 + 100, [], quiet, step=0, offered_load={"cpu": 0.0, "gpu": 0.0}))
+    assert sorted(d.worker_id for d in out if isinstance(d, Reclaim)) == ["c", "g"]

@@ -212,12 +212,20 @@ class ElasticGrant(Grant):
             return lo
         kl = rec.load
         rigid = kl.rigid - kl.rigid_running if later else kl.rigid
-        share = water_level(kl.capacity - rigid, kl.by_max)
+        queued, drain, held = waiting_for(rec, w)
+        if held:
+            # memory is scheduled too: where it binds, the actions it holds back do not share these
+            # cores now (they would idle meanwhile): only those running here and those that fit do
+            sharing = queued + (rec.worker is not w)
+            for r in w.running.values():
+                sharing += r.elastic
+            share = w.cores / max(1, sharing)
+        else:
+            share = water_level(kl.capacity - rigid, kl.by_max)
         c = max(lo, min(hi, int(share) if share != float("inf") else hi))
         if c <= lo:
             return lo
         c = self._knee(rec.p, lo, c)
-        queued, drain = waiting_for(rec, w)
         if queued and c > lo and rec.p < 1.0:
             # Going from c-1 to c cores saves d1 p / (c (c-1)) seconds of this action.  It takes
             # d1 (1-p) more core-seconds, but only while the queue lasts do they delay anyone:

@@ -163,13 +163,12 @@ class MoveWhenSooner(EnvMoves):
         when the move is done before all but a few next actions come (think times are long-tailed:
         a quarter of the math preset's are shorter than half their mean) and another worker has
         clearly more free cores (its next action goes there)."""
-        q = w.env_queue
         move_s = self.move_s
         if w.draining or self._quick_think_s is None or move_s is None or move_s >= self._quick_think_s:
             return
         policy = self._policy
         assert policy is not None
-        if q is None or not q.live:
+        if not w.env_live:
             need = min(w.cores, policy.kind_load(kind).widest)
             free = w.free_cores
             if need == 0 or free > need + RIGID_RESERVE_CORES or free - reserve(w, now) >= need:

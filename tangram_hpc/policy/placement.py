@@ -415,6 +415,14 @@ class PlacementPolicy(SchedulingPolicy):
     # -- scheduling --------------------------------------------------------------
     def schedule(self, now: float) -> list[Assignment]:
         t = self.tally
+        loads = self.replicas.loads
+        if loads and loads[0][0] <= now:
+            # a load the policy placed is due: what waited for it (a slot, or memory to evict) may
+            # be placeable now, though no heartbeat reports it (a worker's list may not change)
+            workers = self.workers
+            for w in self.replicas.due_loads(now):
+                if workers.get(w.id) is w:
+                    self._touch(w)
         if t.pending == 0 or not self.queues.armed or (t.free_cores <= 0 and t.light_pending <= 0):
             return []
         started: list[ActionRecord] = []

@@ -46,7 +46,9 @@ with nothing accepting work that waits.
 
 Scale down.  A worker idle (no running action) for ``idle_ttl_s`` is
 reclaimed, down to ``min_workers`` of its class, never while work of its
-class waits and never below the capacity wanted or held; one that hosts
+class waits and never below the capacity wanted or held (GPU workers: the
+step holds all it had while the run is active, as the models resident on
+them, not their busy slots, are what a call would otherwise wait for); one that hosts
 sandbox environments waits ``env_idle_ttl_s`` instead (reclaiming drains it,
 and a stopping worker snapshots its environments for the next worker to
 restore).  A worker that runs actions is never reclaimed; a draining worker
@@ -162,9 +164,14 @@ class PoolController(PoolPolicy):
     def held(self, resource: ResourceClass | str, now: float) -> float:
         """Cores the step memory keeps for ``resource`` now (0 when the run went quiet)."""
         res = ResourceClass(resource)
-        if not self.config.hold_steps or not self._active(res, now):
+        if not self.config.hold_steps or not self._holding(res, now):
             return 0.0
         return max(self._peak.get(res, 0.0), self._prev_peak.get(res, 0.0))
+
+    def _holding(self, res: ResourceClass, now: float) -> bool:
+        """Whether the step memory holds ``res`` now: its class is active, or for GPU workers the
+        run's CPU side is (reward calls may come minutes apart: the trajectories calling them still act)."""
+        return self._active(res, now) or (res is GPU and self._active(CPU, now))
 
     def _active(self, res: ResourceClass, now: float) -> bool:
         """An action of the class ran or waited within ``hold_idle_s`` (the run has not gone quiet)."""
@@ -229,7 +236,12 @@ class PoolController(PoolPolicy):
         else:   # no offered load: grow while the pool runs hot
             want = max(d.busy / cfg.target_util, d.cap + d.starting_cores - d.free + backlog)
         # what the step used counts too: elastic actions grow into idle cores and run shorter for it
-        self._peak[res] = max(self._peak.get(res, 0.0), want, float(d.busy))
+        peak = max(self._peak.get(res, 0.0), want, float(d.busy))
+        if res is GPU and self._holding(res, now):
+            # a GPU worker's worth is the models resident on it, not its busy slots: a call that
+            # finds none waits a start-up and a load (up to minutes), so the step holds its GPU workers
+            peak = max(peak, float(d.cap))
+        self._peak[res] = peak
         held = self.held(res, now)
         self._held_drives[res] = held > want
         return max(want, held)

@@ -6,9 +6,10 @@ Waiting actions never get scanned one by one.  They sit in queues, each a heap o
 * a *bucket* per placement class ``(kind, min_cores, mem, per-action GPU memory)``
   for actions that may go to any worker serving their kind;
 * a *service queue* per ``(kind, service, min_cores, mem)`` for reward calls;
-* an *env queue* per worker for actions whose environment lives there.
+* an *env queue* per worker and demand ``(kind, service, min_cores, mem, per-action GPU memory)``
+  for actions whose environment lives there.
 
-All actions of a queue need the same thing (env queues: the same worker), so when a queue's head
+All actions of a queue need the same thing (env queues: the same worker too), so when a queue's head
 cannot be placed none of it can, and the queue is not looked at again until something it could
 use changes (a worker of its kind frees capacity or joins, a replica of its service frees a slot,
 an action joins it): such queues are *armed*.  :meth:`PlacementQueues.place` merges the heads of
@@ -46,10 +47,12 @@ class PlacementQueues:
         if es is not None:
             host = es.host
             if host is not None:
-                q = host.env_queue
+                ek = (rec.kind, rec.service, rec.min_cores, rec.mem_mb, rec.gpu_mem_mb)
+                q = host.env_queues.get(ek)
                 if q is None:
                     self._qseq += 1
-                    q = host.env_queue = PlacementQueue(self._qseq, rec.kind, None, 0, 0, 0, host)
+                    q = host.env_queues[ek] = PlacementQueue(self._qseq, rec.kind, rec.service, rec.min_cores,
+                                                             rec.mem_mb, rec.gpu_mem_mb, host, key=ek)
                 self._push(q, rec)
                 return
             first = es.first
@@ -75,7 +78,12 @@ class PlacementQueues:
         rec.queue = q
         q.live += 1
         q.work += rec.work
-        if q.worker is None:
+        w = q.worker
+        if w is not None:
+            w.env_live += 1
+            w.env_work += rec.work
+            w.env_mem += rec.mem_mb
+        else:
             if q.live == 1:     # kept apart, so that a worker's every change does not look at idle queues
                 shared = self.shared.get(q.kind)
                 if shared is None:
@@ -84,6 +92,7 @@ class PlacementQueues:
             if not rec.light:
                 rec.load.queued += 1
                 rec.load.queued_work += rec.work
+                rec.load.queued_mem += rec.mem_mb
         heapq.heappush(q.heap, (rec.key, rec.seq, rec))
         self.armed[q.idx] = q
         if self._heads is not None:     # routed during place(): eligible in this same call
@@ -96,7 +105,14 @@ class PlacementQueues:
             return
         q.live -= 1
         q.work -= rec.work
-        if q.worker is None:
+        w = q.worker
+        if w is not None:
+            w.env_live -= 1
+            w.env_work -= rec.work
+            w.env_mem -= rec.mem_mb
+            if q.live == 0 and w.env_queues.get(q.key) is q:
+                del w.env_queues[q.key]     # as a shared one: its stale entries are skipped
+        else:
             if q.live == 0:
                 # nothing waits in it: forget it, as clients may send any number of distinct
                 # demands (its stale heap entries are skipped by whoever still holds it)
@@ -106,6 +122,7 @@ class PlacementQueues:
             if not rec.light:
                 rec.load.queued -= 1
                 rec.load.queued_work -= rec.work
+                rec.load.queued_mem -= rec.mem_mb
         rec.queue = None
 
     def release_first(self, es: EnvState) -> None:
@@ -137,9 +154,9 @@ class PlacementQueues:
 
     def arm(self, w: WorkerRecord) -> None:
         """``w`` gained capacity (or joined): arm its env queue and the shared queues of its kinds."""
-        q = w.env_queue
-        if q is not None and q.live:
-            self.armed[q.idx] = q
+        if w.env_live:
+            for q in w.env_queues.values():
+                self.armed[q.idx] = q
         if w.draining:
             return
         for k in w.kinds:
@@ -149,25 +166,25 @@ class PlacementQueues:
 
     def strand(self, w: WorkerRecord) -> None:
         """``w`` left: its env queue's actions start over elsewhere (their environment is gone)."""
-        q = w.env_queue
-        if q is None:
-            return
-        self.armed.pop(q.idx, None)
-        stranded = [e[2] for e in sorted(q.heap) if e[2].state is PENDING and e[2].queue is q]
-        q.heap.clear()
-        for rec in stranded:
+        stranded = []
+        for q in list(w.env_queues.values()):
+            self.armed.pop(q.idx, None)
+            stranded += [e for e in q.heap if e[2].state is PENDING and e[2].queue is q]
+            q.heap.clear()
+        stranded.sort(key=lambda e: (e[0], e[1]))
+        for _, _, rec in stranded:
             self.unqueue(rec)
             self.route(rec)
 
     def reroute_env(self, es: EnvState, w: WorkerRecord) -> None:
         """``es`` no longer lives on ``w``: its actions waiting there go back to the shared queues."""
-        q = w.env_queue
         # (live > busy: some of its actions wait; an ended trajectory's have not, so its worker's
-        # queue, where other environments' actions may wait, is not scanned)
-        if q is not None and q.live and es.live > es.busy:
-            for rec in [e[2] for e in q.heap if e[2].queue is q and e[2].envst is es]:
-                self.unqueue(rec)
-                self.route(rec)
+        # queues, where other environments' actions may wait, are not scanned)
+        if w.env_live and es.live > es.busy:
+            for q in list(w.env_queues.values()):
+                for rec in [e[2] for e in q.heap if e[2].queue is q and e[2].envst is es]:
+                    self.unqueue(rec)
+                    self.route(rec)
 
     def place(self, now: float, started: list[ActionRecord]) -> None:
         """Place the heads of the armed queues in key order while capacity lasts (the policy's
@@ -221,16 +238,24 @@ class PlacementQueues:
                 self.armed.pop(q.idx, None)
 
 
-def waiting_for(rec: ActionRecord, w: WorkerRecord) -> tuple[int, float]:
-    """Core-binding actions waiting that could use ``w``'s cores, ``rec`` aside, and the seconds they take to drain.
+def waiting_for(rec: ActionRecord, w: WorkerRecord) -> tuple[int, float, int]:
+    """Core-binding actions waiting that could use ``w``'s cores, ``rec`` aside, the seconds they
+    take to drain, and how many more wait that ``w``'s free memory holds back.
 
-    The kind's shared queues drain over the kind's capacity, ``w``'s own over its cores.
+    The kind's shared queues drain over the kind's capacity, ``w``'s own over its cores.  Memory
+    is scheduled too: when what waits needs more memory than ``w`` has free, only as many as fit
+    (at their mean need) could use its cores now; the rest wait for memory, not for cores.
     """
-    q = w.env_queue
     kl = rec.load
-    mine = rec.queue is not None
-    n = kl.queued + (q.live if q is not None else 0) - mine
-    work = kl.queued_work + (q.work if q is not None else 0.0) - (rec.work if mine else 0.0)
-    env_work = q.work - (rec.work if mine and rec.queue is q else 0.0) if q is not None else 0.0
+    q = rec.queue
+    mine = q is not None
+    n = kl.queued + w.env_live - mine
+    work = kl.queued_work + w.env_work - (rec.work if mine else 0.0)
+    env_work = w.env_work - (rec.work if q is not None and q.worker is w else 0.0)
     drain = (work - env_work) / max(1, kl.capacity) + env_work / max(1, w.cores)
-    return n, max(0.0, drain)
+    mem = kl.queued_mem + w.env_mem - (rec.mem_mb if mine else 0)
+    if n > 0 and mem > 0 and mem > w.free_mem:
+        fit = int(max(0.0, w.free_mem) * n / mem)
+        drain *= fit / n
+        return fit, max(0.0, drain), n - fit
+    return n, max(0.0, drain), 0

@@ -149,7 +149,7 @@ class WorkerRecord:
 
     __slots__ = ("id", "info", "seq", "cores", "free_cores", "mem", "free_mem", "gpu_mem",
                  "gpu_used", "services", "draining", "running", "ends", "envs", "kinds",
-                 "listed", "env_queue", "light", "light_cap", "rigid_env", "rigid_avg", "rigid_at")
+                 "listed", "env_queues", "env_live", "env_work", "env_mem", "light", "light_cap", "rigid_env", "rigid_avg", "rigid_at")
 
     def __init__(self, info: WorkerInfo, seq: int):
         self.id = info.id
@@ -168,7 +168,13 @@ class WorkerRecord:
         self.envs: set[str] = set()
         self.kinds = info.kinds
         self.listed: set[int] = set()        # the free-core counts of its entries in the free-capacity index
-        self.env_queue: PlacementQueue | None = None
+        # its environments' waiting actions, one queue per demand (as the shared queues: a head that
+        # cannot start -- no memory for it, too few cores -- holds back only what needs the same),
+        # and their count, predicted core-seconds and memory over all of them
+        self.env_queues: dict[tuple, PlacementQueue] = {}
+        self.env_live = 0
+        self.env_work = 0.0
+        self.env_mem = 0
         self.light = 0                       # zero-core actions it holds
         self.light_cap = light_capacity(info)
         # cores its environments' fixed-size actions use: now, and averaged over time (see grants.reserve)
@@ -244,6 +250,7 @@ class KindLoad:
     by_max: dict = field(default_factory=dict)    # elastic actions in the system per max_cores
     queued: int = 0          # pending core-binding actions waiting in the kind's shared queues
     queued_work: float = 0.0  # ... and their predicted core-seconds at min_cores
+    queued_mem: int = 0       # ... and the memory they need (MB)
 
 
 class Tally:

@@ -11,6 +11,7 @@ larger registered worker), so that it is set aside instead of waiting for good.
 """
 from __future__ import annotations
 
+import heapq
 from dataclasses import replace
 from typing import TYPE_CHECKING, ClassVar, Iterable, Mapping
 
@@ -48,6 +49,11 @@ class ServiceTable:
         self.last_step: dict[str, int] = {}          # service -> last RL step that called it
         self.step = 0                                 # highest RL step seen
         self.step_seen = False
+        # (ready_at, n, worker) of the replicas placed loading: when one is due, its worker's queues
+        # are armed again (see due_loads), as a call that found every replica still loading, or the
+        # worker's memory held by loads, is placeable then without any other event
+        self.loads: list[tuple[float, int, WorkerRecord]] = []
+        self._nloads = 0
 
     def declare(self, services: Mapping[str, ServiceInfo]) -> None:
         self.info.update(services)
@@ -66,7 +72,19 @@ class ServiceTable:
         w.services[svc] = st
         w.gpu_used += mem
         self.where.setdefault(svc, {})[w.id] = w
+        self._nloads += 1
+        heapq.heappush(self.loads, (ready_at, self._nloads, w))
         return st
+
+    def due_loads(self, now: float) -> list[WorkerRecord]:
+        """The workers where a replica placed loading is due by ``now`` (each once, popped)."""
+        loads = self.loads
+        out: list[WorkerRecord] = []
+        while loads and loads[0][0] <= now:
+            w = heapq.heappop(loads)[2]
+            if not out or out[-1] is not w:
+                out.append(w)
+        return out
 
     def evict(self, w: WorkerRecord, svc: str) -> None:
         st = w.services.pop(svc)
