@@ -429,7 +429,7 @@ def parse_run_jupyter(p: Mapping[str, Any]) -> RunJupyterRequest:
 _RESULT_OVERHEAD = 16 << 10
 
 
-class FetchTooLarge(Exception):
+class FetchTooLarge(TangramError):
     """Files asked for that no result could carry."""
 
 

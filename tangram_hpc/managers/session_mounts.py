@@ -29,6 +29,8 @@ import sys
 import threading
 from pathlib import Path
 
+from ..errors import TangramError
+
 __all__ = ["MountHelper", "MountError"]
 
 #: Overlay options as :mod:`env_layers` (no redirects, index, metacopy or xino).
@@ -91,7 +93,7 @@ for line in lines():
 """
 
 
-class MountError(OSError):
+class MountError(TangramError, OSError):
     """The helper could not mount or unmount a layer."""
 
 

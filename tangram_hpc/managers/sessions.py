@@ -49,6 +49,8 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+
+from ..errors import TangramError
 from typing import Callable
 
 from .cgroups import Cgroups, CgroupScope
@@ -70,7 +72,7 @@ _FREEZE_WAIT_S = 10.0
 _MB = 1 << 20
 
 
-class SessionError(OSError):
+class SessionError(TangramError, OSError):
     """A session could not be started or used."""
 
 
