@@ -435,13 +435,13 @@ class PlacementPolicy(SchedulingPolicy):
         predictor = self.predictor
         out = []
         for r in started:
-            w = r.worker
-            assert w is not None
+            on = r.worker
+            assert on is not None
             predictor.started(r.spec, r.cores, now, r.stats)     # a method, not a bound one kept: a native call when compiled
             r.expect = r.time_at(r.cores)
             r.ends_at = r.started + r.expect
-            w.ends = None
-            out.append(Assignment(r.aid, w.id, r.cores))
+            on.ends = None
+            out.append(Assignment(r.aid, on.id, r.cores))
         return out
 
     def prefetches(self, now: float) -> list[tuple[str, str]]:
