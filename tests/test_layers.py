@@ -36,6 +36,7 @@ SOCKET_FREE = ("tangram_hpc.coordinator.ledger", "tangram_hpc.coordinator.regist
                "tangram_hpc.coordinator.environments", "tangram_hpc.coordinator.pool_driver",
                "tangram_hpc.coordinator.outbox", "tangram_hpc.coordinator.metrics",
                "tangram_hpc.coordinator.lifecycle", "tangram_hpc.coordinator.answers",
+               "tangram_hpc.coordinator.membership",
                "tangram_hpc.sim.engine", "tangram_hpc.sim.baselines", "tangram_hpc.sim.calendar",
                "tangram_hpc.sim.layout")
 #: Sockets, clocks, processes, threads (and what wraps them).  Not datetime: the launch throttle

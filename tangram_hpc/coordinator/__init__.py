@@ -3,6 +3,8 @@
 * :class:`ActionLedger` (``ledger.py``): every live action, attempts,
   timeouts, cancels, one final result each; it is the only caller of the
   scheduling policy's event methods;
+* :class:`~.membership.WorkerMembership` (``membership.py``): workers
+  registering, reporting, draining, leaving and lost, for the ledger;
 * :class:`~.lifecycle.EnvironmentLifecycle` (``lifecycle.py``): the stateful
   environments of the ledger's actions (held actions, grants, moves,
   kill-on-return, the attempt log), over the ``EnvironmentDirectory``;
