@@ -38,7 +38,7 @@ SOCKET_FREE = ("tangram_hpc.coordinator.ledger", "tangram_hpc.coordinator.regist
                "tangram_hpc.coordinator.lifecycle", "tangram_hpc.coordinator.answers",
                "tangram_hpc.coordinator.membership",
                "tangram_hpc.sim.engine", "tangram_hpc.sim.baselines", "tangram_hpc.sim.calendar",
-               "tangram_hpc.sim.layout")
+               "tangram_hpc.sim.layout", "tangram_hpc.sim.machines", "tangram_hpc.sim.result")
 #: Sockets, clocks, processes, threads (and what wraps them).  Not datetime: the launch throttle
 #: formats times it is given with it (backends/guards.py, local_time) and reads no clock.  Naming
 #: the current thread is not running one: ``from threading import get_ident`` (or ``local``) is
