@@ -125,6 +125,37 @@ class _Trajectory:
         self.think_next = 0.0           # the think time before its next group, and whether that group
         self.barrier_next = False       # starts a turn (read when this one is submitted, from warm memory)
 
+    def take_back(self, rows: Any, policy: SchedulingPolicy) -> bool:
+        """Its environment is to move: take its waiting actions back from the policy (held until it
+        has moved) and release it from its worker.  False, and nothing done, when it is not live on
+        a worker or one of its actions runs there (the policy does not ask for that)."""
+        ew = self.worker
+        if ew is None or self.held is not None:
+            return False
+        first, last = self.group, self.next
+        if any(rows[i * _ROW + _R_START] > 0.0 and rows[i * _ROW + _R_FINISH] == 0.0 for i in range(first, last)):
+            return False
+        self.held = [i for i in range(first, last) if policy.cancel(str(i))]
+        self.worker = None
+        ew.status.envs -= 1
+        return True
+
+
+def _stalled(name: str, policy: SchedulingPolicy, now: float, last_start: float,
+             starting: list) -> SimulationStalled | None:
+    """Why a run with a pool would tick for ever (an action nothing can place, or nothing started
+    for :data:`IDLE_STALL_S` with actions waiting and no worker starting), or None."""
+    stuck = policy.unplaceable(now)
+    if stuck:
+        aid, why = stuck[0]
+        return SimulationStalled(name, now, policy.pending_count, policy.running_count,
+                                 f"action {aid} cannot be placed: {why}")
+    if now - last_start > IDLE_STALL_S and policy.pending_count and not policy.running_count and not starting:
+        return SimulationStalled(name, now, policy.pending_count, 0,
+                                 f"nothing started for {now - last_start:.0f} s with actions waiting "
+                                 f"(each waits for something another holds?)")
+    return None
+
 
 class Simulation:
     """One run of a plan under a policy; :meth:`run` returns the :class:`SimResult`.
@@ -366,18 +397,8 @@ class Simulation:
         move_s = self.w.cluster.env_move_s
         for env in envs:
             t = self.traj_index.get(env)
-            if t is None:
+            if t is None or not t.take_back(self.rows, self.policy):
                 continue
-            ew = t.worker
-            if ew is None or t.held is not None:
-                continue                 # not live on a worker: nothing to move
-            first, last = t.group, t.next
-            rows = self.rows
-            if any(rows[i * _ROW + _R_START] > 0.0 and rows[i * _ROW + _R_FINISH] == 0.0 for i in range(first, last)):
-                continue                 # it runs there (the policy does not ask for that)
-            t.held = [i for i in range(first, last) if self.policy.cancel(str(i))]
-            t.worker = None
-            ew.status.envs -= 1
             if self._close_env is not None:
                 self._close_env(env)
             self.moves += 1
@@ -473,16 +494,9 @@ class Simulation:
 
     def _on_pool_tick(self, _e: tuple) -> None:
         now = self.now
-        stuck = self.policy.unplaceable(now)
-        if stuck:       # the ticks would go on for ever: nothing can ever run it
-            aid, why = stuck[0]
-            raise SimulationStalled(self.name, now, self.policy.pending_count, self.policy.running_count,
-                                    f"action {aid} cannot be placed: {why}")
-        if (now - self.last_start > IDLE_STALL_S and self.policy.pending_count and not self.policy.running_count
-                and not self.launches.starting):
-            raise SimulationStalled(self.name, now, self.policy.pending_count, 0,
-                                    f"nothing started for {now - self.last_start:.0f} s with actions waiting "
-                                    f"(each waits for something another holds?)")
+        stalled = _stalled(self.name, self.policy, now, self.last_start, self.launches.starting)
+        if stalled is not None:
+            raise stalled
         # loads done since the last tick are reported, as a live worker's heartbeat does: a queue
         # that found every replica busy loading is looked at again
         for sw in self.workers.values():
