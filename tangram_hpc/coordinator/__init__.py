@@ -18,7 +18,7 @@
 * :class:`Coordinator` (``server.py``): the two ROUTER sockets, frame
   decoding and the periodic tick.
 
-The first four take the clock as ``now`` and never touch a socket, so tests
+All but the last take the clock as ``now`` and never touch a socket, so tests
 drive them in-process and read the outbox.
 """
 from .ledger import ActionLedger
