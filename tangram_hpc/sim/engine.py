@@ -141,6 +141,19 @@ class _Trajectory:
         return True
 
 
+def _table_and_trajectories(plan: Plan) -> tuple[np.ndarray, list[_Trajectory]]:
+    """The plan's action rows (:func:`_action_rows`) and one record per trajectory, in plan order."""
+    starts = np.concatenate(plan.step_traj_start) if plan.step_traj_start else np.zeros(0, np.int64)
+    lens = np.concatenate(plan.step_traj_len) if plan.step_traj_len else np.zeros(0, np.int64)
+    table = _action_rows(plan, np.repeat(np.arange(len(starts), dtype=np.int64), lens))
+    ends = (starts + lens).tolist()
+    trajs: list[_Trajectory] = []
+    for s, st in enumerate(plan.step_traj_start):
+        base = len(trajs)
+        trajs.extend(_Trajectory(f"s{s}t{j}", s, ends[base + j]) for j in range(len(st)))
+    return table, trajs
+
+
 def _stalled(name: str, policy: SchedulingPolicy, now: float, last_start: float,
              starting: list) -> SimulationStalled | None:
     """Why a run with a pool would tick for ever (an action nothing can place, or nothing started
@@ -186,18 +199,10 @@ class Simulation:
         self.classes = action_specs_for(w)
         self.svc_defs: dict[str, Service] = w.services
         self.svc_names = frozenset(w.services)
-        # per trajectory
-        starts = np.concatenate(plan.step_traj_start) if plan.step_traj_start else np.zeros(0, np.int64)
-        lens = np.concatenate(plan.step_traj_len) if plan.step_traj_len else np.zeros(0, np.int64)
         # per action (a 100,000-trajectory plan has millions of actions): its row, read and
-        # written through a flat memoryview (typed Any: its items are floats)
-        self.table = _action_rows(plan, np.repeat(np.arange(len(starts), dtype=np.int64), lens))
+        # written through a flat memoryview (typed Any: its items are floats); per trajectory, its record
+        self.table, self.trajs = _table_and_trajectories(plan)
         self.rows: Any = self.table.reshape(-1).data
-        ends = (starts + lens).tolist()
-        self.trajs: list[_Trajectory] = []
-        for s, st in enumerate(plan.step_traj_start):
-            base = len(self.trajs)
-            self.trajs.extend(_Trajectory(f"s{s}t{j}", s, ends[base + j]) for j in range(len(st)))
         self.traj_index: dict[str, _Trajectory] | None = None    # environment (trajectory) name -> it, on first move
         self.moves = 0
         self.attempt: dict[int, int] = {}       # actions resubmitted after their worker was reclaimed
