@@ -72,6 +72,8 @@ COMPILED = (
     "tangram_hpc.policy.static",
     "tangram_hpc.policy.pool",
     "tangram_hpc.sim.calendar",
+    "tangram_hpc.sim.machines",
+    "tangram_hpc.sim.result",
     "tangram_hpc.sim.engine",
     "tangram_hpc.sim.baselines",
 )

@@ -49,6 +49,19 @@ def read_for(master: int, seconds: float, until_exit: subprocess.Popen | None = 
     return out
 
 
+def read_until(master: int, pred, timeout: float = 60.0) -> bytes:
+    """What the terminal receives until ``pred`` accepts it all so far, as text without escapes."""
+    out = b""
+    deadline = time.monotonic() + timeout
+    while not pred(ANSI.sub("", out.decode("utf-8", "replace"))):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the terminal never showed what was expected; it got:\n"
+                                 f"{ANSI.sub('', out.decode('utf-8', 'replace'))[-3000:]}")
+        if select.select([master], [], [], 0.1)[0]:
+            out += os.read(master, 65536)
+    return out
+
+
 def read_screen_until(master: int, pred, timeout: float) -> str:
     """The latest complete frame of a full-screen program, as text, once ``pred`` accepts it.  A
     frame starts with a cursor-home; the one being written is complete when the next begins."""

@@ -10,7 +10,7 @@ from concurrent.futures import as_completed
 
 import pytest
 
-from support import wait_until
+from support import sleeping, unique_sleep, wait_until
 from tangram_hpc import ActionSpec, AsyncClient, Demand, Status, function, reward, sandbox
 from tangram_hpc.client import CoordinatorError
 
@@ -102,54 +102,53 @@ def test_cancel_pending_and_running(client):
 
 
 def test_cancel_kills_a_running_command(client):
-    spec = sandbox("sleep 30")
+    nap = unique_sleep()        # found by its argument: whether it was killed is a state, not a time
+    spec = sandbox(f"sleep {nap}")
     fut = client.submit(spec)
-    deadline = time.time() + 10
-    while client.status()["running"] == 0 and time.time() < deadline:
-        time.sleep(0.05)
-    t0 = time.time()
+    wait_until(lambda: sleeping(nap), 60, 0.05, "the command to run")
     client.cancel(spec.id)
     r = fut.result(10)
     assert r.status == Status.CANCELLED and "cancelled while running" in r.error
-    # Its core stays bound until the worker reports the killed command ended: proof that the
-    # process tree was killed (a sleep 30 left running would hold it for 30 s; the bound leaves
-    # room for a loaded machine).
-    deadline = time.time() + 20
-    while client.status()["zombie_cores"] and time.time() < deadline:
-        time.sleep(0.05)
-    assert client.status()["zombie_cores"] == 0 and time.time() - t0 < 20
+    # Its core stays bound until the worker reports the killed command ended, which it does only
+    # once the process tree was killed (the sleep would hold it for 15 minutes).
+    wait_until(lambda: client.status()["zombie_cores"] == 0, 60, 0.05, "the killed command's core to be free")
+    assert not sleeping(nap)
 
 
-def _wait_until_nothing_runs(client, t0: float) -> None:
-    deadline = time.time() + 20     # well short of the commands' 30 s: they were killed
-    while (client.status()["running"] or client.status()["zombie_cores"]) and time.time() < deadline:
-        time.sleep(0.05)
-    st = client.status()
-    assert st["running"] == 0 and st["zombie_cores"] == 0 and time.time() - t0 < 20, st
+def _wait_until_nothing_runs(client, nap: str) -> None:
+    """Nothing runs and no core is held, and the ``sleep nap`` command is gone: killed, since it
+    would run for 15 minutes."""
+    wait_until(lambda: not sleeping(nap), 60, 0.05, "the command to be killed")
+
+    def idle() -> bool:
+        st = client.status()
+        return st["running"] == 0 and st["zombie_cores"] == 0
+    wait_until(idle, 60, 0.05, "nothing to run and no core held")
 
 
 def test_cancelling_a_future_cancels_its_action(client):
-    fut = client.submit(sandbox("sleep 30"))
-    deadline = time.time() + 10
-    while client.status()["running"] == 0 and time.time() < deadline:
-        time.sleep(0.05)
-    t0 = time.time()
+    nap = unique_sleep()
+    fut = client.submit(sandbox(f"sleep {nap}"))
+    wait_until(lambda: sleeping(nap), 60, 0.05, "the command to run")
     assert fut.cancel() and fut.cancelled() and fut.action_id
-    _wait_until_nothing_runs(client, t0)        # killed, not left to run its 30 s
+    _wait_until_nothing_runs(client, nap)       # killed, not left to run
     assert client.submit(function("math:sqrt", 4)).result(10).output == 2.0   # the client goes on
 
 
 def test_an_asyncio_future_cancelled_by_its_caller_cancels_its_action(cluster, client):
+    nap = unique_sleep()
+
     async def go():
         async with AsyncClient(connection_file=str(cluster.connection_file)) as c:
-            fut = c.submit_nowait(sandbox("sleep 30"))
-            deadline = time.time() + 10
-            while (await c.status())["running"] == 0 and time.time() < deadline:
+            fut = c.submit_nowait(sandbox(f"sleep {nap}"))
+            deadline = time.monotonic() + 60
+            while not sleeping(nap):
+                assert time.monotonic() < deadline, "timed out waiting for the command to run"
                 await asyncio.sleep(0.05)
             with pytest.raises(asyncio.TimeoutError):
                 await asyncio.wait_for(fut, 0.2)        # cancels the future on its timeout
-            return time.time()
-    _wait_until_nothing_runs(client, asyncio.run(go()))
+    asyncio.run(go())
+    _wait_until_nothing_runs(client, nap)
 
 
 def test_ids_the_client_cannot_use_fail_alone_and_at_once(client):

@@ -36,8 +36,9 @@ SOCKET_FREE = ("tangram_hpc.coordinator.ledger", "tangram_hpc.coordinator.regist
                "tangram_hpc.coordinator.environments", "tangram_hpc.coordinator.pool_driver",
                "tangram_hpc.coordinator.outbox", "tangram_hpc.coordinator.metrics",
                "tangram_hpc.coordinator.lifecycle", "tangram_hpc.coordinator.answers",
+               "tangram_hpc.coordinator.membership",
                "tangram_hpc.sim.engine", "tangram_hpc.sim.baselines", "tangram_hpc.sim.calendar",
-               "tangram_hpc.sim.layout")
+               "tangram_hpc.sim.layout", "tangram_hpc.sim.machines", "tangram_hpc.sim.result")
 #: Sockets, clocks, processes, threads (and what wraps them).  Not datetime: the launch throttle
 #: formats times it is given with it (backends/guards.py, local_time) and reads no clock.  Naming
 #: the current thread is not running one: ``from threading import get_ident`` (or ``local``) is
@@ -174,3 +175,57 @@ def test_the_coordinator_never_imports_the_sandbox_manager_or_a_concrete_policy(
             assert not [d for d in closure(m) if d.startswith("tangram_hpc.managers")], m
             assert not {"tangram_hpc.policy.elastic", "tangram_hpc.policy.fifo", "tangram_hpc.policy.pool",
                         "tangram_hpc.policy.placement"} & set(closure(m)), m
+
+
+ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
+_PICTURE_LAYERS = {"core": CORE, "policy": POLICY, "client side": SIDES["client"], "worker side": SIDES["worker"],
+                   "coordinator": SIDES["coordinator"], "tools": TOOLS}
+
+
+def _picture() -> dict[str, set[str]]:
+    """The folders-to-layers picture of docs/architecture.md ("Layers"): layer -> the names on its rows."""
+    text = ARCHITECTURE.read_text()
+    block = text[text.index("```\ntangram_hpc/\n") + 4:]
+    block = block[:block.index("```")]
+    rows: dict[str, set[str]] = {}
+    current = ""
+    for line in block.splitlines()[1:]:
+        label, _, names = line.partition("|")
+        current = label.strip() or current
+        rows.setdefault(current, set()).update(n.rstrip("/") for n in names.split())
+    return rows
+
+
+def test_the_docs_picture_puts_every_top_level_module_and_folder_in_its_layer():
+    picture = _picture()
+    assert set(picture) == set(_PICTURE_LAYERS)
+    names = [n for row in picture.values() for n in row]
+    assert len(names) == len(set(names)), "a name in two layers of the picture"
+    top = {p.stem if p.is_file() else p.name for p in PACKAGE.iterdir()
+           if (p.suffix == ".py" or (p.is_dir() and (p / "__init__.py").exists()))}
+    assert set(names) == top, f"missing from the picture: {sorted(top - set(names))}; not in the package: " \
+                              f"{sorted(set(names) - top)}"
+    for label, members in _PICTURE_LAYERS.items():
+        assert picture[label] == (members - {""}) | ({"__init__"} if "" in members else set()), label
+
+
+#: Classes over this many lines and modules over that many need a line in docs/architecture.md
+#: ("Sizes over the limits, and why") naming them.
+CLASS_LINES, MODULE_LINES = 500, 800
+
+
+def test_every_class_and_module_over_the_size_limits_is_explained_in_the_docs():
+    text = ARCHITECTURE.read_text()
+    why = text[text.index("## Sizes over the limits, and why"):]
+    why = why[:why.index("What moved out")]
+    unexplained = []
+    for module, path in sorted(MODULES.items()):
+        src = path.read_text()
+        rel = path.relative_to(PACKAGE).as_posix()
+        if src.count("\n") > MODULE_LINES and f"`{rel}`" not in why:
+            unexplained.append(f"{rel}: {src.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > CLASS_LINES:
+                if f"`{rel}`, `{node.name}`" not in why:
+                    unexplained.append(f"{rel}:{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert not unexplained, "say why in docs/architecture.md, or split: " + "; ".join(unexplained)

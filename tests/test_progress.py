@@ -6,7 +6,6 @@ import os
 import select
 import subprocess
 import sys
-import time
 
 import msgpack
 import pytest
@@ -14,7 +13,7 @@ import pytest
 from tangram_hpc.progress import Progress, progress_reporter
 from tangram_hpc.runlog import read_records
 
-from pty_support import ANSI, read_for
+from pty_support import ANSI, read_for, read_until
 
 BENCH = [sys.executable, "-m", "tangram_hpc.cli", "bench", "--workload", "math", "--scale", "0.1", "--steps", "2",
          "--no-search"]
@@ -50,14 +49,13 @@ def test_a_terminal_gets_the_status_line_and_bars_and_they_are_cleared_at_the_en
                 p("simulating fifo ...")
                 t = p.task("replaying steps", 4)
                 t.advance(2)
-                time.sleep(0.3)          # rich redraws ten times a second
+                # rich redraws on its own thread: wait for each state to be drawn, not for a time
+                raw = read_until(master, lambda text: "simulating fifo" in text and "replaying steps" in text
+                                 and "50%" in text)
                 p("simulating tangram ...")
-                time.sleep(0.3)
-            out = read_for(master, 0.5).decode("utf-8", "replace")
-        text = ANSI.sub("", out)
-        assert "simulating fifo" in text and "simulating tangram" in text and "replaying steps" in text
-        assert "50%" in text
-        assert "\x1b[2K" in out             # transient: the lines are erased when the work ends
+                raw += read_until(master, lambda text: "simulating tangram" in text)
+            raw += read_for(master, 0.5)        # what it wrote as it ended (already written)
+        assert "\x1b[2K" in raw.decode("utf-8", "replace")   # transient: the lines are erased when the work ends
     finally:
         os.close(master)
         os.close(slave)

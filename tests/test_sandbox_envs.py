@@ -73,7 +73,7 @@ def test_warm_pool_serves_new_environments(tmp_path, project):
 
 def test_a_template_failing_in_the_warm_pool_is_logged_and_reported_to_its_actions(tmp_path, project, caplog):
     missing = TreeTemplate(tmp_path / "no-such-dir")
-    with caplog.at_level("ERROR", logger="tangram_hpc.managers.environments"):
+    with caplog.at_level("ERROR", logger="tangram_hpc.managers.env_builds"):
         with SandboxManager(tmp_path / "envs", templates={"proj": TreeTemplate(project), "gone": missing},
                             default_template="proj", warm_pool=1) as m:
             deadline = time.monotonic() + 30

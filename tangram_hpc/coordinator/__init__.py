@@ -3,6 +3,8 @@
 * :class:`ActionLedger` (``ledger.py``): every live action, attempts,
   timeouts, cancels, one final result each; it is the only caller of the
   scheduling policy's event methods;
+* :class:`~.membership.WorkerMembership` (``membership.py``): workers
+  registering, reporting, draining, leaving and lost, for the ledger;
 * :class:`~.lifecycle.EnvironmentLifecycle` (``lifecycle.py``): the stateful
   environments of the ledger's actions (held actions, grants, moves,
   kill-on-return, the attempt log), over the ``EnvironmentDirectory``;
@@ -16,7 +18,7 @@
 * :class:`Coordinator` (``server.py``): the two ROUTER sockets, frame
   decoding and the periodic tick.
 
-The first four take the clock as ``now`` and never touch a socket, so tests
+All but the last take the clock as ``now`` and never touch a socket, so tests
 drive them in-process and read the outbox.
 """
 from .ledger import ActionLedger

@@ -27,13 +27,19 @@ import logging
 from typing import Callable
 
 from .. import protocol as P
-from ..actions import Status, ValidationError
+from ..actions import ActionSpec, Status, ValidationError
 from ..policy.base import SchedulingPolicy
 from .environments import USABLE, EnvironmentDirectory, EnvStatus
 from .outbox import Counters, Outbox
 from .registry import WorkerRegistry
 
 log = logging.getLogger("tangram.coordinator")
+
+
+def env_of(spec: ActionSpec) -> str | None:
+    """The stateful environment an action runs in: a sandbox action's ``env`` (for other kinds it is
+    only a placement hint to the policy)."""
+    return spec.env if spec.kind == "sandbox" else None
 
 
 class EnvironmentLifecycle:

@@ -3,9 +3,8 @@
 An environment is a directory under the manager's root, created from a
 *template* the first time an action names it, kept between the actions of
 a trajectory, and removed by :meth:`EnvStore.drop` or when unused for longer
-than its TTL.  A background thread keeps ``warm_pool`` ready-made
-environments per template so that a new trajectory does not wait for a copy
-of a project tree or the creation of a Python env.
+than its TTL.  What a new one is made from (templates, their bases, the warm
+pool of ready-made copies, the uids) is :class:`~.env_builds.EnvBuilds`'s.
 
 When the worker runs as root every environment gets its own unprivileged
 uid (the sandboxed command runs as that uid, see
@@ -30,9 +29,7 @@ from __future__ import annotations
 import base64
 import logging
 import os
-import random
 import select
-import shutil
 import signal
 import tarfile
 import threading
@@ -44,23 +41,19 @@ from typing import Any, Iterable, Mapping
 import msgpack
 
 from ..envfiles import env_dirname
-from .env_bases import Base, BaseRef, scan_base, settled_now
+from .env_bases import BaseRef, settled_now
+from .env_builds import UID_RANGE, EnvBuilds
 from . import env_layers
-from .env_snapshots import (_BASES_DIR, _FINGERPRINT, _PAX_BASE, _PAX_ENV, _PAX_GEN, _PAX_JOURNAL, _PAX_TEMPLATE,
+from .env_snapshots import (_PAX_BASE, _PAX_ENV, _PAX_GEN, _PAX_JOURNAL, _PAX_TEMPLATE,
                             JOURNAL_KEEP, JOURNAL_MAX_BYTES, JOURNAL_RECORD_BYTES, _Delta, _deleted_of, _extract,
                             _journal_from_header, _read_journal, _safe_member, _save_base, _trim_journal,
                             _write_journal, _write_tar, bounded_record)
-from .env_templates import EmptyTemplate, Template, UnknownTemplate, template_from_config
 from .fs_inside import (EnvError, _chown_inside, _copy_tree, _open_dirs_for_owner, _remove_inside, _rmtree,
                         chown_tree, is_plain_dir, write_inside)
 
 __all__ = ["Environment", "EnvStore", "UID_RANGE"]
 
 log = logging.getLogger(__name__)
-
-#: Uids handed to environments when the worker is root: far above normal
-#: user and subordinate-uid ranges.
-UID_RANGE = (0x6A000000, 0x6A000000 + (1 << 20))
 
 
 @dataclass
@@ -92,151 +85,33 @@ class EnvStore:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         os.chmod(self.root, 0o711)  # environment uids must traverse it, not list it
-        self.templates: dict[str, Template] = {"empty": EmptyTemplate()}
-        for name, t in templates.items():
-            self.templates[name] = template_from_config(t)
-        if default_template not in self.templates:
-            raise EnvError(f"default template {default_template!r} is not configured")
-        self.default_template = default_template
         self.ttl = ttl
-        self.warm_pool = warm_pool
-        self.drop_privileges = drop_privileges
-        self._lock = threading.Condition()
+        self._lock = threading.RLock()
         self._envs: dict[str, Environment] = {}
-        self._uids: set[int] = set()
-        self._warm: dict[str, list[tuple[Path, int | None, BaseRef | None]]] = {t: [] for t in self.templates}
-        self._bases: dict[str, Base] = {}            # fingerprint -> pristine base held here
-        self._template_base: dict[str, str] = {}     # template -> fingerprint of its base here
-        self._base_lock = threading.Lock()           # one pristine build at a time
         self._closed = False
         #: whether the outcomes of actions are journaled (a worker's EnvHost): then an attempt's layer
         #: is committed by its journal record (env_layers), else as soon as its command ended
         self.journaled = False
-        self.warm_hits = 0  # environments served from the pool (observability, tests)
         self._warm_dir = self.root / ".warm"
         self._warm_dir.mkdir(exist_ok=True)
-        self._thread: threading.Thread | None = None
-        if warm_pool > 0:
-            self._thread = threading.Thread(target=self._fill_warm, name="sandbox-warm-pool",
-                                            daemon=True)
-            self._thread.start()
+        #: what new environments are made from: templates, bases, the warm pool, uids
+        self.builds = EnvBuilds(self._warm_dir, templates, default_template, warm_pool, drop_privileges)
 
-    # -- uids ------------------------------------------------------------------
-    def _new_uid(self) -> int | None:
-        if not self.drop_privileges:
-            return None
-        with self._lock:
-            while True:
-                uid = random.randrange(*UID_RANGE)
-                if uid not in self._uids:
-                    self._uids.add(uid)
-                    return uid
-
-    def _free_uid(self, uid: int | None) -> None:
-        if uid is not None:
-            with self._lock:
-                self._uids.discard(uid)
-
-    # -- creation ----------------------------------------------------------------
-    def _base_of(self, template: str) -> Base | None:
-        """The pristine base of ``template`` on this worker, built (once) on first use; None for "empty"."""
-        if isinstance(self.templates[template], EmptyTemplate):
-            return None
-        with self._base_lock:
-            fp = self._template_base.get(template)
-            if fp is not None:
-                return self._bases[fp]
-            tmp = self._warm_dir / f".base-{os.urandom(6).hex()}"
-            try:
-                tmp.mkdir(mode=0o755)
-                self.templates[template].populate(tmp)
-                base = scan_base(tmp)
-            except BaseException:
-                _rmtree(tmp)
-                raise
-            with self._lock:
-                have = self._bases.get(base.fingerprint)
-                if have is None:
-                    self._bases[base.fingerprint] = base
-                self._template_base[template] = base.fingerprint
-            if have is not None:   # the same tree came here from a snapshot's base first
-                _rmtree(tmp)
-                return have
-            return base
-
-    def _build(self, template: str, dest: Path) -> tuple[int | None, BaseRef | None]:
-        """Create a populated, owned directory at ``dest`` (which must not exist): a copy of the
-        template's base, and what it is a copy of."""
-        base = self._base_of(template)
-        uid = self._new_uid()
-        tmp = self._warm_dir / f".build-{os.urandom(6).hex()}"
-        try:
-            if base is None:
-                tmp.mkdir(mode=0o755)
-                self.templates[template].populate(tmp)
-            else:
-                shutil.copytree(base.path, tmp, symlinks=True)
-                os.chmod(tmp, 0o755)
-            if uid is not None:
-                chown_tree(tmp, uid)
-            ref = BaseRef(base.fingerprint, settled_now(self._warm_dir)) if base is not None else None
-            os.rename(tmp, dest)
-        except BaseException:
-            self._free_uid(uid)
-            _rmtree(tmp)
-            raise
-        return uid, ref
-
-    def _take_warm(self, template: str, dest: Path, fingerprint: str | None = None
-                   ) -> tuple[int | None, BaseRef | None] | None:
-        """A ready-made environment of ``template`` moved to ``dest`` (only a copy of the base
-        ``fingerprint``, when given); None if the pool has none."""
-        with self._lock:
-            pool = self._warm.get(template)
-            if not pool or (fingerprint is not None and (pool[-1][2] is None or pool[-1][2].fingerprint != fingerprint)):
-                return None
-            path, uid, ref = pool.pop()
-            self.warm_hits += 1
-            self._lock.notify_all()
-        os.rename(path, dest)
-        return uid, ref
-
-    def _fill_warm(self) -> None:
-        while True:
-            with self._lock:
-                while not self._closed and all(len(p) >= self.warm_pool for p in self._warm.values()):
-                    self._lock.wait()
-                if self._closed:
-                    return
-                template = next(t for t, p in self._warm.items() if len(p) < self.warm_pool)
-            dest = self._warm_dir / f"{template}-{os.urandom(6).hex()}"
-            try:
-                uid, ref = self._build(template, dest)
-            except Exception as exc:  # a broken template must not kill the pool for the others
-                log.error("warm pool: template %r failed to build (%s: %s); it is no longer kept warm and "
-                          "each environment made from it is built on demand, reporting its error",
-                          template, type(exc).__name__, exc)
-                with self._lock:
-                    self._warm.pop(template, None)
-                continue
-            with self._lock:
-                if self._closed:
-                    self._free_uid(uid)
-                    _rmtree(dest)
-                    return
-                self._warm.setdefault(template, []).append((dest, uid, ref))
+    @property
+    def warm_hits(self) -> int:
+        """Environments served from the warm pool (observability, tests)."""
+        return self.builds.warm_hits
 
     def warm_count(self, template: str) -> int:
         """Ready-made environments of ``template`` waiting in the pool."""
-        with self._lock:
-            return len(self._warm.get(template, ()))
+        return self.builds.warm_count(template)
 
     def acquire(self, env_id: str | None, template: str | None) -> Environment:
         """The environment ``env_id`` (created from ``template`` if new), marked busy.
 
         ``env_id`` None gives a throwaway environment, removed on release.
         """
-        template = template or self.default_template
+        template = template or self.builds.default_template
         throwaway = env_id is None
         key = env_id if env_id is not None else f"_throwaway-{os.urandom(8).hex()}"
         with self._lock:
@@ -247,7 +122,7 @@ class EnvStore:
                 env.busy += 1
                 creator = False
             else:
-                self.check_template(template)
+                self.builds.check_template(template)
                 now = time.monotonic()
                 env = Environment(key, self.root / env_dirname(key), template, None, now, now,
                                   throwaway, busy=1)
@@ -260,8 +135,8 @@ class EnvStore:
                 _rmtree(self.attempt_path(env))
                 if not throwaway:
                     self._journal_path(key).unlink(missing_ok=True)
-                made = self._take_warm(template, env.path)
-                env.uid, env.base = self._build(template, env.path) if made is None else made
+                made = self.builds.take_warm(template, env.path)
+                env.uid, env.base = self.builds.build(template, env.path) if made is None else made
             except BaseException as exc:
                 env.failure = exc
                 with self._lock:
@@ -293,11 +168,6 @@ class EnvStore:
     @staticmethod
     def give_turn(env: Environment) -> None:
         env.turn.release()
-
-    def check_template(self, template: str | None) -> None:
-        """Raise :class:`UnknownTemplate` unless ``template`` (None: the default) is configured here."""
-        if (template or self.default_template) not in self.templates:
-            raise UnknownTemplate(f"unknown template {template!r}; configured: {sorted(self.templates)}")
 
     def has(self, env_id: str) -> bool:
         """Whether ``env_id`` is here and ready."""
@@ -355,7 +225,7 @@ class EnvStore:
         _rmtree(self.attempt_path(env))
         if not env.throwaway:
             self._journal_path(env.id).unlink(missing_ok=True)
-        self._free_uid(env.uid)
+        self.builds.free_uid(env.uid)
 
     def close(self, keep: Iterable[str] = ()) -> None:
         """Remove every environment but those in ``keep``, which stay on disk with their journals
@@ -363,17 +233,11 @@ class EnvStore:
         keep = frozenset(keep)
         with self._lock:
             self._closed = True
-            self._lock.notify_all()
             envs = [e for e in self._envs.values() if e.id not in keep]
             self._envs.clear()
-            warm = [entry[0] for pool in self._warm.values() for entry in pool]
-            self._warm = {}
-        if self._thread is not None:
-            self._thread.join(timeout=60)
+        self.builds.close()
         for e in envs:
             self._remove(e)
-        for p in warm:
-            _rmtree(p)
         _rmtree(self._warm_dir)
 
     # -- journal -----------------------------------------------------------------
@@ -507,7 +371,7 @@ class EnvStore:
         final = snapshot_dir / name
         with self._lock:
             journal = list(self._journal_of(env).values())[-JOURNAL_KEEP:]
-            base = self._bases.get(env.base.fingerprint) if env.base is not None else None
+        base = self.builds.base(env.base.fingerprint) if env.base is not None else None
         headers = {_PAX_ENV: env_id, _PAX_GEN: str(generation), _PAX_TEMPLATE: env.template,
                    _PAX_JOURNAL: base64.b64encode(msgpack.packb(journal, use_bin_type=True)).decode()}
         delta = None
@@ -544,7 +408,7 @@ class EnvStore:
                     tmp.mkdir(mode=0o755)
                     _extract(tar, tmp, members)
                     return
-                owned["uid"] = self._copy_base(fingerprint, saved_template, src.parent, tmp)
+                owned["uid"] = self.builds.copy_base(fingerprint, saved_template, src.parent, tmp)
                 names = {m.name for m in members}
                 opened = _open_dirs_for_owner(tmp)
                 for rel in _deleted_of(members, snapshot) + [m.name for m in members if not m.isdir()]:
@@ -560,60 +424,10 @@ class EnvStore:
                 owned["unowned"] = dirty
 
         dest, uid = self._put_in_place(env_id, extract, f"restore {env_id!r} from {snapshot}", owned)
-        if template is None and saved_template in self.templates:
+        if template is None and saved_template in self.builds.templates:
             template = saved_template
         ref = BaseRef(fingerprint, settled_now(self._warm_dir), dirty) if fingerprint is not None else None
         return self._install(env_id, dest, uid, template, journal, ref)
-
-    def _copy_base(self, fingerprint: str, template: str | None, snapshot_dir: Path, dest: Path) -> int | None:
-        """Put a copy of the base ``fingerprint`` at ``dest``: a ready-made environment of the
-        pool, else a copy of the pristine base held here, else of the one saved beside the snapshot.
-        Returns the uid the copy is owned by (a ready-made one's), or None."""
-        if not _FINGERPRINT.fullmatch(fingerprint):
-            raise EnvError(f"snapshot names a malformed base {fingerprint!r}")
-        made = self._take_warm(template, dest, fingerprint) if template in self.templates else None
-        if made is not None:
-            return made[0]
-        with self._lock:
-            base = self._bases.get(fingerprint)
-        if base is None and template in self.templates and template not in self._template_base:
-            try:
-                base = self._base_of(template)   # built here for the first time: maybe the same tree
-            except Exception as exc:   # the saved base serves as well
-                log.warning("template %r does not build here (%s); restoring from the saved base", template, exc)
-            if base is not None and base.fingerprint != fingerprint:
-                base = None
-        if base is None:
-            base = self._load_base(fingerprint, snapshot_dir)
-        shutil.copytree(base.path, dest, symlinks=True)
-        return None
-
-    def _load_base(self, fingerprint: str, snapshot_dir: Path) -> Base:
-        """The base ``fingerprint`` from ``<snapshot_dir>/bases``, unpacked and kept here."""
-        with self._base_lock:
-            with self._lock:
-                have = self._bases.get(fingerprint)
-            if have is not None:
-                return have
-            src = Path(snapshot_dir) / _BASES_DIR / f"{fingerprint}.tar.gz"
-            if not src.is_file():
-                raise EnvError(f"the snapshot is a delta over base {fingerprint}, which is neither on this worker "
-                               f"nor saved at {src}")
-            tmp = self._warm_dir / f".base-{os.urandom(6).hex()}"
-            try:
-                with tarfile.open(src, "r:*") as tar:
-                    if tar.pax_headers.get(_PAX_BASE) != fingerprint:
-                        raise EnvError(f"{src} does not hold base {fingerprint}")
-                    tmp.mkdir(mode=0o755)
-                    _extract(tar, tmp, [_safe_member(m) for m in tar.getmembers()])
-                # known by the fingerprint it was saved under; the manifest is of this copy
-                base = Base(fingerprint, tmp, scan_base(tmp).manifest)
-            except BaseException:
-                _rmtree(tmp)
-                raise
-            with self._lock:
-                self._bases[fingerprint] = base
-            return base
 
     def adopt(self, env_id: str, source_root: str | os.PathLike, template: str | None = None) -> Environment:
         """Take ``env_id`` over from the environment root of a worker that died, journal included.
@@ -658,7 +472,7 @@ class EnvStore:
                 os.chown(tmp, uid, uid, follow_symlinks=False)
                 _chown_inside(tmp, owned.get("unowned", ()), uid)
             else:
-                uid = self._new_uid()
+                uid = self.builds.new_uid()
                 if uid is not None:
                     chown_tree(tmp, uid)
             if dest.exists():
@@ -667,7 +481,7 @@ class EnvStore:
             _rmtree(self.root / (env_dirname(env_id) + env_layers.ATTEMPT_SUFFIX))
             os.rename(tmp, dest)
         except BaseException as exc:
-            self._free_uid(uid if uid is not None else owned.get("uid"))
+            self.builds.free_uid(uid if uid is not None else owned.get("uid"))
             _rmtree(tmp)
             if isinstance(exc, (EnvError, KeyboardInterrupt)):
                 raise
@@ -677,7 +491,7 @@ class EnvStore:
     def _install(self, env_id: str, dest: Path, uid: int | None, template: str | None,
                  journal: list, base: BaseRef | None = None) -> Environment:
         now = time.monotonic()
-        env = Environment(env_id, dest, template or self.default_template, uid, now, now, base=base)
+        env = Environment(env_id, dest, template or self.builds.default_template, uid, now, now, base=base)
         self._set_journal(env, journal)
         env.ready.set()
         with self._lock:

@@ -34,22 +34,22 @@ asks the policy's ``schedule``, and :meth:`Simulation._dispatch` applies its sta
 from __future__ import annotations
 
 import gc
-from dataclasses import dataclass, field
 from typing import Any, Callable, Final
 
 import numpy as np
 
-from ..actions import ActionSpec, Demand
+from ..actions import ActionSpec
 from ..policy.base import Assignment, Launch, PoolPolicy, PoolView, Reclaim, SchedulingPolicy, Withdraw, WorkerStatus
-from ..policy.residency import Resident, choose_victims
-from ..resources import CPU, GPU, ResourceClass, ServiceInfo, WorkerInfo, WorkerShape
+from ..resources import CPU, GPU, ResourceClass
 from .calendar import EventCalendar
 from .layout import services_by_demand
+from .machines import CPU_KINDS, GPU_KINDS, Launches, Replica, SimWorker, cluster_shapes, service_infos
+from .result import ActionClassRow, SimResult, action_specs_for, allocated_seconds, lower_bounds
 from .stalled import SimulationStalled
-from .workload import Plan, Service, Workload
+from .workload import Plan, Service
 
-__all__ = ["SimResult", "Simulation", "SimulationStalled", "SimWorker", "simulate", "sim_load", "cluster_shapes",
-           "action_specs_for", "service_infos", "CPU_KINDS", "GPU_KINDS"]
+__all__ = ["SimResult", "Simulation", "SimulationStalled", "simulate", "cluster_shapes", "action_specs_for",
+           "service_infos", "CPU_KINDS", "GPU_KINDS"]
 
 # event types (Final: constants in the native build, not module look-ups)
 _FINISH: Final = 0
@@ -61,32 +61,6 @@ _MOVED: Final = 5
 #: Simulated seconds with actions waiting, none running, no worker starting and nothing started,
 #: after which a run with a pool counts as stalled (its ticks would go on for ever).
 IDLE_STALL_S: Final = 6 * 3600.0
-
-CPU_KINDS = frozenset({"sandbox", "function"})
-GPU_KINDS = frozenset({"reward"})
-
-
-def cluster_shapes(w: Workload) -> dict[ResourceClass, WorkerShape]:
-    c = w.cluster
-    out = {CPU: WorkerShape(c.cpu_cores, c.cpu_mem_mb)}
-    if c.gpu_workers or w.services:
-        out[GPU] = WorkerShape(c.gpu_slots, 0, c.gpus, c.gpu_mem_mb)
-    return out
-
-
-def service_infos(w: Workload) -> dict[str, ServiceInfo]:
-    """The workload's services as the scheduler is told about them (sizes, batch limits, load times),
-    the most demanded first: a worker preloads them in this order while they fit."""
-    return {name: ServiceInfo(w.services[name].gpu_mem_mb, w.services[name].max_batch, w.services[name].load_s)
-            for name in services_by_demand(w)}
-
-
-def _info(wid: str, shape: WorkerShape, services: frozenset[str]) -> WorkerInfo:
-    if shape.gpus:
-        return WorkerInfo(wid, shape.cores, shape.mem_mb, shape.gpus, shape.gpus * shape.gpu_mem_mb,
-                          kinds=GPU_KINDS, services=services)
-    return WorkerInfo(wid, shape.cores, shape.mem_mb, kinds=CPU_KINDS)
-
 
 # An action's row: eight floats, one cache line.  The simulator comes back to an action after
 # its trajectory's think time or its run, when nothing of it is cached; with an array per fact
@@ -130,86 +104,6 @@ def _action_rows(plan: Plan, traj_of: np.ndarray) -> np.ndarray:
     return rows
 
 
-@dataclass(slots=True, frozen=True)
-class _ActionClassRow:
-    kind: str
-    demand: Demand
-    label: str
-    uses_env: bool
-    parallel_fraction: float
-    service: str | None
-    timeout_s: float
-    mem_mean_mb: int
-
-
-def action_specs_for(w: Workload) -> list[_ActionClassRow]:
-    """Per action class: what every action of it submits, and how it runs."""
-    out = []
-    for a in w.actions:
-        lo, hi = w.action_cores(a)
-        gmem = w.services[a.service].gpu_mem_mb if a.service else 0
-        out.append(_ActionClassRow(a.kind, Demand(lo, hi, a.mem_mb, gmem, a.service), a.name, a.uses_env,
-                                   a.parallel_fraction, a.service, a.timeout_s or float("inf"),
-                                   a.mem_mean_mb))
-    return out
-
-
-@dataclass
-class SimResult:
-    name: str
-    submit: np.ndarray
-    start: np.ndarray
-    finish: np.ndarray
-    cores: np.ndarray
-    lower_bound: np.ndarray         # per action: alone at its best core count, no wait, no load
-    step_durations: list[float]
-    cpu_core_s: float               # allocated CPU core-seconds
-    gpu_s: float                    # allocated GPU-seconds
-    cpu_busy_core_s: float
-    gpu_busy_slot_s: float
-    gpu_slot_s: float
-    makespan: float
-    cpu_cores_max: int = 0          # most CPU cores allocated at once
-    gpu_slots_max: int = 0
-    mem_reserved_mb_s: float = 0.0  # peak memory reserved by running actions, integrated
-    mem_used_mb_s: float = 0.0      # their mean memory, integrated
-    trace: list[tuple[float, int, int, int, int]] = field(default_factory=list)
-    wall_s: float = 0.0
-    events: int = 0
-    pool_notes: list[str] = field(default_factory=list)
-    is_gpu: np.ndarray | None = None   # per action: ran on a GPU worker
-    env_moves: int = 0              # environments moved between workers (each cost the workload's env_move_s)
-    prefetched: list[tuple[float, str, str]] = field(default_factory=list)  # (time, worker, service) the policy asked
-
-    @property
-    def act(self) -> np.ndarray:
-        return self.finish - self.submit
-
-    @property
-    def mean_step(self) -> float:
-        return float(np.mean(self.step_durations)) if self.step_durations else 0.0
-
-    @property
-    def cpu_util(self) -> float:
-        return self.cpu_busy_core_s / self.cpu_core_s if self.cpu_core_s else 0.0
-
-    @property
-    def gpu_util(self) -> float:
-        return self.gpu_busy_slot_s / self.gpu_slot_s if self.gpu_slot_s else 0.0
-
-
-class _Replica:
-    """A service on a simulated GPU worker (the ground truth the policy's belief follows)."""
-
-    __slots__ = ("ready_at", "running", "last_used", "mem")
-
-    def __init__(self, ready_at: float, mem: int):
-        self.ready_at = ready_at
-        self.running = 0
-        self.last_used = ready_at
-        self.mem = mem
-
-
 class _Trajectory:
     """One trajectory's progress: the group of actions it has out, and what comes after it.
 
@@ -231,30 +125,49 @@ class _Trajectory:
         self.think_next = 0.0           # the think time before its next group, and whether that group
         self.barrier_next = False       # starts a turn (read when this one is submitted, from warm memory)
 
+    def take_back(self, rows: Any, policy: SchedulingPolicy) -> bool:
+        """Its environment is to move: take its waiting actions back from the policy (held until it
+        has moved) and release it from its worker.  False, and nothing done, when it is not live on
+        a worker or one of its actions runs there (the policy does not ask for that)."""
+        ew = self.worker
+        if ew is None or self.held is not None:
+            return False
+        first, last = self.group, self.next
+        if any(rows[i * _ROW + _R_START] > 0.0 and rows[i * _ROW + _R_FINISH] == 0.0 for i in range(first, last)):
+            return False
+        self.held = [i for i in range(first, last) if policy.cancel(str(i))]
+        self.worker = None
+        ew.status.envs -= 1
+        return True
 
-class SimWorker:
-    """A simulated worker.
 
-    ``status`` is the very :class:`WorkerStatus` record the pool policy reads,
-    kept current in place.  The rest is what the simulated machine does and the
-    policy only learns through events: which services are loaded (and when
-    they are ready), and how long the worker's resources were allocated.
-    """
+def _table_and_trajectories(plan: Plan) -> tuple[np.ndarray, list[_Trajectory]]:
+    """The plan's action rows (:func:`_action_rows`) and one record per trajectory, in plan order."""
+    starts = np.concatenate(plan.step_traj_start) if plan.step_traj_start else np.zeros(0, np.int64)
+    lens = np.concatenate(plan.step_traj_len) if plan.step_traj_len else np.zeros(0, np.int64)
+    table = _action_rows(plan, np.repeat(np.arange(len(starts), dtype=np.int64), lens))
+    ends = (starts + lens).tolist()
+    trajs: list[_Trajectory] = []
+    for s, st in enumerate(plan.step_traj_start):
+        base = len(trajs)
+        trajs.extend(_Trajectory(f"s{s}t{j}", s, ends[base + j]) for j in range(len(st)))
+    return table, trajs
 
-    __slots__ = ("id", "shape", "resource", "status", "alloc_start", "alloc_end", "services", "gpu_used",
-                 "slots")
 
-    def __init__(self, wid: str, shape: WorkerShape, services: frozenset[str], now: float, requested: float):
-        self.id = wid
-        self.shape = shape
-        self.resource = shape.resource
-        self.status = WorkerStatus(_info(wid, shape, services), idle_since=now, started_at=now, shape=shape,
-                                   launched_at=requested if requested < now else None)
-        self.alloc_start = requested
-        self.alloc_end: float | None = None
-        self.services: dict[str, _Replica] = {}
-        self.gpu_used = 0
-        self.slots = shape.cores
+def _stalled(name: str, policy: SchedulingPolicy, now: float, last_start: float,
+             starting: list) -> SimulationStalled | None:
+    """Why a run with a pool would tick for ever (an action nothing can place, or nothing started
+    for :data:`IDLE_STALL_S` with actions waiting and no worker starting), or None."""
+    stuck = policy.unplaceable(now)
+    if stuck:
+        aid, why = stuck[0]
+        return SimulationStalled(name, now, policy.pending_count, policy.running_count,
+                                 f"action {aid} cannot be placed: {why}")
+    if now - last_start > IDLE_STALL_S and policy.pending_count and not policy.running_count and not starting:
+        return SimulationStalled(name, now, policy.pending_count, 0,
+                                 f"nothing started for {now - last_start:.0f} s with actions waiting "
+                                 f"(each waits for something another holds?)")
+    return None
 
 
 class Simulation:
@@ -286,18 +199,10 @@ class Simulation:
         self.classes = action_specs_for(w)
         self.svc_defs: dict[str, Service] = w.services
         self.svc_names = frozenset(w.services)
-        # per trajectory
-        starts = np.concatenate(plan.step_traj_start) if plan.step_traj_start else np.zeros(0, np.int64)
-        lens = np.concatenate(plan.step_traj_len) if plan.step_traj_len else np.zeros(0, np.int64)
         # per action (a 100,000-trajectory plan has millions of actions): its row, read and
-        # written through a flat memoryview (typed Any: its items are floats)
-        self.table = _action_rows(plan, np.repeat(np.arange(len(starts), dtype=np.int64), lens))
+        # written through a flat memoryview (typed Any: its items are floats); per trajectory, its record
+        self.table, self.trajs = _table_and_trajectories(plan)
         self.rows: Any = self.table.reshape(-1).data
-        ends = (starts + lens).tolist()
-        self.trajs: list[_Trajectory] = []
-        for s, st in enumerate(plan.step_traj_start):
-            base = len(self.trajs)
-            self.trajs.extend(_Trajectory(f"s{s}t{j}", s, ends[base + j]) for j in range(len(st)))
         self.traj_index: dict[str, _Trajectory] | None = None    # environment (trajectory) name -> it, on first move
         self.moves = 0
         self.attempt: dict[int, int] = {}       # actions resubmitted after their worker was reclaimed
@@ -306,12 +211,9 @@ class Simulation:
         self.statuses: list[WorkerStatus] = []
         self.retired: list[SimWorker] = []
         self.counters = {CPU: 0, GPU: 0}
-        self.starting: list[tuple[WorkerShape, float]] = []
+        self.launches = Launches(start_failures)
         self.last_start = 0.0          # when the policy last started something (see _on_pool_tick)
         self.last_tick = 0.0
-        self.withdrawn: dict[tuple[WorkerShape, float], int] = {}   # withdrawn starts whose _UP is still due
-        self.failures: list[tuple[float, str]] = []
-        self.fail_left = start_failures
         # accounting
         self.busy = {CPU: 0, GPU: 0}
         self.alloc_units = {CPU: 0, GPU: 0}
@@ -500,18 +402,8 @@ class Simulation:
         move_s = self.w.cluster.env_move_s
         for env in envs:
             t = self.traj_index.get(env)
-            if t is None:
+            if t is None or not t.take_back(self.rows, self.policy):
                 continue
-            ew = t.worker
-            if ew is None or t.held is not None:
-                continue                 # not live on a worker: nothing to move
-            first, last = t.group, t.next
-            rows = self.rows
-            if any(rows[i * _ROW + _R_START] > 0.0 and rows[i * _ROW + _R_FINISH] == 0.0 for i in range(first, last)):
-                continue                 # it runs there (the policy does not ask for that)
-            t.held = [i for i in range(first, last) if self.policy.cancel(str(i))]
-            t.worker = None
-            ew.status.envs -= 1
             if self._close_env is not None:
                 self._close_env(env)
             self.moves += 1
@@ -532,7 +424,7 @@ class Simulation:
         sw: SimWorker
         c: int
         started: float
-        row: _ActionClassRow
+        row: ActionClassRow
         t: _Trajectory
         _, _, _, i, att, sw, aid, c, started, row, t = e
         if self.attempt and att != self.attempt.get(i, 0):
@@ -602,35 +494,23 @@ class Simulation:
 
     def _on_worker_up(self, e: tuple) -> None:
         res, requested = e[3]
-        key = (self.shapes[res], requested)
-        if self.withdrawn.get(key):      # withdrawn while starting: it never comes up
-            self.withdrawn[key] -= 1
-            return
-        self.starting.remove(key)
-        self._add_worker(res, self.now, requested)
+        if self.launches.up(self.shapes[res], requested):     # (withdrawn while starting: it never comes up)
+            self._add_worker(res, self.now, requested)
 
     def _on_pool_tick(self, _e: tuple) -> None:
         now = self.now
-        stuck = self.policy.unplaceable(now)
-        if stuck:       # the ticks would go on for ever: nothing can ever run it
-            aid, why = stuck[0]
-            raise SimulationStalled(self.name, now, self.policy.pending_count, self.policy.running_count,
-                                    f"action {aid} cannot be placed: {why}")
-        if (now - self.last_start > IDLE_STALL_S and self.policy.pending_count and not self.policy.running_count
-                and not self.starting):
-            raise SimulationStalled(self.name, now, self.policy.pending_count, 0,
-                                    f"nothing started for {now - self.last_start:.0f} s with actions waiting "
-                                    f"(each waits for something another holds?)")
+        stalled = _stalled(self.name, self.policy, now, self.last_start, self.launches.starting)
+        if stalled is not None:
+            raise stalled
         # loads done since the last tick are reported, as a live worker's heartbeat does: a queue
         # that found every replica busy loading is looked at again
         for sw in self.workers.values():
             if sw.services and any(self.last_tick < r.ready_at <= now for r in sw.services.values()):
-                self.policy.update_worker(sw.id, services=frozenset(k for k, r in sw.services.items()
-                                                                    if r.ready_at <= now), now=now)
+                self.policy.update_worker(sw.id, services=sw.ready_services(now), now=now)
         self.last_tick = now
         offered = self._offered(now) if self._offered is not None else None
-        view = PoolView(now, self.policy.pending_actions(), list(self.statuses), list(self.starting),
-                        list(self.failures), step=self.step, offered_load=offered)
+        view = PoolView(now, self.policy.pending_actions(), list(self.statuses), list(self.launches.starting),
+                        list(self.launches.failures), step=self.step, offered_load=offered)
         assert self.pool is not None        # ticks are pushed only with a pool
         for dec in self.pool.decide(view):
             if isinstance(dec, Launch):
@@ -638,7 +518,7 @@ class Simulation:
             elif isinstance(dec, Reclaim):
                 self._reclaim(dec, now)
             elif isinstance(dec, Withdraw):
-                self._withdraw(dec)
+                self.launches.withdraw(dec.shape, dec.count)
         ex = self.pool.explain()
         if ex and ex != "ok" and (not self.notes or self.notes[-1].split(": ", 1)[-1] != ex):
             self.notes.append(f"t={now:.0f}: {ex}")
@@ -668,29 +548,13 @@ class Simulation:
         else:
             planned = self._planned(sw.id) if self._planned is not None else None
             names = services_by_demand(self.w) if planned is None else planned
-        cap = sw.status.info.gpu_mem_mb
-        for name in names:
-            svc = self.svc_defs.get(name)
-            if svc is None or sw.gpu_used + svc.gpu_mem_mb > cap:
-                continue
-            sw.services[name] = _Replica(now if warm else now + svc.load_s, svc.gpu_mem_mb)
-            sw.gpu_used += svc.gpu_mem_mb
+        sw.preload(names, self.svc_defs, now, warm)
 
     def _launch(self, dec: Launch, now: float) -> None:
         res = dec.shape.resource
         for _ in range(dec.count):
-            if self.fail_left > 0:
-                self.fail_left -= 1
-                self.failures.append((now, "simulated start failure"))
-                continue
-            self.starting.append((self.shapes[res], now))
-            self._push(now + self.w.cluster.startup_s, _UP, (res, now))
-
-    def _withdraw(self, dec: Withdraw) -> None:
-        """Launches taken back before they came up, newest first: as jobs cancelled while queued, they held nothing."""
-        for key in sorted((p for p in self.starting if p[0] == dec.shape), key=lambda p: -p[1])[:dec.count]:
-            self.starting.remove(key)
-            self.withdrawn[key] = self.withdrawn.get(key, 0) + 1
+            if self.launches.launch(self.shapes[res], now):
+                self._push(now + self.w.cluster.startup_s, _UP, (res, now))
 
     def _reclaim(self, dec: Reclaim, now: float) -> None:
         sw = self.workers.pop(dec.worker_id, None)
@@ -744,12 +608,11 @@ class Simulation:
                         raise RuntimeError(f"{self.name}: a static policy sent a {row.service} call to {sw.id}, "
                                            f"which does not host it")
                     rep = self._sim_load(sw, row.service, now)
-                    ready = frozenset(k for k, r in sw.services.items() if r.ready_at <= now)
-                    self.policy.update_worker(sw.id, services=ready, now=now)
+                    self.policy.update_worker(sw.id, services=sw.ready_services(now), now=now)
                 start = rep.ready_at if rep.ready_at > now else now
                 rep.running += 1
                 rep.last_used = now
-                factor = self._batch_factor(sw, row.service, rep.running)
+                factor = sw.batch_factor(self.svc_defs[row.service], rep.running)
             elif row.uses_env and t.worker is None:
                 t.worker = sw
                 sw.status.envs += 1
@@ -774,46 +637,19 @@ class Simulation:
             self.prefetched.append((now, wid, name))
             if sw is not None and name not in sw.services:
                 self._sim_load(sw, name, now)
-                ready = frozenset(k for k, r in sw.services.items() if r.ready_at <= now)
-                self.policy.update_worker(sw.id, services=ready, now=now)
+                self.policy.update_worker(sw.id, services=sw.ready_services(now), now=now)
 
-    def _batch_factor(self, sw: SimWorker, name: str, in_batch: int) -> float:
-        svc = self.svc_defs[name]
-        if not svc.batch_slowdown or in_batch <= 1:
-            return 1.0
-        full = svc.max_batch or sw.slots
-        return 1.0 + svc.batch_slowdown * min(1.0, (in_batch - 1) / max(1, full - 1))
-
-    def _sim_load(self, sw: SimWorker, name: str, now: float) -> _Replica:
-        rep, over = sim_load(sw, self.svc_defs, name, now)
+    def _sim_load(self, sw: SimWorker, name: str, now: float) -> Replica:
+        rep, over = sw.load(name, self.svc_defs, now)
         if over:                     # residents in use hold the memory: the policy should not ask
             self.notes.append(f"t={now:.0f}: {sw.id} loads {name} over its GPU memory")
         return rep
 
     # -- result ------------------------------------------------------------------
     def _result(self, end: float, wall: float) -> SimResult:
-        cpu_cs = gpu_s = gpu_ss = 0.0
-        for sw in list(self.workers.values()) + self.retired:
-            life = (sw.alloc_end if sw.alloc_end is not None else end) - sw.alloc_start
-            if sw.shape.gpus:
-                gpu_s += life * sw.shape.gpus
-                gpu_ss += life * sw.shape.cores
-            else:
-                cpu_cs += life * sw.shape.cores
-        for shape, at in self.starting:
-            if shape.gpus:
-                gpu_s += (end - at) * shape.gpus
-                gpu_ss += (end - at) * shape.cores
-            else:
-                cpu_cs += (end - at) * shape.cores
-        plan = self.plan
-        # per class, then per action: one array per action at a time instead of seven
-        pfa = np.array([r.parallel_fraction for r in self.classes])
-        maxc = np.array([r.demand.max_cores for r in self.classes])
-        tmo = np.array([r.timeout_s for r in self.classes])
-        lb = plan.d1 * ((1.0 - pfa) + pfa / np.maximum(1, maxc))[plan.cls]
-        np.minimum(lb, tmo[plan.cls], out=lb)
-        is_gpu = np.array([r.service is not None for r in self.classes])[plan.cls]
+        cpu_cs, gpu_s, gpu_ss = allocated_seconds(list(self.workers.values()) + self.retired,
+                                                  self.launches.starting, end)
+        lb, is_gpu = lower_bounds(self.plan, self.classes)
         return SimResult(
             # views of the rows, not copies: at 100,000 trajectories a copy is 70 MB more at the peak
             name=self.name, submit=self.table[:, _R_SUBMIT], start=self.table[:, _R_START],
@@ -824,23 +660,6 @@ class Simulation:
             mem_reserved_mb_s=self.mem_reserved, mem_used_mb_s=self.mem_used, trace=self.trace,
             wall_s=wall, events=self.events, pool_notes=self.notes, is_gpu=is_gpu, env_moves=self.moves,
             prefetched=self.prefetched)
-
-
-def sim_load(sw: SimWorker, services: dict[str, Service], name: str, now: float) -> tuple[_Replica, bool]:
-    """Load a service on a simulated worker, evicting by the service manager's rule; the replica,
-    and whether it went over the worker's GPU memory (residents in use held it)."""
-    svc = services[name]
-    free = sw.status.info.gpu_mem_mb - sw.gpu_used
-    residents = [Resident(s, r.mem, 0, now - r.last_used, services[s].load_s, 0.0)
-                 for s, r in sw.services.items() if r.running == 0 and r.ready_at <= now]
-    victims = choose_victims(residents, svc.gpu_mem_mb, free)
-    over = victims is None
-    for s in ([r.name for r in residents] if victims is None else victims):
-        sw.gpu_used -= sw.services.pop(s).mem
-    rep = _Replica(now + svc.load_s, svc.gpu_mem_mb)
-    sw.services[name] = rep
-    sw.gpu_used += svc.gpu_mem_mb
-    return rep, over
 
 
 def _no_clock() -> float:

@@ -13,7 +13,7 @@ Its world is the engine's, so that the two can be compared on the same seeds
 class's timeout; moving an environment costs ``env_move_s`` between the hold-back and the
 release of its actions, and a restore costs nothing (the ledger is told so up front, as
 it would learn from the first restore).  GPU workers load services as the engine's do
-(:func:`~.engine.sim_load`, warm at time 0, each load reported in a heartbeat), including those
+(:meth:`~.machines.SimWorker.load`, warm at time 0, each load reported in a heartbeat), including those
 the coordinator's PREFETCH asks for, so the prefetches the ledger sends can be compared with the
 engine's (``prefetched``).  It is a check, not a benchmark: a fixed set of workers (no pool
 policy), services without batch slowdown, and it is slower.
@@ -33,7 +33,8 @@ from ..config import CoordinatorSettings
 from ..coordinator.ledger import ActionLedger
 from ..policy.base import SchedulingPolicy
 from ..resources import CPU, GPU, WorkerInfo
-from .engine import CPU_KINDS, SimWorker, action_specs_for, cluster_shapes, sim_load
+from .machines import CPU_KINDS, SimWorker, cluster_shapes
+from .result import action_specs_for
 from .layout import services_by_demand
 from .stalled import SimulationStalled
 from .workload import Plan
@@ -166,7 +167,7 @@ class LedgerSimulation:
             self.ledger.add_worker(sw.status.info, sw.id.encode(), 0.0)
             for name in services_by_demand(self.w):
                 if sw.gpu_used + self.w.services[name].gpu_mem_mb <= shape.gpu_mem_mb * shape.gpus:
-                    sim_load(sw, self.w.services, name, -self.w.services[name].load_s)   # ready at 0
+                    sw.load(name, self.w.services, -self.w.services[name].load_s)   # ready at 0
             self._report(sw, 0.0)
 
     def _report(self, sw: SimWorker, now: float) -> None:
@@ -175,7 +176,7 @@ class LedgerSimulation:
         self.ledger.worker_report(sw.id, {"services": ready}, now)
 
     def _load(self, sw: SimWorker, name: str, now: float):
-        rep, _over = sim_load(sw, self.w.services, name, now)
+        rep, _over = sw.load(name, self.w.services, now)
         self._report(sw, now)
         return rep
 
