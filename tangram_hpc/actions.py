@@ -49,9 +49,14 @@ _MEM_MAX_MB = 1 << 40
 _LABEL_MAX = 256
 
 
+def is_kind_name(kind: str) -> bool:
+    """Whether ``kind`` may name an action kind (what :func:`register_kind` accepts)."""
+    return bool(_KIND_RE.match(kind))
+
+
 def register_kind(kind: str) -> None:
     """Allow a user-defined action kind (its worker-side handler is registered on the worker)."""
-    if not _KIND_RE.match(kind):
+    if not is_kind_name(kind):
         raise ValidationError(f"invalid kind name {kind!r}: lowercase letters, digits, '_', '.', '-'")
     _extra_kinds.add(kind)
 

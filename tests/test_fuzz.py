@@ -378,6 +378,27 @@ def test_live_worker_socket_fuzz(live, identity, register, data):
     _alive(cl, client)
 
 
+@pytest.mark.parametrize("kinds", [["fuzz-notHing"], ["ok-kind", "Bad Kind"], ["x" * 40]])
+def test_a_register_naming_an_invalid_kind_is_refused_and_registers_nothing(live, kinds):
+    cl, client, info = live
+    wid = "w-bad-kinds"
+    body = dict(_seed_bodies(wid)[6][1], kinds=kinds)
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    CurveKeys.apply_client(s, info)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.RCVTIMEO, 10_000)
+    s.setsockopt(zmq.IDENTITY, wid.encode())
+    s.connect(info.worker_address)
+    try:
+        s.send(P.encode(P.REGISTER, body))
+        mtype, reply = P.decode(s.recv(), ALL_TYPES)
+    finally:
+        s.close(0)
+    assert mtype == P.ERROR and "invalid kind names" in reply["message"]
+    assert wid not in {w["id"] for w in client.status()["workers"]}
+    _alive(cl, client)
+
+
 def _serves_real_actions(frame: bytes) -> bool:
     try:
         mtype, body = P.decode(frame, P.WORKER_TYPES)

@@ -10,7 +10,7 @@ from enum import Enum
 from typing import Iterator
 
 from .. import protocol as P
-from ..actions import BUILTIN_KINDS, register_kind
+from ..actions import BUILTIN_KINDS, is_kind_name, register_kind
 from ..resources import WorkerInfo, WorkerShape
 
 
@@ -95,9 +95,13 @@ class WorkerRegistry:
             raise P.ProtocolError("malformed", "REGISTER id must equal the socket identity")
         if not reg["kinds"]:
             raise P.ProtocolError("malformed", "REGISTER declares no action kinds: such a worker could run nothing")
-        for kind in reg["kinds"]:
-            if kind not in BUILTIN_KINDS:
-                register_kind(kind)  # clients may now submit actions of the worker's own kinds
+        extra = [kind for kind in reg["kinds"] if kind not in BUILTIN_KINDS]
+        bad = [kind for kind in extra if not is_kind_name(kind)]
+        if bad:   # refused whole, before any of its kinds becomes submittable
+            raise P.ProtocolError("malformed", f"REGISTER declares invalid kind names {bad[:4]!r}: "
+                                               "lowercase letters, digits, '_', '.', '-' (at most 32)")
+        for kind in extra:
+            register_kind(kind)  # clients may now submit actions of the worker's own kinds
         return WorkerInfo(id=wid, cores=reg["cores"], mem_mb=reg["mem_mb"], gpus=reg["gpus"],
                           gpu_mem_mb=reg["gpu_mem_mb"], kinds=frozenset(reg["kinds"]),
                           services=frozenset(reg["services"]), handle=reg["handle"], host=reg["host"] or "",
