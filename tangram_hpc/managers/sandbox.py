@@ -321,7 +321,7 @@ class SandboxManager:
         except (EnvError, OSError) as exc:
             return SandboxOutcome(Status.ERROR, None, f"sandbox could not run the command: {exc}")
         finally:
-            self._end(env, waited is None and not req.concurrent, attempt, spec.id)
+            refused = self._end(env, waited is None and not req.concurrent, attempt, spec.id)
             self.envs.release(env)
         res = ran.res
         out = {
@@ -332,6 +332,8 @@ class SandboxManager:
         }
         if ran.processes is not None:
             out["processes"] = ran.processes
+        if refused is not None:
+            return SandboxOutcome(Status.FAILED, out, refused)
         if res.cancelled:
             return SandboxOutcome(Status.CANCELLED, out, "cancelled while running; process tree killed")
         if res.timed_out:
@@ -445,7 +447,9 @@ class SandboxManager:
         if waited is None:
             try:
                 self.live.park(env)
-            except BaseException:
+            except BaseException as exc:
+                if isinstance(exc, (EnvError, OSError)):   # its view holds a layer not (all) in the environment
+                    self.live.end(env.id, f"its last attempt could not be settled ({exc})")
                 self.envs.give_turn(env)
                 raise
         if waited is not None or self.unlayered_reason is not None or env.throwaway:
@@ -456,25 +460,35 @@ class SandboxManager:
             self.envs.give_turn(env)
             raise
 
-    def _end(self, env: Environment, held: bool, attempt: Path | None, action_id: str) -> None:
+    def _end(self, env: Environment, held: bool, attempt: Path | None, action_id: str) -> str | None:
         """After the command: a journaled attempt keeps the turn until its record or
         :meth:`finish_attempt`; any other is committed at once (nothing will journal it) and the
-        turn given back."""
+        turn given back.  An attempt whose layer cannot be merged is discarded first (its session
+        ended: the layer is mounted in it); returns why (None: it was not)."""
         if not held:
-            return
+            return None
+        if attempt is not None:
+            try:
+                env_layers.check(attempt / "upper", env.path)
+            except (EnvError, OSError) as exc:
+                self.live.end(env.id, f"its attempt's changes were discarded ({exc})")
+                env_layers.discard(attempt)
+                self.envs.give_turn(env)
+                return f"{exc}; they were discarded"
         live = self.sessions.get(env.id) if env.live_layer and self.sessions is not None else None
         if live is not None and not self.envs.journaled:
             live.commit_on_park = True    # nothing will journal it: committed once the session is parked
             self.envs.give_turn(env)
-            return
+            return None
         if attempt is not None and self.envs.journaled:
             env.awaiting_journal = action_id
-            return
+            return None
         try:
             if attempt is not None:
                 self.envs.settle(env, commit=True)
         finally:
             self.envs.give_turn(env)
+        return None
 
     def _exec(self, env: Environment, argv: list[str], stdin: bytes | None,
               extra_env: Mapping[str, str], limits: Limits, cpus, network: bool,
@@ -669,8 +683,10 @@ class SandboxManager:
             return SandboxOutcome(Status.ERROR, sf.response(compile_result, run_result, {}, str(exc)),
                                   str(exc))
         finally:
-            self._end(env, waited is None, attempt, spec.id)
+            refused = self._end(env, waited is None, attempt, spec.id)
             self.envs.release(env)
+        if refused is not None:
+            return SandboxOutcome(Status.FAILED, sf.response(compile_result, run_result, {}, refused), refused)
         return SandboxOutcome(Status.OK, sf.response(compile_result, run_result, fetched))
 
 
