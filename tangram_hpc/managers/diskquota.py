@@ -47,7 +47,7 @@ from . import fs_inside
 from .env_layers import DONE, MERGE, WHITEOUT, walk_layer
 from .fs_inside import EnvError, TreeMoved, _OpenPath, _walk
 
-__all__ = ["DiskUsage", "Measured", "measure", "QuotaWatch", "MAX_DEPTH", "held_deleted"]
+__all__ = ["DiskUsage", "Measured", "measure", "QuotaWatch", "MAX_DEPTH", "held_outside", "held_deleted"]
 
 #: Deeper trees (and paths longer than ``MAX_PATH_BYTES``) are not measured further, as they are
 #: not saved: such a tree counts as over quota.
@@ -261,6 +261,20 @@ class QuotaWatch:
         return ((self.allowed_bytes is None
                  or u.bytes + self.outside_bytes + max(0, now.bytes - before.bytes) <= self.allowed_bytes)
                 and (self.allowed_files is None or u.files + max(0, now.files - before.files) <= self.allowed_files))
+
+
+def held_outside(journal_bytes: Callable[[], int], uid: int | None, inside: str,
+                 pids: Callable[[], list[str]] | None) -> Callable[[], int]:
+    """What counts against an environment's disk quota beside its tree, as a function for
+    :class:`QuotaWatch`'s ``outside``: its journal (``journal_bytes()``), and the files its commands
+    deleted but hold open (:func:`held_deleted`: by the environment's ``uid``, which only it runs
+    as, among ``pids()``, the action's cgroup, or else in all of ``/proc``)."""
+    def held() -> int:
+        n = journal_bytes()
+        if uid is None:
+            return n
+        return n + held_deleted(uid, inside, pids() if pids is not None else None)
+    return held
 
 
 def held_deleted(uid: int, inside: str, pids: list[str] | None = None) -> int:

@@ -131,30 +131,41 @@ class LayerRefused(EnvError):
     """An attempt's layer cannot be merged into its environment (nothing of it was)."""
 
 
-def check(upper: Path, lower: Path) -> None:
-    """Raise :class:`LayerRefused` if the layer ``upper`` cannot be merged into ``lower``: where both
-    hold a directory the merge goes in, and it goes no deeper than a save does (``MAX_DEPTH``
-    levels, ``MAX_PATH_BYTES`` of path).  Walks what the merge would, moving nothing."""
-    up, low = _OpenPath(upper), _OpenPath(lower)
+def check(upper: Path, lower: Path) -> str | None:
+    """Why the layer ``upper`` cannot be merged into ``lower`` (None: it can): where both hold a
+    directory the merge goes in, and it goes no deeper than a save does (``MAX_DEPTH`` levels,
+    ``MAX_PATH_BYTES`` of path).  Walks what the merge would, moving nothing."""
+    try:
+        up = _OpenPath(upper)
+    except OSError as exc:
+        return f"the action's layer cannot be read: {exc}"
+    try:
+        low = _OpenPath(lower)
+    except OSError as exc:
+        up.close()
+        return f"the action's environment cannot be read: {exc}"
     try:
         for _ in walk_layer(up, low):
             pass
-    except EnvError as exc:
-        raise LayerRefused(f"the action's changes cannot be merged into its environment: {exc}") from None
+    except (EnvError, OSError) as exc:
+        return f"the action's changes cannot be merged into its environment: {exc}"
     finally:
         up.close()
         low.close()
+    return None
 
 
 def merge(upper: Path, lower: Path) -> int:
     """Move the upper layer ``upper`` into ``lower`` (the environment); returns the entries moved.
-    :func:`check` first: a layer it refuses is left as it is (:class:`LayerRefused`).
+    :func:`check` first: a layer it refuses is left as it is (:class:`LayerRefused` says why).
 
     Both are host paths of trees sandboxed code wrote: every directory is opened relative to its
     parent without following symlinks (one descriptor per tree, moved down and up), and entries
     are renamed or removed, never opened.
     """
-    check(upper, lower)
+    why = check(upper, lower)
+    if why is not None:
+        raise LayerRefused(why)
     up, low = _OpenPath(upper), _OpenPath(lower)
     try:
         moved = 0
