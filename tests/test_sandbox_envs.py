@@ -302,6 +302,30 @@ def test_the_disk_quota_measures_a_tree_to_the_depth_bound_and_counts_a_deeper_o
     assert u.unmeasured is not None and f"deeper than {MAX_DEPTH} levels" in u.unmeasured, u
 
 
+def test_a_quota_walk_a_directory_moved_under_is_walked_again_then_counted_as_unmeasured():
+    """Sandboxed code renames while the quota walks: the one-descriptor walk stops there
+    (TreeMoved) and is walked again; a tree that moves under every try counts as over quota."""
+    from tangram_hpc.managers import diskquota
+    from tangram_hpc.managers.fs_inside import TreeMoved
+    tries = []
+
+    def moved_once(tally, n):
+        tries.append(n)
+        tally.files += n
+        if len(tries) == 1:
+            raise TreeMoved("directory 'a' moved while the environment was walked")
+
+    assert diskquota._retried(moved_once, 5) == diskquota.DiskUsage(0, 5) and len(tries) == 2
+
+    def always_moved(tally):
+        tries.append(0)
+        raise TreeMoved("directory 'a' moved while the environment was walked")
+
+    tries.clear()
+    u = diskquota._retried(always_moved)
+    assert len(tries) == diskquota._WALK_TRIES and u.unmeasured is not None and "moved" in u.unmeasured
+
+
 def test_restore_rejects_escaping_snapshot(tmp_path):
     import io
     import tarfile
