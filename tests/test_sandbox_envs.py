@@ -221,6 +221,111 @@ def test_a_tree_past_the_depth_bound_fails_to_save_with_a_clear_error_and_stays_
         assert m.drop("e") and not any((deep_tmp / "envs").glob("e*"))
 
 
+def _in_nested(levels: int, then: str, name: str = "d") -> str:
+    """A command going ``levels`` directories down and running the Python statements ``then`` there."""
+    return f"python3 -c \"import os\nfor i in range({levels}):\n  os.chdir('{name}')\n{then}\""
+
+
+def _deep_manager(path: Path, sessions: bool) -> SandboxManager:
+    m = SandboxManager(path / "envs", path / "snapshots", sessions=sessions)
+    if sessions and m.sessions is None:
+        m.close()
+        pytest.skip(f"no live sessions here: {m.sessionless_reason}")
+    return m
+
+
+@pytest.mark.parametrize("sessions", [False, True], ids=["sessions-off", "sessions-on"])
+@pytest.mark.parametrize("quota", [None, NO_DISK_QUOTA], ids=["quota", "no-quota"])
+def test_actions_write_replace_and_remove_inside_a_tree_past_the_recursion_limit(deep_tmp, quota, sessions):
+    """Each action's layer is merged into the environment, and its size measured by the quota, to
+    the depth a save goes: writing into, replacing and removing parts of a tree 1,100 levels deep
+    (once "nests directories deeper than 256 levels" escaping the manager, or over quota)."""
+    levels = 1100
+    with _deep_manager(deep_tmp, sessions) as m:
+        def ok(cmd):
+            r = m.run(act(cmd, env="e", limits=quota), CPU)
+            assert r.status == Status.OK, r
+            return r.output["stdout"]
+
+        ok(_nest(levels))
+        ok(_in_nested(levels, "open('deep', 'a').write('more\\n'); os.mkdir('new'); open('new/f', 'w').write('f\\n')"))
+        assert ok(_read_nested(levels)) == "deep\nmore\n"
+        ok(_in_nested(levels // 2, "import shutil; shutil.rmtree('d'); open('d', 'w').write('file now\\n')"))
+        assert ok(_in_nested(levels // 2, "print(open('d').read(), end='')")) == "file now\n"
+        ok("rm -r d")
+        assert ok("ls -A") == ""     # (with sessions an attempt is merged when the next action begins)
+        ok(_nest(levels))            # made again over the removed tree, in one action
+        assert ok(_read_nested(levels)) == "deep\n"
+
+
+@pytest.mark.parametrize("sessions", [False, True], ids=["sessions-off", "sessions-on"])
+def test_an_action_writing_past_the_depth_bound_fails_and_leaves_the_environment_as_it_was(deep_tmp, sessions):
+    """Past MAX_DEPTH where the environment already has the directories, an action's layer is not
+    merged: the action fails saying why, none of its changes land, and the environment goes on."""
+    from tangram_hpc.managers.fs_inside import MAX_DEPTH
+    levels = MAX_DEPTH + 10
+    with _deep_manager(deep_tmp, sessions) as m:
+        made = m.run(act(_nest(levels), env="e", limits=NO_DISK_QUOTA), CPU)
+        assert made.status == Status.OK, made           # a new tree is moved whole, however deep
+        r = m.run(act("echo top > top && " + _in_nested(levels, "open('deep', 'a').write('more\\n')"),
+                      env="e", limits=NO_DISK_QUOTA), CPU)
+        assert r.status == Status.FAILED and f"deeper than {MAX_DEPTH} levels" in r.error, r
+        assert "discarded" in r.error and r.output["returncode"] == 0, r
+        assert not (env_path(m, "e") / "top").exists()
+        r = m.run(act("echo next > next && " + _read_nested(levels), env="e", limits=NO_DISK_QUOTA), CPU)
+        assert (r.status, r.output["stdout"]) == (Status.OK, "deep\n"), r
+        r = m.run(act("ls", env="e", limits=NO_DISK_QUOTA), CPU)
+        assert (r.status, r.output["stdout"]) == (Status.OK, "d\nnext\n"), r
+        assert m.drop("e") and not any((deep_tmp / "envs").glob("e*"))
+
+
+def test_the_disk_quota_measures_a_tree_to_the_depth_bound_and_counts_a_deeper_one_as_over(deep_tmp):
+    from tangram_hpc.managers.diskquota import measure
+    from tangram_hpc.managers.fs_inside import MAX_DEPTH
+    root = deep_tmp / "tree"
+    root.mkdir()
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for depth in range(1, MAX_DEPTH + 2):
+            os.mkdir("d", dir_fd=fd)
+            sub = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = sub
+            if depth == MAX_DEPTH:
+                with os.fdopen(os.open("f", os.O_WRONLY | os.O_CREAT, dir_fd=fd), "wb") as f:
+                    f.write(b"x" * 100_000)
+                u = measure(root)
+                assert u.unmeasured is None and u.files == MAX_DEPTH + 1 and u.bytes >= 100_000, u
+    finally:
+        os.close(fd)
+    u = measure(root)
+    assert u.unmeasured is not None and f"deeper than {MAX_DEPTH} levels" in u.unmeasured, u
+
+
+def test_a_quota_walk_a_directory_moved_under_is_walked_again_then_counted_as_unmeasured():
+    """Sandboxed code renames while the quota walks: the one-descriptor walk stops there
+    (TreeMoved) and is walked again; a tree that moves under every try counts as over quota."""
+    from tangram_hpc.managers import diskquota
+    from tangram_hpc.managers.fs_inside import TreeMoved
+    tries = []
+
+    def moved_once(tally, n):
+        tries.append(n)
+        tally.files += n
+        if len(tries) == 1:
+            raise TreeMoved("directory 'a' moved while the environment was walked")
+
+    assert diskquota._retried(moved_once, 5) == diskquota.DiskUsage(0, 5) and len(tries) == 2
+
+    def always_moved(tally):
+        tries.append(0)
+        raise TreeMoved("directory 'a' moved while the environment was walked")
+
+    tries.clear()
+    u = diskquota._retried(always_moved)
+    assert len(tries) == diskquota._WALK_TRIES and u.unmeasured is not None and "moved" in u.unmeasured
+
+
 def test_restore_rejects_escaping_snapshot(tmp_path):
     import io
     import tarfile

@@ -43,14 +43,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from ..envfiles import NOFOLLOW_DIR
-from .env_layers import is_opaque
+from . import fs_inside
+from .env_layers import DONE, MERGE, WHITEOUT, walk_layer
+from .fs_inside import EnvError, TreeMoved, _OpenPath, _walk
 
-__all__ = ["DiskUsage", "Measured", "measure", "QuotaWatch", "MAX_DEPTH", "held_deleted"]
+__all__ = ["DiskUsage", "Measured", "measure", "QuotaWatch", "MAX_DEPTH", "held_outside", "held_deleted"]
 
-#: Deeper trees are not measured further (each level holds one descriptor while walked);
-#: such a tree counts as over quota.
-MAX_DEPTH = 256
+#: Deeper trees (and paths longer than ``MAX_PATH_BYTES``) are not measured further, as they are
+#: not saved: such a tree counts as over quota.
+MAX_DEPTH = fs_inside.MAX_DEPTH
+#: Walks a tree changed under (a directory it was in moved meanwhile) before it counts as unmeasured.
+_WALK_TRIES = 3
 #: Trees that walk faster than this are walked at every check (exact figures, negligible cost).
 _CHEAP_WALK_S = 0.002
 _MB = 1024 * 1024
@@ -60,7 +63,7 @@ _MB = 1024 * 1024
 class DiskUsage:
     bytes: int          # allocated blocks (a sparse file counts what it holds), hard links once
     files: int          # directory entries below the root, of any type
-    too_deep: bool = False
+    unmeasured: str | None = None   # why the tree was not measured whole (it counts as over quota)
 
     @property
     def mb(self) -> float:
@@ -69,56 +72,62 @@ class DiskUsage:
 
 def measure(root: Path | str) -> DiskUsage:
     """Disk use of the tree under ``root`` (not following symlinks, opening no file)."""
+    return _retried(_measure_once, root)
+
+
+def _measure_once(tally: "_Tally", root: Path | str) -> None:
     try:
-        top = os.open(root, NOFOLLOW_DIR)
+        cur = _OpenPath(root)
     except OSError:
-        return DiskUsage(0, 0)
-    walk = _Walk()
+        return
     try:
-        walk.bytes = os.fstat(top).st_blocks * 512
-        walk.dir(top, 1)
+        tally.bytes += os.fstat(cur.fd).st_blocks * 512
+        tally.tree(cur)
     finally:
-        os.close(top)
-    return DiskUsage(walk.bytes, walk.files, walk.too_deep)
+        cur.close()
 
 
-class _Walk:
+def _retried(walk_once, *args) -> DiskUsage:
+    """``walk_once(tally, *args)``, walked again when a directory it was in moved meanwhile
+    (sandboxed code renames as it likes); a tree too deep, or changed under every try, is
+    measured as far as the walk went, with why."""
+    why = None
+    for _ in range(_WALK_TRIES):
+        tally = _Tally()
+        try:
+            walk_once(tally, *args)
+            return DiskUsage(tally.bytes, tally.files)
+        except TreeMoved as exc:
+            why = str(exc)
+        except EnvError as exc:
+            return DiskUsage(tally.bytes, tally.files, str(exc))
+    return DiskUsage(tally.bytes, tally.files, why)
+
+
+class _Tally:
+    """Bytes and entries of walked trees, hard links counted once."""
+
     def __init__(self) -> None:
         self.bytes = 0
         self.files = 0
-        self.too_deep = False
         self._seen: set[tuple[int, int]] = set()
 
-    def dir(self, fd: int, depth: int) -> None:
-        # Depth-first, holding one descriptor per level (never one per pending sibling).
-        subdirs: list[str] = []
-        with os.scandir(fd) as it:
-            for entry in it:
-                self.files += 1
-                try:
-                    st = entry.stat(follow_symlinks=False)
-                except OSError:
-                    continue  # removed meanwhile
-                if st.st_nlink > 1 and not stat.S_ISDIR(st.st_mode):
-                    key = (st.st_dev, st.st_ino)
-                    if key in self._seen:
-                        continue
-                    self._seen.add(key)
-                self.bytes += st.st_blocks * 512
-                if stat.S_ISDIR(st.st_mode):
-                    subdirs.append(entry.name)
-        if subdirs and depth >= MAX_DEPTH:
-            self.too_deep = True
-            return
-        for name in subdirs:
-            try:
-                child = os.open(name, NOFOLLOW_DIR, dir_fd=fd)
-            except OSError:
-                continue  # replaced by a non-directory, or removed, meanwhile
-            try:
-                self.dir(child, depth + 1)
-            finally:
-                os.close(child)
+    def add(self, st: os.stat_result) -> None:
+        self.files += 1
+        if st.st_nlink > 1 and not stat.S_ISDIR(st.st_mode):
+            key = (st.st_dev, st.st_ino)
+            if key in self._seen:
+                return
+            self._seen.add(key)
+        self.bytes += st.st_blocks * 512
+
+    def tree(self, cur: _OpenPath) -> None:
+        """Everything below ``cur``'s directory (without recursion, one descriptor; a directory
+        the walker may not enter -- sandboxed code's chmod, for a worker that is not root -- counts
+        without its entries)."""
+        for _, st in _walk(cur, skip_denied=True):
+            if st is not None:
+                self.add(st)
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,7 +155,7 @@ def walk(root: Path, also: Path | None = None) -> Measured:
     if also is not None:
         more, hidden = measure(also), _hidden(also, root)
         usage = DiskUsage(usage.bytes + more.bytes - hidden.bytes, usage.files + more.files - hidden.files,
-                          usage.too_deep or more.too_deep)
+                          usage.unmeasured or more.unmeasured or hidden.unmeasured)
     return Measured(usage, fs, time.perf_counter() - t0)
 
 
@@ -154,64 +163,35 @@ def walk(root: Path, also: Path | None = None) -> Measured:
 def _hidden(upper: Path, lower: Path) -> DiskUsage:
     """What of ``lower`` and ``upper`` the merge of the overlay layer ``upper`` takes away: the
     lower entries it removes or replaces, the lower copies of the directories both hold, its
-    whiteouts -- so that a layer that deletes files shrinks the environment's use."""
+    whiteouts -- so that a layer that deletes files shrinks the environment's use.  Walks what
+    the merge walks (:func:`~tangram_hpc.managers.env_layers.walk_layer`)."""
+    return _retried(_hidden_once, upper, lower)
+
+
+def _hidden_once(tally: "_Tally", upper: Path, lower: Path) -> None:
     try:
-        up = os.open(upper, NOFOLLOW_DIR)
+        up = _OpenPath(upper)
     except OSError:
-        return DiskUsage(0, 0)
+        return
     try:
-        low = os.open(lower, NOFOLLOW_DIR)
+        low = _OpenPath(lower)
     except OSError:
-        os.close(up)
-        return DiskUsage(0, 0)
-    acc = [0, 0]
+        up.close()
+        return
     try:
-        _hidden_dir(up, low, acc, 1)
+        for name, kind, st, below in walk_layer(up, low):
+            if kind == WHITEOUT:
+                tally.add(st)
+            if below is None or kind == DONE:
+                continue
+            tally.add(below)
+            if kind != MERGE and stat.S_ISDIR(below.st_mode):   # removed or replaced whole
+                low.down(name)
+                tally.tree(low)
+                low.up()
     finally:
-        os.close(up)
-        os.close(low)
-    return DiskUsage(acc[0], acc[1])
-
-
-def _hidden_dir(up: int, low: int, acc: list[int], depth: int) -> None:
-    with os.scandir(up) as it:
-        entries = [(e.name, e.stat(follow_symlinks=False)) for e in it]
-    for name, st in entries:
-        try:
-            below = os.stat(name, dir_fd=low, follow_symlinks=False)
-        except OSError:
-            below = None
-        whiteout = stat.S_ISCHR(st.st_mode) and st.st_rdev == 0
-        if whiteout:
-            acc[0] += st.st_blocks * 512
-            acc[1] += 1
-        if below is None:
-            continue
-        both_dirs = stat.S_ISDIR(st.st_mode) and stat.S_ISDIR(below.st_mode) and depth < MAX_DEPTH
-        acc[0] += below.st_blocks * 512
-        acc[1] += 1
-        if not stat.S_ISDIR(below.st_mode):
-            continue
-        try:
-            sub_low = os.open(name, NOFOLLOW_DIR, dir_fd=low)
-        except OSError:
-            continue
-        try:
-            sub_up = os.open(name, NOFOLLOW_DIR, dir_fd=up) if both_dirs else None
-            try:
-                if sub_up is not None and not is_opaque(sub_up):
-                    _hidden_dir(sub_up, sub_low, acc, depth + 1)   # merged entry by entry
-                else:                                               # removed or replaced whole
-                    w = _Walk()
-                    w.dir(sub_low, depth + 1)
-                    acc[0] += w.bytes
-                    acc[1] += w.files
-            finally:
-                if sub_up is not None:
-                    os.close(sub_up)
-        finally:
-            os.close(sub_low)
-
+        up.close()
+        low.close()
 
 
 class QuotaWatch:
@@ -257,8 +237,8 @@ class QuotaWatch:
             return None
         self.measured = m = walk(self.root, self.layer)
         u = m.usage
-        if u.too_deep:
-            return f"disk quota: the environment nests directories deeper than {MAX_DEPTH} levels"
+        if u.unmeasured:
+            return f"disk quota: {u.unmeasured}; it counts as over quota"
         if self._outside is not None and self.allowed_bytes is not None:
             self.outside_bytes = self._outside()
         held = u.bytes + self.outside_bytes
@@ -281,6 +261,20 @@ class QuotaWatch:
         return ((self.allowed_bytes is None
                  or u.bytes + self.outside_bytes + max(0, now.bytes - before.bytes) <= self.allowed_bytes)
                 and (self.allowed_files is None or u.files + max(0, now.files - before.files) <= self.allowed_files))
+
+
+def held_outside(journal_bytes: Callable[[], int], uid: int | None, inside: str,
+                 pids: Callable[[], list[str]] | None) -> Callable[[], int]:
+    """What counts against an environment's disk quota beside its tree, as a function for
+    :class:`QuotaWatch`'s ``outside``: its journal (``journal_bytes()``), and the files its commands
+    deleted but hold open (:func:`held_deleted`: by the environment's ``uid``, which only it runs
+    as, among ``pids()``, the action's cgroup, or else in all of ``/proc``)."""
+    def held() -> int:
+        n = journal_bytes()
+        if uid is None:
+            return n
+        return n + held_deleted(uid, inside, pids() if pids is not None else None)
+    return held
 
 
 def held_deleted(uid: int, inside: str, pids: list[str] | None = None) -> int:

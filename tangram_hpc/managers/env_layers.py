@@ -13,6 +13,10 @@ attempt cut off by any fault (its worker killed, stopped, its job cancelled) lea
 the retry to find, and an attempt journaled but not yet merged when its worker died is merged by
 whoever takes the environment next (the merge can be resumed at any point: every step moves or
 removes one entry, and a directory's opaque mark is cleared only once what it hides is gone).
+The merge walks both trees without recursion, one descriptor each moved down and up (as a save
+does, :mod:`tangram_hpc.managers.fs_inside`), and goes no deeper than a save: a layer that would
+take it past that is refused whole before anything moves (:func:`check`, :class:`LayerRefused`) and
+discarded, so the environment stays as it was and the action ends with an error saying why.
 
 bubblewrap 0.9 can mount overlays itself (``--overlay``); the 0.8 of common distributions cannot,
 hence the namespace of our own, which needs root (a worker that is not root runs attempts directly
@@ -27,18 +31,18 @@ import os
 import shutil
 import stat
 from pathlib import Path
+from typing import Iterator
 
 from ..envfiles import NOFOLLOW_DIR
+from .fs_inside import EnvError, _OpenPath, _walk, remove_at
 
-__all__ = ["ATTEMPT_SUFFIX", "overlay_supported", "mount_argv", "prepare", "settle", "merge",
-           "layered_root", "is_opaque"]
+__all__ = ["ATTEMPT_SUFFIX", "overlay_supported", "mount_argv", "prepare", "settle", "discard", "check",
+           "merge", "LayerRefused", "walk_layer", "layered_root", "is_opaque"]
 
 #: The directory of an environment's pending attempt: ``<env dir><suffix>/{upper,work,action}``.
 ATTEMPT_SUFFIX = ".attempt"
 _OPAQUE = "trusted.overlay.opaque"
 _OPTIONS = "redirect_dir=off,index=off,metacopy=off,xino=off"
-#: Deeper upper layers are merged no further (one descriptor per level).
-_MAX_DEPTH = 256
 
 
 def overlay_supported() -> str | None:
@@ -89,105 +93,169 @@ def settle(attempt: Path, env_dir: Path, journaled, trash: Path | None = None) -
     """Commit the attempt left at ``attempt`` into ``env_dir`` if ``journaled(action_id)``, else
     discard it; returns ``"committed"``, ``"discarded"`` or None (no attempt there).
 
+    A layer that cannot be merged (:func:`check`) is discarded instead, and :class:`LayerRefused`
+    raised: the environment stays as it was before the attempt.
+
     ``trash``: a directory on the same filesystem the emptied attempt is moved into, for its
     removal later (removing a directory just emptied costs milliseconds on some disks: the merge
     leaves the layer's directories for it)."""
     if not os.path.lexists(attempt):
         return None
     aid = action_of(attempt)
+    refused = None
     if aid is not None and journaled(aid):
-        merge(attempt / "upper", env_dir)
-        verdict = "committed"
+        try:
+            merge(attempt / "upper", env_dir)
+            verdict = "committed"
+        except LayerRefused as exc:
+            refused = exc
     else:
         verdict = "discarded"
+    discard(attempt, trash)
+    if refused is not None:
+        raise LayerRefused(f"{refused}; they were discarded") from None
+    return verdict
+
+
+def discard(attempt: Path, trash: Path | None = None) -> None:
+    """Remove the attempt at ``attempt`` (moved into ``trash`` first where it can be)."""
     try:
         if trash is None:
             raise OSError("no trash")
         os.rename(attempt, trash / f"{attempt.name}-{os.urandom(6).hex()}")
     except OSError:
-        _remove_tree(attempt)
-    return verdict
+        remove_at(None, attempt)
 
 
-def _remove_tree(path: Path) -> None:
-    parent = os.open(path.parent, NOFOLLOW_DIR)
+class LayerRefused(EnvError):
+    """An attempt's layer cannot be merged into its environment (nothing of it was)."""
+
+
+def check(upper: Path, lower: Path) -> str | None:
+    """Why the layer ``upper`` cannot be merged into ``lower`` (None: it can): where both hold a
+    directory the merge goes in, and it goes no deeper than a save does (``MAX_DEPTH`` levels,
+    ``MAX_PATH_BYTES`` of path).  Walks what the merge would, moving nothing."""
     try:
-        _remove(parent, path.name)
+        up = _OpenPath(upper)
+    except OSError as exc:
+        return f"the action's layer cannot be read: {exc}"
+    try:
+        low = _OpenPath(lower)
+    except OSError as exc:
+        up.close()
+        return f"the action's environment cannot be read: {exc}"
+    try:
+        for _ in walk_layer(up, low):
+            pass
+    except (EnvError, OSError) as exc:
+        return f"the action's changes cannot be merged into its environment: {exc}"
     finally:
-        os.close(parent)
+        up.close()
+        low.close()
+    return None
 
 
 def merge(upper: Path, lower: Path) -> int:
     """Move the upper layer ``upper`` into ``lower`` (the environment); returns the entries moved.
+    :func:`check` first: a layer it refuses is left as it is (:class:`LayerRefused` says why).
 
     Both are host paths of trees sandboxed code wrote: every directory is opened relative to its
-    parent without following symlinks, and entries are renamed or removed, never opened.
+    parent without following symlinks (one descriptor per tree, moved down and up), and entries
+    are renamed or removed, never opened.
     """
-    up = os.open(upper, NOFOLLOW_DIR)
+    why = check(upper, lower)
+    if why is not None:
+        raise LayerRefused(why)
+    up, low = _OpenPath(upper), _OpenPath(lower)
     try:
-        low = os.open(lower, NOFOLLOW_DIR)
-        try:
-            moved = _merge_dir(up, low, 0)
-            st = os.fstat(up)            # the overlay's root was the upper layer's: a chmod of it
-            os.fchown(low, st.st_uid, st.st_gid)
-            os.fchmod(low, stat.S_IMODE(st.st_mode))
-            return moved
-        finally:
-            os.close(low)
+        moved = 0
+        for name, kind, st, below in walk_layer(up, low):
+            if kind == DONE:               # its entries are in: its time now
+                os.utime(name, ns=(st.st_atime_ns, st.st_mtime_ns), dir_fd=low.fd, follow_symlinks=False)
+                continue
+            moved += 1                      # (an emptied directory stays in the layer: merged again, it is a no-op)
+            if kind == MERGE:              # (both are in it)
+                os.fchown(low.fd, st.st_uid, st.st_gid)
+                os.fchmod(low.fd, stat.S_IMODE(st.st_mode))
+            elif kind == WHITEOUT:         # the entry was removed
+                remove_at(low.fd, name)
+                os.unlink(name, dir_fd=up.fd)
+            else:                           # replaced whole: a file, link, FIFO, socket, or a new directory
+                if below is not None and (stat.S_ISDIR(st.st_mode) or stat.S_ISDIR(below.st_mode)):
+                    remove_at(low.fd, name)
+                if stat.S_ISDIR(st.st_mode):
+                    _clear_opaque(up.fd, name)  # only now: what it hid is gone
+                os.rename(name, name, src_dir_fd=up.fd, dst_dir_fd=low.fd)
+        st = os.fstat(up.fd)            # the overlay's root was the upper layer's: a chmod of it
+        os.fchown(low.fd, st.st_uid, st.st_gid)
+        os.fchmod(low.fd, stat.S_IMODE(st.st_mode))
+        return moved
     finally:
-        os.close(up)
+        up.close()
+        low.close()
 
 
-def _merge_dir(up: int, low: int, depth: int) -> int:
-    moved = 0
-    for entry in os.scandir(up):
-        name = entry.name
-        st = entry.stat(follow_symlinks=False)
-        if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:        # a whiteout: the entry was removed
-            _remove(low, name)
-            os.unlink(name, dir_fd=up)
-            moved += 1
-            continue
-        if not stat.S_ISDIR(st.st_mode):                          # a file, link, FIFO, socket: replaced whole
-            try:
-                lst = os.stat(name, dir_fd=low, follow_symlinks=False)
-                if stat.S_ISDIR(lst.st_mode):
-                    _remove(low, name)
-            except FileNotFoundError:
-                pass
-            os.rename(name, name, src_dir_fd=up, dst_dir_fd=low)
-            moved += 1
-            continue
-        sub = os.open(name, NOFOLLOW_DIR, dir_fd=up)
-        try:
-            opaque = is_opaque(sub)
-            if opaque:             # made anew over a removed one: nothing of the old shows through
-                _remove(low, name)
-                os.removexattr(sub, _OPAQUE)
-            try:
-                lst = os.stat(name, dir_fd=low, follow_symlinks=False)
-            except FileNotFoundError:
-                lst = None
-            if lst is not None and not stat.S_ISDIR(lst.st_mode):
-                _remove(low, name)
-                lst = None
-            if lst is not None:    # in both: merged entry by entry
-                if depth >= _MAX_DEPTH:
-                    raise OSError(f"the attempt's layer nests directories deeper than {_MAX_DEPTH} levels")
-                dst = os.open(name, NOFOLLOW_DIR, dir_fd=low)
-                try:
-                    os.fchown(dst, st.st_uid, st.st_gid)
-                    os.fchmod(dst, stat.S_IMODE(st.st_mode))
-                    moved += _merge_dir(sub, dst, depth + 1)
-                    os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
-                finally:
-                    os.close(dst)
-        finally:
-            os.close(sub)
-        if lst is None:            # only the layer has it: moved whole, however deep
-            os.rename(name, name, src_dir_fd=up, dst_dir_fd=low)
-        moved += 1                 # (an emptied directory stays in the layer: merged again, it is a no-op)
-    return moved
+# What the merge does with an entry of the upper layer (:func:`walk_layer`).
+WHITEOUT, REPLACE, MERGE, DONE = "whiteout", "replace", "merge", "done"
+
+
+def walk_layer(up: _OpenPath, low: _OpenPath) -> Iterator[tuple[str, str, os.stat_result, os.stat_result | None]]:
+    """The upper layer ``up`` against the lower ``low``, depth first without recursion: yields
+    ``(name, kind, lstat, lower lstat or None)`` for each entry of the upper layer, ``kind`` one of
+
+    * ``WHITEOUT``: a removal, both at the directory holding it;
+    * ``REPLACE``: a file, link, FIFO, socket, or a directory the lower one does not show through
+      (made anew over a removed one, or over a non-directory), both at the directory holding it;
+    * ``MERGE``: a directory both hold, merged entry by entry: both in it; then, once its entries
+      are, ``(name, DONE, its lstat as at MERGE, None)`` with both back at its parent.
+
+    Both descriptors go down together, bounded as a save is (:class:`EnvError` past that).
+    """
+    below_dir: list[os.stat_result | None] = [None]   # the lower entry of the directory last offered
+    merged: list[os.stat_result] = []                  # the directories gone into, as the layer had them
+
+    def descend(name: str, st: os.stat_result) -> bool:
+        below_dir[0] = below = _lstat_at(low.fd, name)
+        return below is not None and stat.S_ISDIR(below.st_mode) and not _opaque_at(up.fd, name)
+
+    for name, st in _walk(up, descend=descend):
+        if st is None:
+            low.up()
+            yield name, DONE, merged.pop(), None
+        elif len(up.names) > len(low.names):     # a directory the walk went into: the lower one follows
+            low.down(name)
+            merged.append(st)
+            yield name, MERGE, st, below_dir[0]
+        elif stat.S_ISDIR(st.st_mode):
+            yield name, REPLACE, st, below_dir[0]
+        elif stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:
+            yield name, WHITEOUT, st, _lstat_at(low.fd, name)
+        else:
+            yield name, REPLACE, st, _lstat_at(low.fd, name)
+
+
+def _lstat_at(dir_fd: int, name: str) -> os.stat_result | None:
+    try:
+        return os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+
+
+def _opaque_at(dir_fd: int, name: str) -> bool:
+    fd = os.open(name, NOFOLLOW_DIR, dir_fd=dir_fd)
+    try:
+        return is_opaque(fd)
+    finally:
+        os.close(fd)
+
+
+def _clear_opaque(dir_fd: int, name: str) -> None:
+    fd = os.open(name, NOFOLLOW_DIR, dir_fd=dir_fd)
+    try:
+        if is_opaque(fd):
+            os.removexattr(fd, _OPAQUE)
+    finally:
+        os.close(fd)
 
 
 def is_opaque(fd: int) -> bool:
@@ -196,32 +264,6 @@ def is_opaque(fd: int) -> bool:
         return os.getxattr(fd, _OPAQUE) == b"y"
     except OSError:
         return False
-
-
-def _remove(dirfd: int, name: str) -> None:
-    """Remove ``name`` (a tree too) under ``dirfd`` without following symlinks; gone already is fine."""
-    try:
-        _remove_entry(dirfd, name)
-    except RecursionError:
-        raise OSError(f"{name!r} nests directories too deep to remove") from None
-
-
-def _remove_entry(dirfd: int, name: str) -> None:
-    try:
-        st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISDIR(st.st_mode):
-        os.unlink(name, dir_fd=dirfd)
-        return
-    sub = os.open(name, NOFOLLOW_DIR, dir_fd=dirfd)
-    try:
-        os.fchmod(sub, 0o700)     # sandboxed code may have taken write permission away
-        for entry in os.scandir(sub):
-            _remove_entry(sub, entry.name)
-    finally:
-        os.close(sub)
-    os.rmdir(name, dir_fd=dirfd)
 
 
 def layered_root(upper: Path, lower: Path, rel: str) -> Path | None:

@@ -12,13 +12,13 @@ import errno
 import os
 import stat
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from ..envfiles import NOFOLLOW_DIR
 from ..errors import TangramError
 
-__all__ = ["EnvError", "write_inside", "read_inside", "size_inside", "is_plain_dir", "chown_tree", "MAX_DEPTH",
-           "MAX_PATH_BYTES"]
+__all__ = ["EnvError", "write_inside", "read_inside", "size_inside", "is_plain_dir", "chown_tree", "remove_at",
+           "MAX_DEPTH", "MAX_PATH_BYTES"]
 
 _NOFOLLOW_FILE = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 #: Deeper trees are not saved, restored, copied or chowned (an error saying so): a snapshot stores
@@ -32,6 +32,10 @@ _CHANGED_MEANWHILE = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno
 
 class EnvError(TangramError, RuntimeError):
     """An environment could not be created, found, written, saved or restored."""
+
+
+class TreeMoved(EnvError):
+    """A directory of a tree being walked moved meanwhile (the walk stopped there)."""
 
 
 def _parts(rel: Any) -> list[str]:
@@ -214,8 +218,8 @@ class _OpenPath:
     passed on the way down, so a tree changed meanwhile (a directory moved by a process left in
     it) stops the walk with an error instead of leading it anywhere else."""
 
-    def __init__(self, root: Path, bounded: bool = True):
-        self.fd = os.open(root, NOFOLLOW_DIR)
+    def __init__(self, root: Path | str, bounded: bool = True, dir_fd: int | None = None):
+        self.fd = os.open(root, NOFOLLOW_DIR, dir_fd=dir_fd)
         self.names: list[str] = []           # the path from the root, one name per level
         self._ids = [_identity(self.fd)]
         self._bytes = 0
@@ -238,7 +242,7 @@ class _OpenPath:
         fd = os.open("..", NOFOLLOW_DIR, dir_fd=self.fd)
         if _identity(fd) != self._ids[-2]:
             os.close(fd)
-            raise EnvError(f"directory {'/'.join(self.names)[:200]!r} moved while the environment was walked")
+            raise TreeMoved(f"directory {'/'.join(self.names)[:200]!r} moved while the environment was walked")
         os.close(self.fd)
         self.fd = fd
         self._bytes -= len(self.names.pop()) + 1
@@ -270,13 +274,16 @@ def _identity(fd: int) -> tuple[int, int]:
     return st.st_dev, st.st_ino
 
 
-def _walk(cur: _OpenPath, force: bool = False) -> Iterator[tuple[str, os.stat_result | None]]:
+def _walk(cur: _OpenPath, force: bool = False, descend: Callable[[str, os.stat_result], bool] | None = None,
+          skip_denied: bool = False) -> Iterator[tuple[str, os.stat_result | None]]:
     """Every entry below ``cur``'s directory, depth first in name order, without recursion.
 
     Yields ``(name, lstat)``: for a directory once ``cur`` is in it, for anything else with ``cur``
     at the directory holding it; then ``(name, None)`` when a directory's entries are done, ``cur``
     back at its parent.  Entries removed or replaced meanwhile are left out.  ``force``: a directory
-    that cannot be opened for want of permission (sandboxed code's chmod) is given it first.
+    that cannot be opened for want of permission (sandboxed code's chmod) is given it first;
+    ``skip_denied``: it is yielded as a file is instead.  ``descend(name, lstat)``: whether to go into a
+    directory (called with ``cur`` at its parent); one it declines is yielded as a file is.
     """
     top = len(cur.names)
     pending = [_names(cur.fd)]
@@ -291,13 +298,14 @@ def _walk(cur: _OpenPath, force: bool = False) -> Iterator[tuple[str, os.stat_re
         name = pending[-1].pop()
         try:
             st = os.stat(name, dir_fd=cur.fd, follow_symlinks=False)
-            if stat.S_ISDIR(st.st_mode):
-                _down(cur, name, force)
+            into = stat.S_ISDIR(st.st_mode) and (descend is None or descend(name, st))
+            if into:
+                into = _down(cur, name, force, skip_denied)
         except OSError as exc:
             if exc.errno in _CHANGED_MEANWHILE:
                 continue
             raise
-        if stat.S_ISDIR(st.st_mode):
+        if into:
             pending.append(_names(cur.fd))
         yield name, st
 
@@ -306,16 +314,21 @@ def _names(fd: int) -> list[str]:
     return sorted(os.listdir(fd), reverse=True)     # popped from the end: in name order
 
 
-def _down(cur: _OpenPath, name: str, force: bool) -> None:
+def _down(cur: _OpenPath, name: str, force: bool, skip_denied: bool = False) -> bool:
+    """Into the directory ``name`` (see :func:`_walk` for ``force`` and ``skip_denied``); whether it went."""
     try:
         cur.down(name)
+        return True
     except PermissionError:
+        if skip_denied:
+            return False
         if not force:
             raise
         # a directory (lstat above) of a tree being removed, which no sandboxed process runs in
         # any more; only a worker that is not root gets here, and it cannot chmod what is not its own
         os.chmod(name, 0o700, dir_fd=cur.fd)
         cur.down(name)
+        return True
 
 
 def _copy_tree(src: Path, dest: Path) -> None:
@@ -415,27 +428,36 @@ def chown_tree(path: Path, uid: int) -> None:
 
 def _rmtree(path: Path) -> None:
     """Remove the tree ``path`` if it is there, whatever permissions sandboxed code left in it."""
+    remove_at(None, path)
+
+
+def remove_at(dir_fd: int | None, name: str | Path) -> None:
+    """Remove the entry ``name`` of the directory ``dir_fd`` (None: ``name`` is a path) if it is there,
+    a tree too, never through a symlink, whatever permissions sandboxed code left in it."""
     try:
-        cur = _OpenPath(path, bounded=False)
+        cur = _OpenPath(name, bounded=False, dir_fd=dir_fd)
     except FileNotFoundError:
         return
     except OSError:                 # not a directory
-        Path(path).unlink(missing_ok=True)
+        try:
+            os.unlink(name, dir_fd=dir_fd)
+        except FileNotFoundError:
+            pass
         return
     writable = os.geteuid() == 0    # root needs no write permission on a directory to empty it
     try:
         if not writable:
             os.fchmod(cur.fd, 0o700)
-        for name, st in _walk(cur, force=not writable):
+        for entry, st in _walk(cur, force=not writable):
             try:
                 if st is None:
-                    os.rmdir(name, dir_fd=cur.fd)
+                    os.rmdir(entry, dir_fd=cur.fd)
                 elif not stat.S_ISDIR(st.st_mode):
-                    os.unlink(name, dir_fd=cur.fd)
+                    os.unlink(entry, dir_fd=cur.fd)
                 elif not writable:
                     os.fchmod(cur.fd, 0o700)    # (the walk is in it)
             except FileNotFoundError:
                 pass
     finally:
         cur.close()
-    os.rmdir(path)
+    os.rmdir(name, dir_fd=dir_fd)

@@ -54,7 +54,7 @@ from . import sandboxfusion as sf
 from .bwrap import SANDBOX_DIR, BwrapLayout, BwrapStatus, BwrapUnavailable, memfd, probe_bwrap
 from . import seccomp
 from .cgroups import Cgroups, CgroupScope
-from .diskquota import QuotaWatch, held_deleted
+from .diskquota import QuotaWatch, held_outside
 from . import env_layers
 from .env_templates import UnknownTemplate
 from .environments import EnvStore, Environment
@@ -321,7 +321,7 @@ class SandboxManager:
         except (EnvError, OSError) as exc:
             return SandboxOutcome(Status.ERROR, None, f"sandbox could not run the command: {exc}")
         finally:
-            self._end(env, waited is None and not req.concurrent, attempt, spec.id)
+            refused = self._end(env, waited is None and not req.concurrent, attempt, spec.id)
             self.envs.release(env)
         res = ran.res
         out = {
@@ -332,6 +332,8 @@ class SandboxManager:
         }
         if ran.processes is not None:
             out["processes"] = ran.processes
+        if refused is not None:
+            return SandboxOutcome(Status.FAILED, out, refused)
         if res.cancelled:
             return SandboxOutcome(Status.CANCELLED, out, "cancelled while running; process tree killed")
         if res.timed_out:
@@ -445,7 +447,8 @@ class SandboxManager:
         if waited is None:
             try:
                 self.live.park(env)
-            except BaseException:
+            except BaseException as exc:    # its view may hold a layer not (all) in the environment
+                self.live.end(env.id, f"it could not be brought between actions ({exc})")
                 self.envs.give_turn(env)
                 raise
         if waited is not None or self.unlayered_reason is not None or env.throwaway:
@@ -456,25 +459,28 @@ class SandboxManager:
             self.envs.give_turn(env)
             raise
 
-    def _end(self, env: Environment, held: bool, attempt: Path | None, action_id: str) -> None:
-        """After the command: a journaled attempt keeps the turn until its record or
-        :meth:`finish_attempt`; any other is committed at once (nothing will journal it) and the
-        turn given back."""
+    def _end(self, env: Environment, held: bool, attempt: Path | None, action_id: str) -> str | None:
+        """After the command: a journaled attempt keeps the turn until its record or :meth:`finish_attempt`;
+        any other is committed at once (nothing will journal it) and the turn given back.  One whose layer
+        cannot be merged is discarded (its session, which has it mounted, ended first); returns why."""
         if not held:
-            return
-        live = self.sessions.get(env.id) if env.live_layer and self.sessions is not None else None
-        if live is not None and not self.envs.journaled:
-            live.commit_on_park = True    # nothing will journal it: committed once the session is parked
-            self.envs.give_turn(env)
-            return
-        if attempt is not None and self.envs.journaled:
+            return None
+        why = env_layers.check(attempt / "upper", env.path) if attempt is not None else None
+        if why is None and attempt is not None and self.envs.journaled:
             env.awaiting_journal = action_id
-            return
+            return None
+        live = self.sessions.get(env.id) if env.live_layer and self.sessions is not None else None
         try:
-            if attempt is not None:
+            if why is not None:
+                self.live.end(env.id, f"its attempt's changes were discarded ({why})")
+                env_layers.discard(self.envs.attempt_path(env))
+            elif live is not None and not self.envs.journaled:
+                live.commit_on_park = True    # nothing will journal it: committed once the session is parked
+            elif attempt is not None:
                 self.envs.settle(env, commit=True)
         finally:
             self.envs.give_turn(env)
+        return None if why is None else f"{why}; they were discarded"
 
     def _exec(self, env: Environment, argv: list[str], stdin: bytes | None,
               extra_env: Mapping[str, str], limits: Limits, cpus, network: bool,
@@ -578,17 +584,10 @@ class SandboxManager:
         return _Ran(res, enforced, note, disk_mb)
 
     def _held_outside(self, env: Environment, scope: CgroupScope | None):
-        """What counts against ``env``'s disk quota beside its tree: its journal, and the files its
-        commands deleted but hold open (found by the environment's uid, which only it runs as, in
-        the action's cgroup or else in all of ``/proc``)."""
-        inside = SANDBOX_DIR if self.layout is not None else str(env.path)
-
-        def held() -> int:
-            n = self.envs.journal_bytes(env)
-            if env.uid is None:
-                return n
-            return n + held_deleted(env.uid, inside, scope.pids() if scope is not None else None)
-        return held
+        """What counts against ``env``'s disk quota beside its tree (:func:`diskquota.held_outside`)."""
+        return held_outside(lambda: self.envs.journal_bytes(env), env.uid,
+                            SANDBOX_DIR if self.layout is not None else str(env.path),
+                            scope.pids if scope is not None else None)
 
     def _environ(self, inside: str, ncpus: int, env: Environment) -> dict[str, str]:
         pybin = os.path.dirname(sys.executable)
@@ -669,9 +668,10 @@ class SandboxManager:
             return SandboxOutcome(Status.ERROR, sf.response(compile_result, run_result, {}, str(exc)),
                                   str(exc))
         finally:
-            self._end(env, waited is None, attempt, spec.id)
+            refused = self._end(env, waited is None, attempt, spec.id)
             self.envs.release(env)
-        return SandboxOutcome(Status.OK, sf.response(compile_result, run_result, fetched))
+        return (SandboxOutcome(Status.OK, sf.response(compile_result, run_result, fetched)) if refused is None
+                else SandboxOutcome(Status.FAILED, sf.response(compile_result, run_result, {}, refused), refused))
 
 
 def _unsettled(env_id: str | None, exc: BaseException) -> str:
