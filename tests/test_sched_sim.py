@@ -246,6 +246,38 @@ def test_replayed_sandbox_command_sleeps_the_amdahl_time_less_the_sandbox_cost()
                                 capture_output=True, text=True, check=True).stdout) == 0.0
 
 
+def test_the_replay_service_sleeps_on_every_load_and_not_on_evictions(monkeypatch):
+    """The replay's reward model on the CPU stand-in device, where a load and an eviction are both
+    to("cpu"): two services with room for one, called in turn, load (and sleep) each time."""
+    import threading
+
+    from tangram_hpc.managers.devices import Device
+    from tangram_hpc.managers.service_spec import ServiceSpec
+    from tangram_hpc.managers.services import ServiceManager
+    from tangram_hpc.sim import replay
+    from tangram_hpc.sim.replay import SLEEP_SERVICE
+
+    slept = []
+    monkeypatch.setattr(replay.time, "sleep", slept.append)    # in this process: the manager's threads
+    done = threading.Semaphore(0)
+    outputs = []
+
+    def callback(aid, status, output, error, stats):
+        outputs.append((status, output))
+        done.release()
+
+    specs = [ServiceSpec(n, SLEEP_SERVICE, memory_mb=10, max_wait_ms=0, kwargs={"load_s": 0.05}) for n in "ab"]
+    with ServiceManager(specs, [Device("cpu", 15)]) as mgr:
+        for k, name in enumerate("abab"):
+            mgr.submit(str(k), name, [0.01], callback)
+            assert done.acquire(timeout=30)
+        stats = mgr.stats()
+    assert outputs == [("ok", [1.0])] * 4
+    assert [stats[n]["loads"] for n in "ab"] == [2, 2] and stats["a"]["evictions"] == 2
+    # a load's sleep before each call's, and none for the three evictions
+    assert slept == [0.05, 0.01] * 4
+
+
 def test_replay_refuses_what_it_cannot_play_live():
     from tangram_hpc.sim.replay import check_replayable
     w = load_workload("mini")
