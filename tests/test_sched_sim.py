@@ -209,10 +209,12 @@ def test_bench_command_writes_json_and_plots(tmp_path, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset,time_scale", [("mini", 0.25), ("mini-env", 1.0)])
+@pytest.mark.parametrize("preset,time_scale", [("mini", 0.25), ("mini-env", 1.0), ("mini-gpu", 1.0)])
 def test_fidelity_live_and_simulated_act_agree_within_15_percent(preset, time_scale, tmp_path):
     """mini: function actions on one worker; mini-env: real sandboxes in per-trajectory
-    environments on two workers, where environments pin actions to a worker and may move."""
+    environments on two workers, where environments pin actions to a worker and may move;
+    mini-gpu: those and reward calls to three services of which two fit on the reward worker's
+    CPU stand-in device, each load sleeping a second, simulated with the load times measured live."""
     from tangram_hpc.fidelity import fidelity
     w = load_workload(preset)
     res = fidelity(w, time_scale=time_scale, run_dir=str(tmp_path / "run"))
@@ -220,8 +222,15 @@ def test_fidelity_live_and_simulated_act_agree_within_15_percent(preset, time_sc
     assert res["actions"] == w.sample().n_actions
     assert len(res["live_step_s"]) == 2 and res["live_mean_act"] > 0
     assert abs(res["act_error"]) <= 0.15, res
-    if preset == "mini-env":
+    if preset != "mini":
         assert 0 < res["sandbox_cost_s"] < 0.5, res     # measured, and taken off each command
+    if preset == "mini-gpu":
+        # the run really loaded and evicted services, and moved environments: counted by the
+        # reward worker and the coordinator, and seen in which workers ran each trajectory's commands
+        assert res["live_service_loads"] >= 3 and res["live_service_evictions"] >= 3, res
+        assert res["live_env_moves"] >= 1 and res["live_moved_trajectories"] >= 1, res
+        assert set(res["service_load_s"]) == {"judge-a", "judge-b", "judge-c"}, res
+        assert all(s >= 0.99 for s in res["service_load_s"].values()), res     # each load sleeps a second
 
 
 def test_replayed_sandbox_command_sleeps_the_amdahl_time_less_the_sandbox_cost():
@@ -237,13 +246,45 @@ def test_replayed_sandbox_command_sleeps_the_amdahl_time_less_the_sandbox_cost()
                                 capture_output=True, text=True, check=True).stdout) == 0.0
 
 
+def test_the_replay_service_sleeps_on_every_load_and_not_on_evictions(monkeypatch):
+    """The replay's reward model on the CPU stand-in device, where a load and an eviction are both
+    to("cpu"): two services with room for one, called in turn, load (and sleep) each time."""
+    import threading
+
+    from tangram_hpc.managers.devices import Device
+    from tangram_hpc.managers.service_spec import ServiceSpec
+    from tangram_hpc.managers.services import ServiceManager
+    from tangram_hpc.sim import replay
+    from tangram_hpc.sim.replay import SLEEP_SERVICE
+
+    slept = []
+    monkeypatch.setattr(replay.time, "sleep", slept.append)    # in this process: the manager's threads
+    done = threading.Semaphore(0)
+    outputs = []
+
+    def callback(aid, status, output, error, stats):
+        outputs.append((status, output))
+        done.release()
+
+    specs = [ServiceSpec(n, SLEEP_SERVICE, memory_mb=10, max_wait_ms=0, kwargs={"load_s": 0.05}) for n in "ab"]
+    with ServiceManager(specs, [Device("cpu", 15)]) as mgr:
+        for k, name in enumerate("abab"):
+            mgr.submit(str(k), name, [0.01], callback)
+            assert done.acquire(timeout=30)
+        stats = mgr.stats()
+    assert outputs == [("ok", [1.0])] * 4
+    assert [stats[n]["loads"] for n in "ab"] == [2, 2] and stats["a"]["evictions"] == 2
+    # a load's sleep before each call's, and none for the three evictions
+    assert slept == [0.05, 0.01] * 4
+
+
 def test_replay_refuses_what_it_cannot_play_live():
     from tangram_hpc.sim.replay import check_replayable
     w = load_workload("mini")
     odd = replace(w, actions=(replace(w.actions[0], uses_env=True),) + w.actions[1:])
     with pytest.raises(WorkloadError, match="only sandbox actions run in an environment"):
         check_replayable(odd.sample())
-    with pytest.raises(WorkloadError, match="CPU-only"):
+    with pytest.raises(WorkloadError, match="one GPU worker"):
         check_replayable(load_workload("judge").sample())
 
 

@@ -61,5 +61,8 @@ def _workers(ledger: ActionLedger, now: float) -> list[dict]:
             "running": len(w.running), "gpus": info.gpus, "services": sorted(w.services) if w.services else [],
             "devices": [{"device": d[0], "used_mb": d[1], "budget_mb": d[2],
                          "free_mb": None if d[3] < 0 else d[3], "resident": d[4]} for d in w.devices],
+            "service_moves": {s: {"loads": n[0], "evictions": n[1],
+                                  "load_s": w.service_costs[s][0] if s in w.service_costs else None}
+                              for s, n in w.service_counts.items()} if w.service_counts else {},
             "envs": len(w.envs), "state": w.state, "last_seen_s": round(now - w.last_seen, 2)})
     return out

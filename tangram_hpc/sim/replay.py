@@ -7,13 +7,17 @@ another, trajectories in parallel, think time then one action per turn.  A
 ``function`` action runs :func:`sleep_action` for the planned run time
 (Amdahl-scaled on the cores the worker pinned it to); a ``sandbox`` action
 runs a shell ``sleep`` as long (scaled on ``$TANGRAM_NCPUS``) in a real
-sandbox, in its trajectory's environment when its class uses one.  The client is
+sandbox, in its trajectory's environment when its class uses one; a ``reward``
+action is a call to its service, a :class:`SleepService` on a reward worker's
+CPU stand-in device whose score sleeps the planned time and whose load onto
+the device sleeps the service's load time.  The client is
 passed in, so the simulator package stays free of the live launch code;
 :mod:`tangram_hpc.fidelity` (``tangram-hpc fidelity``) starts a local cluster
 and compares both.
 
-Only CPU actions without joined groups or per-turn barriers can be replayed
-this way (reward services need real models).
+Only workloads without joined groups or per-turn barriers can be replayed this
+way, and at most one GPU worker, as the local backend runs it on the CPU
+stand-in: one device with one scoring thread, so one slot.
 """
 from __future__ import annotations
 
@@ -29,9 +33,11 @@ import numpy as np
 from ..actions import ActionSpec, Demand
 from .workload import Plan, WorkloadError
 
-__all__ = ["sleep_action", "sleep_command", "replay", "ReplayResult", "scaled_plan", "check_replayable"]
+__all__ = ["sleep_action", "sleep_command", "SleepService", "sleep_service", "replay", "ReplayResult",
+           "scaled_plan", "check_replayable"]
 
 SLEEP_TARGET = "tangram_hpc.sim.replay:sleep_action"
+SLEEP_SERVICE = "tangram_hpc.sim.replay:sleep_service"
 
 
 def sleep_action(seconds: float, parallel_fraction: float = 0.0, cores: int | None = None) -> float:
@@ -59,6 +65,33 @@ def sleep_command(seconds: float, parallel_fraction: float = 0.0, less_s: float 
             f"t = {seconds!r} * ((1 - {p!r}) + {p!r} / c) - {less_s!r}; printf \"%.6f\", (t > 0 ? t : 0) }}')")
 
 
+class SleepService:
+    """A reward model standing in for a real one in the replay: scoring an input (seconds) sleeps that
+    long, and a load onto the device sleeps ``load_s``, so that loads and evictions cost what the
+    workload says without a GPU."""
+
+    def __init__(self, load_s: float) -> None:
+        self.load_s = load_s
+        self._resident = False
+
+    def to(self, device: str) -> "SleepService":
+        # On the CPU stand-in device a load and an eviction are both to("cpu"); the service
+        # manager never makes a resident model resident again, so they alternate.
+        if not self._resident:
+            time.sleep(self.load_s)
+        self._resident = not self._resident
+        return self
+
+    def score(self, inputs: list) -> list[float]:
+        time.sleep(sum(float(x) for x in inputs))
+        return [1.0] * len(inputs)
+
+
+def sleep_service(load_s: float = 0.0) -> SleepService:
+    """The loader of a :class:`SleepService` (``--service NAME=tangram_hpc.sim.replay:sleep_service,load_s=S``)."""
+    return SleepService(float(load_s))
+
+
 def scaled_plan(plan: Plan, time_scale: float) -> Plan:
     """The same plan with every duration and think time multiplied by ``time_scale``."""
     return replace(plan, d1=plan.d1 * time_scale, think=plan.think * time_scale)
@@ -71,6 +104,7 @@ class ReplayResult:
     cores: np.ndarray
     step_durations: list[float]
     failed: int
+    workers: list[str | None]       # per action: the worker of its final attempt
 
     @property
     def act(self) -> np.ndarray:
@@ -80,26 +114,29 @@ class ReplayResult:
 def _spec_for(plan: Plan, i: int, traj: str, step: int, sandbox_cost_s: float) -> ActionSpec:
     w = plan.workload
     a = w.actions[int(plan.cls[i])]
-    if a.service is not None:
-        raise WorkloadError(f"action class {a.name!r} uses GPU service {a.service!r}: "
-                            f"the live replay runs CPU actions only")
     lo, hi = w.action_cores(a)
     hint = float(plan.hint[i])
     payload: dict[str, Any]
-    if a.kind == "sandbox":
+    gpu_mem = 0
+    if a.service is not None:
+        kind, payload = "reward", {"inputs": [float(plan.d1[i])]}
+        gpu_mem = w.services[a.service].gpu_mem_mb
+    elif a.kind == "sandbox":
         kind, payload = "sandbox", {"cmd": sleep_command(float(plan.d1[i]), a.parallel_fraction, sandbox_cost_s)}
     else:
         kind, payload = "function", {"fn": SLEEP_TARGET, "args": [float(plan.d1[i]), a.parallel_fraction]}
     return ActionSpec(kind, payload, env=traj if a.uses_env else None,
-                      demand=Demand(lo, hi, a.mem_mb), duration_hint=hint or None, timeout=a.timeout_s,
+                      demand=Demand(lo, hi, a.mem_mb, gpu_mem, a.service), duration_hint=hint or None, timeout=a.timeout_s,
                       trajectory=traj, step=step, label=a.name, id=f"r{os.getpid()}-{i}")
 
 
 def check_replayable(plan: Plan) -> None:
     """Raise :class:`WorkloadError` for what the live replay cannot play."""
     w = plan.workload
-    if w.cluster.gpu_workers or any(a.service for a in w.actions):
-        raise WorkloadError("the live replay runs CPU-only workloads (reward services need real models)")
+    c = w.cluster
+    if c.gpu_workers > 1 or c.gpu_workers and (c.gpus != 1 or c.gpu_slots != 1):
+        raise WorkloadError("the live replay runs one GPU worker, as the local backend does on the CPU stand-in "
+                            "device: gpu_workers = 1, gpus = 1 and gpu_slots = 1 (one device, one scoring thread)")
     odd = [a.name for a in w.actions if a.uses_env and a.kind != "sandbox"]
     if odd:
         raise WorkloadError(f"action class {odd[0]!r}: only sandbox actions run in an environment live")
@@ -120,6 +157,7 @@ def replay(plan: Plan, client: Any, *, progress: Callable[[str], None] | None = 
     submit = np.zeros(n)
     finish = np.zeros(n)
     cores = np.zeros(n, dtype=int)
+    workers: list[str | None] = [None] * n
     done_q: queue.SimpleQueue = queue.SimpleQueue()
     steps: list[float] = []
     failed = 0
@@ -146,7 +184,7 @@ def replay(plan: Plan, client: Any, *, progress: Callable[[str], None] | None = 
                 continue
             while True:
                 r = f.result()
-                submit[i], finish[i], cores[i] = r.submitted, r.finished, r.cores
+                submit[i], finish[i], cores[i], workers[i] = r.submitted, r.finished, r.cores, r.worker
                 if not r.ok:
                     failed += 1
                 if i == ends[j]:
@@ -161,4 +199,4 @@ def replay(plan: Plan, client: Any, *, progress: Callable[[str], None] | None = 
         steps.append(time.time() - t0)
         if progress:
             progress(f"replay: step {s + 1}/{len(plan.step_traj_start)} took {steps[-1]:.1f}s")
-    return ReplayResult(submit, finish, cores, steps, failed)
+    return ReplayResult(submit, finish, cores, steps, failed, workers)
