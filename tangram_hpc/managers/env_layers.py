@@ -30,7 +30,7 @@ from pathlib import Path
 
 from ..envfiles import NOFOLLOW_DIR
 
-__all__ = ["ATTEMPT_SUFFIX", "overlay_supported", "mount_argv", "prepare", "settle", "merge",
+__all__ = ["ATTEMPT_SUFFIX", "overlay_supported", "mount_argv", "prepare", "claim", "settle", "merge",
            "layered_root", "is_opaque"]
 
 #: The directory of an environment's pending attempt: ``<env dir><suffix>/{upper,work,action}``.
@@ -73,6 +73,14 @@ def prepare(attempt: Path, env_dir: Path, action_id: str) -> None:
     os.chown(attempt / "upper", st.st_uid, st.st_gid)
     os.chmod(attempt / "upper", stat.S_IMODE(st.st_mode))
     os.mkdir(attempt / "work", 0o700)
+    with open(attempt / "action", "w") as f:
+        f.write(action_id)
+
+
+def claim(attempt: Path, action_id: str) -> None:
+    """Give the attempt directory prepared ahead for no action (``""``: discarded if settled so)
+    to ``action_id``, before it runs: a crash before the write completes leaves it
+    discarded, which is right, since nothing ran in it yet."""
     with open(attempt / "action", "w") as f:
         f.write(action_id)
 

@@ -305,7 +305,7 @@ class SandboxManager:
             return SandboxOutcome(Status.ERROR, None, str(exc))
         live = (self.sessions is not None and not req.concurrent and not req.network and not env.throwaway)
         try:
-            waited, attempt = self._begin(env, spec, cancel_fd, limits.timeout_s, req.concurrent)
+            waited, attempt = self._begin(env, spec, cancel_fd, limits.timeout_s, req.concurrent, live)
         except (EnvError, OSError) as exc:
             self.envs.release(env)
             return SandboxOutcome(Status.ERROR, None, _unsettled(spec.env, exc))
@@ -355,6 +355,7 @@ class SandboxManager:
         except EnvError:
             return
         self.envs.finish_attempt(env, action_id)
+        self.live.ahead(env)
 
     def snapshot(self, env_id: str, generation: int = 0) -> str:
         """Save ``env_id`` and its journal to a tar.gz in ``snapshot_dir``; returns its path.
@@ -363,7 +364,13 @@ class SandboxManager:
         """
         if self.snapshot_dir is None:
             raise EnvError("this sandbox manager has no snapshot_dir")
-        self.live.park(self.envs.get(env_id))
+        env = self.envs.get(env_id)
+        held = self.envs.take_turn(env, None, 30.0) is None   # not while a layer is made ahead
+        try:
+            self.live.park(env)
+        finally:
+            if held:
+                self.envs.give_turn(env)
         return self.envs.snapshot(env_id, self.snapshot_dir, generation)
 
     def restore(self, env_id: str, snapshot: str) -> None:
@@ -375,6 +382,7 @@ class SandboxManager:
         self.envs.adopt(env_id, source_root)
 
     def drop(self, env_id: str) -> bool:
+        self.live.quiesce()
         self.live.end(env_id, "its environment was dropped here")
         return self.envs.drop(env_id)
 
@@ -385,6 +393,7 @@ class SandboxManager:
         """Remove environments idle past the TTL (``now``: ``time.monotonic()``), and end the live
         sessions idle past theirs or while memory is short (their files stay)."""
         if self.sessions is not None:
+            self.live.quiesce()
             for env_id, why in self.sessions.to_reclaim(now, busy=self.live.busy):
                 self.live.end(env_id, why)
             ttl = self.envs.ttl
@@ -403,6 +412,7 @@ class SandboxManager:
         if not self._closed:
             self._closed = True
             if self.sessions is not None:
+                self.live.close()
                 for env_id in list(self.sessions.live_ids()):
                     self.live.end(env_id, "the worker closed")
                 self.sessions.close()
@@ -436,22 +446,24 @@ class SandboxManager:
         return lim if lim.output_bytes <= keep else lim.merged({"output_bytes": keep})
 
     def _begin(self, env: Environment, spec: ActionSpec, cancel_fd: int | None, timeout_s: float | None,
-               concurrent: bool) -> tuple[str | None, Path | None]:
+               concurrent: bool, live: bool = False) -> tuple[str | None, Path | None]:
         """Take ``env``'s turn (not for a concurrent action) and open the attempt's layer where attempts
-        are layered; returns (why the turn was not had, the attempt's directory)."""
+        are layered (``live``: the action runs in the session, which may have it ready); returns (why
+        the turn was not had, the attempt's directory)."""
         if concurrent:
             return None, None
         waited = self.envs.take_turn(env, cancel_fd, timeout_s)
         if waited is None:
             try:
-                self.live.park(env)
+                self.live.park(env, keep_ready=live)
             except BaseException:
                 self.envs.give_turn(env)
                 raise
         if waited is not None or self.unlayered_reason is not None or env.throwaway:
             return waited, None
         try:
-            return None, self.envs.begin_attempt(env, spec.id)
+            claimed = self.live.claim(env, spec.id) if live else None
+            return None, claimed or self.envs.begin_attempt(env, spec.id)
         except BaseException:
             self.envs.give_turn(env)
             raise
@@ -466,6 +478,7 @@ class SandboxManager:
         if live is not None and not self.envs.journaled:
             live.commit_on_park = True    # nothing will journal it: committed once the session is parked
             self.envs.give_turn(env)
+            self.live.ahead(env)
             return
         if attempt is not None and self.envs.journaled:
             env.awaiting_journal = action_id
