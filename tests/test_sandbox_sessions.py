@@ -114,7 +114,7 @@ def test_files_of_a_session_action_land_in_the_environment(mgr):
     ok(mgr.run(act("echo one > f", env="e"), CPU))
     ok(mgr.run(act("echo two >> f; rm -f nothing", env="e"), CPU))
     assert ok(mgr.run(act("cat f", env="e"), CPU))["stdout"] == "one\ntwo\n"
-    mgr.live.park(mgr.envs.get("e"))
+    mgr.live.park_idle(mgr.envs.get("e"))
     assert (mgr.envs.get("e").path / "f").read_text() == "one\ntwo\n"
 
 
@@ -141,7 +141,7 @@ def test_a_process_cannot_write_between_actions(mgr):
     ok(mgr.run(act("(while :; do date +%s%N >> ticks; sleep 0.01; done) & sleep 0.2", env="e"), CPU))
     frozen_session(mgr, "e")
     env = mgr.envs.get("e")
-    mgr.live.park(env)                                            # layer settled: ticks is in the environment
+    mgr.live.park_idle(env)                                       # layer settled: ticks is in the environment
     log = env.path / "ticks"
     size = log.stat().st_size
     time.sleep(0.5)
@@ -266,7 +266,7 @@ def test_a_session_attempt_cut_off_before_its_record_leaves_nothing_and_its_retr
     assert st == Status.OK and state == EnvState.ADOPTED
     assert w2.mgr.run(act("cat log", env="e"), CPU).output["stdout"] == "base\nonce\n"
     env = w2.mgr.envs.get("e")
-    w2.mgr.live.park(env)            # the layer is merged once the session is between actions
+    w2.mgr.live.park_idle(env)       # the layer is merged once the session is between actions
     assert (env.path / "log").read_text() == "base\nonce\n"
 
 

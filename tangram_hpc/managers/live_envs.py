@@ -17,6 +17,7 @@ import os
 import queue
 import sys
 import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
@@ -268,9 +269,44 @@ class LiveEnvs:
         if thread is not None:
             thread.join(timeout=30)
 
-    def end(self, env_id: str, why: str) -> None:
+    def park_idle(self, env: Environment) -> None:
+        """:meth:`park` from outside an action (a save): under the environment's turn, which a layer
+        being made ahead holds for a moment (taken anyway after 30 s: the caller has no action running)."""
         if self.m.sessions is None:
             return
+        held = self.m.envs.take_turn(env, None, 30.0) is None
+        try:
+            self.park(env)
+        finally:
+            if held:
+                self.m.envs.give_turn(env)
+
+    def reclaim(self, now: float | None = None) -> None:
+        """End the sessions idle past their time, while memory is short, or of an environment idle
+        past its TTL (``now``: ``time.monotonic()``); their files stay."""
+        sessions = self.m.sessions
+        if sessions is None:
+            return
+        self.quiesce()
+        for env_id, why in sessions.to_reclaim(now, busy=self.busy):
+            self.end(env_id, why)
+        ttl = self.m.envs.ttl
+        t = time.monotonic() if now is None else now
+        for env_id in list(sessions.live_ids()):
+            try:
+                env = self.m.envs.get(env_id)
+            except EnvError:
+                continue
+            if ttl is not None and env.busy == 0 and t - env.last_used > ttl:
+                self.end(env_id, "its environment expired")
+
+    def end(self, env_id: str, why: str, quiesce: bool = False) -> None:
+        """End ``env_id``'s session (``quiesce``: once no layer is being made ahead, for a caller
+        without the environment's turn)."""
+        if self.m.sessions is None:
+            return
+        if quiesce:
+            self.quiesce()
         session = self.m.sessions.get(env_id)
         if session is None:
             return

@@ -43,7 +43,6 @@ import resource
 import shutil
 import signal
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, NamedTuple
@@ -364,13 +363,7 @@ class SandboxManager:
         """
         if self.snapshot_dir is None:
             raise EnvError("this sandbox manager has no snapshot_dir")
-        env = self.envs.get(env_id)
-        held = self.envs.take_turn(env, None, 30.0) is None   # not while a layer is made ahead
-        try:
-            self.live.park(env)
-        finally:
-            if held:
-                self.envs.give_turn(env)
+        self.live.park_idle(self.envs.get(env_id))
         return self.envs.snapshot(env_id, self.snapshot_dir, generation)
 
     def restore(self, env_id: str, snapshot: str) -> None:
@@ -382,8 +375,7 @@ class SandboxManager:
         self.envs.adopt(env_id, source_root)
 
     def drop(self, env_id: str) -> bool:
-        self.live.quiesce()
-        self.live.end(env_id, "its environment was dropped here")
+        self.live.end(env_id, "its environment was dropped here", quiesce=True)
         return self.envs.drop(env_id)
 
     def environments(self) -> frozenset[str]:
@@ -392,19 +384,7 @@ class SandboxManager:
     def gc(self, now: float | None = None) -> list[str]:
         """Remove environments idle past the TTL (``now``: ``time.monotonic()``), and end the live
         sessions idle past theirs or while memory is short (their files stay)."""
-        if self.sessions is not None:
-            self.live.quiesce()
-            for env_id, why in self.sessions.to_reclaim(now, busy=self.live.busy):
-                self.live.end(env_id, why)
-            ttl = self.envs.ttl
-            t = time.monotonic() if now is None else now
-            for env_id in list(self.sessions.live_ids()):
-                try:
-                    env = self.envs.get(env_id)
-                except EnvError:
-                    continue
-                if ttl is not None and env.busy == 0 and t - env.last_used > ttl:
-                    self.live.end(env_id, "its environment expired")
+        self.live.reclaim(now)
         return self.envs.gc(now)
 
     def close(self, keep: tuple[str, ...] | frozenset[str] = ()) -> None:
