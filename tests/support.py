@@ -9,7 +9,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from tangram_hpc.actions import ActionSpec
+from tangram_hpc.actions import ActionSpec, EnvState
 
 
 def wait_until(pred, timeout: float = 30.0, interval: float = 0.2, what: str = "condition"):
@@ -67,3 +67,11 @@ def act(cmd, env=None, **payload) -> ActionSpec:
 def py(code: str) -> list[str]:
     """argv running ``code`` (dedented) with this interpreter."""
     return [sys.executable, "-c", textwrap.dedent(code)]
+
+
+def kept_state() -> str:
+    """The ``env_state`` of an action that ran where its environment already was, after an earlier
+    one: ``live`` where the workers keep each environment's processes (``TANGRAM_SANDBOX_SESSIONS``
+    on, as a run of the suite with sessions sets it), else ``kept``."""
+    on = os.environ.get("TANGRAM_SANDBOX_SESSIONS", "").strip().lower() in ("1", "true", "yes", "on")
+    return EnvState.LIVE if on else EnvState.KEPT

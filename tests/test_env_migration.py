@@ -8,6 +8,7 @@ import time
 from tangram_hpc import Client, sandbox
 from tangram_hpc.commands import format_status
 from tangram_hpc.connection import wait_for_file
+from support import kept_state
 
 
 def _worker(conn, log, cores=1):
@@ -105,7 +106,7 @@ def test_scheduler_moves_an_environment_off_a_busy_worker_with_its_state(tmp_pat
             assert st["env_move_s"] > st["env_restore_s"] * 0.2    # 0.8 x the first guess + 0.2 x (save + restore)
             # one live copy: the next action sees what the moved one wrote, on the same worker
             again = c.submit(sandbox("cat notes.txt", env="moved")).result(30)
-            assert again.ok and again.worker == r.worker and again.env_state == "kept"
+            assert again.ok and again.worker == r.worker and again.env_state == kept_state()
             assert again.output["stdout"] == "turn 1\nturn 2\n"
             assert not long.done()          # the busy environment stayed where it runs
     finally:

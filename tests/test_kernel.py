@@ -14,11 +14,12 @@ import time
 import msgpack
 import pytest
 
-from tangram_hpc.actions import Status, run_cells
+from tangram_hpc.actions import EnvState, Status, run_cells
 from tangram_hpc.managers import SandboxManager
 from tangram_hpc.managers import pykernel
 from tangram_hpc.managers import sandboxfusion as sf
 from tangram_hpc.managers.bwrap import probe_bwrap
+from support import kept_state
 
 CPU = [sorted(os.sched_getaffinity(0))[0]]
 HAVE_BWRAP = probe_bwrap(shutil.which("bwrap") or "") is None
@@ -265,8 +266,11 @@ def test_cells_through_the_coordinator_and_a_worker(tmp_path):
             second = e.run_cells("a", wait=120)
     assert first.status == Status.OK and first.output["cells"][1]["display"] == [{"text/plain": "42"}]
     assert second.worker == first.worker
-    # Each action ends its processes until environments keep a live session: the kernel says so.
-    assert second.output["kernel"]["restarted"] and second.output["cells"][0]["error"][0]["ename"] == "NameError"
+    if kept_state() == EnvState.LIVE:     # the workers keep live sessions: the kernel lives on
+        assert not second.output["kernel"]["restarted"], second.output
+        assert second.output["cells"][0]["display"] == [{"text/plain": "6"}], second.output
+    else:   # each action ends its processes: the kernel is gone, and says so
+        assert second.output["kernel"]["restarted"] and second.output["cells"][0]["error"][0]["ename"] == "NameError"
 
 
 @sandboxed

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 import time
 
 import pytest
@@ -113,7 +114,7 @@ def test_files_of_a_session_action_land_in_the_environment(mgr):
     ok(mgr.run(act("echo one > f", env="e"), CPU))
     ok(mgr.run(act("echo two >> f; rm -f nothing", env="e"), CPU))
     assert ok(mgr.run(act("cat f", env="e"), CPU))["stdout"] == "one\ntwo\n"
-    mgr.live.park(mgr.envs.get("e"))
+    mgr.live.park_idle(mgr.envs.get("e"))
     assert (mgr.envs.get("e").path / "f").read_text() == "one\ntwo\n"
 
 
@@ -140,7 +141,7 @@ def test_a_process_cannot_write_between_actions(mgr):
     ok(mgr.run(act("(while :; do date +%s%N >> ticks; sleep 0.01; done) & sleep 0.2", env="e"), CPU))
     frozen_session(mgr, "e")
     env = mgr.envs.get("e")
-    mgr.live.park(env)                                            # layer settled: ticks is in the environment
+    mgr.live.park_idle(env)                                       # layer settled: ticks is in the environment
     log = env.path / "ticks"
     size = log.stat().st_size
     time.sleep(0.5)
@@ -265,7 +266,7 @@ def test_a_session_attempt_cut_off_before_its_record_leaves_nothing_and_its_retr
     assert st == Status.OK and state == EnvState.ADOPTED
     assert w2.mgr.run(act("cat log", env="e"), CPU).output["stdout"] == "base\nonce\n"
     env = w2.mgr.envs.get("e")
-    w2.mgr.live.park(env)            # the layer is merged once the session is between actions
+    w2.mgr.live.park_idle(env)       # the layer is merged once the session is between actions
     assert (env.path / "log").read_text() == "base\nonce\n"
 
 
@@ -311,3 +312,42 @@ def test_through_a_client_a_server_started_in_one_action_answers_in_the_next(tmp
             asked = wait_until(lambda: (r := e.run(py(ASK) + ["inc"], wait=60)).ok and r, 30, 0.05,
                                "the server to answer")
             assert asked.output["stdout"] == "42\n" and asked.env_state == EnvState.LIVE, asked
+
+
+def test_the_next_attempts_layer_is_made_ahead_and_only_a_claim_gives_it_an_action(mgr):
+    mounted_by = []
+    mount = mgr.sessions.mounts.mount_layer
+
+    def recording(*a, **kw):
+        mounted_by.append(threading.current_thread().name)
+        return mount(*a, **kw)
+    mgr.sessions.mounts.mount_layer = recording
+    ok(mgr.run(act("echo 1 > n", env="e"), CPU))
+    s = session_of(mgr, "e")
+    wait_until(lambda: s.layer_ready, what="the next layer made ahead")
+    attempt = mgr.envs.attempt_path(mgr.envs.get("e"))
+    assert (attempt / "action").read_text() == ""             # owned by no action yet
+    assert (mgr.envs.get("e").path / "n").read_text() == "1\n"  # the first attempt is settled
+    out = ok(mgr.run(act("echo 2 >> n; cat n", env="e"), CPU))
+    assert out["stdout"] == "1\n2\n" and out["processes"] == "kept"
+    # the second action ran in the layer made ahead: nothing was mounted on the action's own thread
+    assert mounted_by[0] != "session-ahead" and set(mounted_by[1:]) == {"session-ahead"}, mounted_by
+    wait_until(lambda: s.layer_ready, what="the next layer made ahead")
+    # A save parks the session: the unclaimed layer is discarded, the environment is what its actions made.
+    snap = mgr.snapshot("e")
+    assert not attempt.exists() and not s.layer_ready and os.path.exists(snap)
+    assert (mgr.envs.get("e").path / "n").read_text() == "1\n2\n"
+    assert ok(mgr.run(act("cat n", env="e"), CPU))["stdout"] == "1\n2\n"
+
+
+def test_an_action_that_does_not_run_in_the_session_discards_the_layer_made_ahead(mgr):
+    ok(mgr.run(act("echo a > f", env="e"), CPU))
+    s = session_of(mgr, "e")
+    wait_until(lambda: s.layer_ready, what="the next layer made ahead")
+    r = mgr.run(ActionSpec("sandbox", {"code": "print(open('f').read(), end='')", "language": "python"},
+                           env="e"), CPU)                    # run_code: a sandbox of its own
+    assert r.status == Status.OK, r
+    assert r.output["run_result"]["stdout"] == "a\n", r.output
+    wait_until(lambda: s.dead is not None or s.layer_ready or not mgr.envs.get("e").live_layer,
+               what="the environment to settle")
+    assert ok(mgr.run(act("cat f", env="e"), CPU))["stdout"] == "a\n"

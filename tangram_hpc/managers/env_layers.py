@@ -36,7 +36,7 @@ from typing import Iterator
 from ..envfiles import NOFOLLOW_DIR
 from .fs_inside import EnvError, _OpenPath, _walk, remove_at
 
-__all__ = ["ATTEMPT_SUFFIX", "overlay_supported", "mount_argv", "prepare", "settle", "discard", "check",
+__all__ = ["ATTEMPT_SUFFIX", "overlay_supported", "mount_argv", "prepare", "claim", "settle", "discard", "check",
            "merge", "LayerRefused", "walk_layer", "layered_root", "is_opaque"]
 
 #: The directory of an environment's pending attempt: ``<env dir><suffix>/{upper,work,action}``.
@@ -77,6 +77,14 @@ def prepare(attempt: Path, env_dir: Path, action_id: str) -> None:
     os.chown(attempt / "upper", st.st_uid, st.st_gid)
     os.chmod(attempt / "upper", stat.S_IMODE(st.st_mode))
     os.mkdir(attempt / "work", 0o700)
+    with open(attempt / "action", "w") as f:
+        f.write(action_id)
+
+
+def claim(attempt: Path, action_id: str) -> None:
+    """Give the attempt directory prepared ahead for no action (``""``: discarded if settled so)
+    to ``action_id``, before it runs: a crash before the write completes leaves it
+    discarded, which is right, since nothing ran in it yet."""
     with open(attempt / "action", "w") as f:
         f.write(action_id)
 

@@ -2,15 +2,27 @@
 (:mod:`tangram_hpc.managers.sessions`): starting the session with the manager's sandbox, mounting
 each attempt's layer into it, running the command, and bringing it back between actions (*parked*:
 frozen for certain, the layer settled) before anything else touches the environment.
+
+A layer costs a few directories and an overlay mount (~2 ms on the development machine's disk,
+most of an action in a session), so it is made *ahead*: when an action's turn is given back, one
+long-lived thread takes the turn if no one else has it, parks the session and mounts an empty layer
+for the next attempt (owned by no action: discarded if settled so).  The next action claims it by
+writing its id into it and runs at once; anything else that touches the environment first
+discards it.  Nothing runs in it before it is claimed: the session is frozen for certain first.
 """
 from __future__ import annotations
 
+import logging
 import os
+import queue
 import sys
+import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 
+from . import env_layers
 from .bwrap import SANDBOX_DIR, memfd
 from .diskquota import QuotaWatch
 from .environments import Environment
@@ -24,12 +36,19 @@ if TYPE_CHECKING:
 
 __all__ = ["LiveEnvs"]
 
+log = logging.getLogger(__name__)
+
 
 class LiveEnvs:
     """The live-session side of one :class:`~tangram_hpc.managers.sandbox.SandboxManager`."""
 
     def __init__(self, mgr: "SandboxManager"):
         self.m = mgr
+        self._ahead: queue.SimpleQueue | None = None
+        self._ahead_thread: threading.Thread | None = None
+        self._ahead_lock = threading.Lock()
+        self._ahead_idle = threading.Condition(self._ahead_lock)
+        self._ahead_pending = 0
 
     def exec(self, env: Environment, argv: list[str], stdin: bytes | None, extra_env: Mapping[str, str],
              limits: Limits, cpus, cancel_fd: int | None, attempt: Path | None):
@@ -45,7 +64,8 @@ class LiveEnvs:
             state = STARTED if why is None else f"not kept: {why}"
         session.last_state = state
         try:
-            if attempt is not None and session.mount_point is not None:
+            # mounted already: claimed (made ahead), or an earlier step of this attempt (run_code)
+            if attempt is not None and session.mount_point is not None and not session.layer_mounted:
                 sessions.mounts.mount_layer(session.proc.pid, session.mount_point, env.path, attempt)
                 session.depth += 1
                 session.layer_mounted = env.live_layer = True
@@ -126,15 +146,21 @@ class LiveEnvs:
                 self.m.cgroups.release(scope)
             raise
 
-    def park(self, env: Environment) -> None:
+    def park(self, env: Environment, keep_ready: bool = False) -> None:
         """Bring ``env``'s live session (if any) between actions: frozen for certain, the last
-        attempt's layer taken away and settled.  Called holding the environment's turn."""
+        attempt's layer taken away and settled; a layer made ahead is discarded unless
+        ``keep_ready`` (the next action will :meth:`claim` it).  Called holding the environment's turn."""
         if self.m.sessions is None:
             return
         session = self.m.sessions.get(env.id)
         if session is None:
             if env.live_layer:     # the session died meanwhile: its namespace went with it
                 env.live_layer = False
+            return
+        if session.layer_ready:
+            if not keep_ready:     # owned by no action: discarded, left mounted as any settled layer
+                session.layer_ready = env.live_layer = False
+                self.m.envs.settle(env)
             return
         if not session.layer_mounted:
             return
@@ -152,9 +178,135 @@ class LiveEnvs:
             except MountError as exc:
                 self.end(env.id, f"its layers could not be unmounted ({exc})")
 
-    def end(self, env_id: str, why: str) -> None:
+    def claim(self, env: Environment, action_id: str) -> Path | None:
+        """The layer made ahead for ``env``'s next attempt, now ``action_id``'s (None: there is none;
+        the attempt gets a layer of its own).  Called holding the turn, after ``park(keep_ready=True)``."""
+        session = self.m.sessions.get(env.id) if self.m.sessions is not None else None
+        if session is None or not session.layer_ready:
+            return None
+        attempt = self.m.envs.attempt_path(env)
+        try:
+            env_layers.claim(attempt, action_id)
+        except OSError:
+            self.park(env)       # discarded: the attempt is prepared as usual
+            return None
+        session.layer_ready = False
+        session.layer_mounted = env.live_layer = True   # the attempt's layer from now on, settled as any
+        return attempt
+
+    def ahead(self, env: Environment) -> None:
+        """``env``'s turn was just given back: make its next attempt's layer in the background."""
+        if self.m.sessions is None or self.m.unlayered_reason is not None or env.throwaway:
+            return
+        session = self.m.sessions.get(env.id)
+        if session is None or session.mount_point is None or session.layer_ready:
+            return
+        with self._ahead_lock:
+            if self._ahead_thread is None:
+                self._ahead = queue.SimpleQueue()
+                self._ahead_thread = threading.Thread(target=self._serve_ahead, name="session-ahead", daemon=True)
+                self._ahead_thread.start()
+            assert self._ahead is not None
+            self._ahead_pending += 1
+            self._ahead.put(env.id)
+
+    def quiesce(self, timeout: float = 30.0) -> None:
+        """Wait until no layer is being made ahead (before a reclaim or a drop, which take no turn)."""
+        with self._ahead_idle:
+            self._ahead_idle.wait_for(lambda: self._ahead_pending == 0, timeout)
+
+    def _serve_ahead(self) -> None:
+        assert self._ahead is not None
+        while (env_id := self._ahead.get()) is not None:
+            try:
+                self._ahead_one(env_id)
+            finally:
+                with self._ahead_idle:
+                    self._ahead_pending -= 1
+                    self._ahead_idle.notify_all()
+
+    def _ahead_one(self, env_id: str) -> None:
+        try:
+            env = self.m.envs.get(env_id)
+        except EnvError:
+            return
+        if not env.turn.acquire(blocking=False):
+            return           # an action or a save has it: it parks the session itself
+        try:
+            self._make_ready(env)
+        except Exception:    # the next action makes its layer itself
+            log.exception("layer ahead for environment %s", env_id)
+        finally:
+            self.m.envs.give_turn(env)
+
+    def _make_ready(self, env: Environment) -> None:
+        self.park(env)
+        sessions = self.m.sessions
+        session = sessions.get(env.id) if sessions is not None else None
+        if session is None or session.dead is not None or session.mount_point is None or session.layer_ready \
+                or env.live_layer:
+            return
+        attempt = self.m.envs.attempt_path(env)
+        if os.path.lexists(attempt):
+            self.m.envs.settle(env)
+            if os.path.lexists(attempt):
+                return
+        env_layers.prepare(attempt, env.path, "")
+        try:
+            sessions.mounts.mount_layer(session.proc.pid, session.mount_point, env.path, attempt)
+        except MountError as exc:
+            self.m.envs.settle(env)
+            self.end(env.id, f"its layer could not be mounted ({exc})")
+            return
+        session.depth += 1
+        session.layer_ready = env.live_layer = True
+
+    def close(self) -> None:
+        with self._ahead_lock:
+            thread, self._ahead_thread = self._ahead_thread, None
+            if thread is not None and self._ahead is not None:
+                self._ahead.put(None)
+        if thread is not None:
+            thread.join(timeout=30)
+
+    def park_idle(self, env: Environment) -> None:
+        """:meth:`park` from outside an action (a save): under the environment's turn, which a layer
+        being made ahead holds for a moment (taken anyway after 30 s: the caller has no action running)."""
         if self.m.sessions is None:
             return
+        held = self.m.envs.take_turn(env, None, 30.0) is None
+        try:
+            self.park(env)
+        finally:
+            if held:
+                self.m.envs.give_turn(env)
+
+    def reclaim(self, now: float | None = None) -> None:
+        """End the sessions idle past their time, while memory is short, or of an environment idle
+        past its TTL (``now``: ``time.monotonic()``); their files stay."""
+        sessions = self.m.sessions
+        if sessions is None:
+            return
+        self.quiesce()
+        for env_id, why in sessions.to_reclaim(now, busy=self.busy):
+            self.end(env_id, why)
+        ttl = self.m.envs.ttl
+        t = time.monotonic() if now is None else now
+        for env_id in list(sessions.live_ids()):
+            try:
+                env = self.m.envs.get(env_id)
+            except EnvError:
+                continue
+            if ttl is not None and env.busy == 0 and t - env.last_used > ttl:
+                self.end(env_id, "its environment expired")
+
+    def end(self, env_id: str, why: str, quiesce: bool = False) -> None:
+        """End ``env_id``'s session (``quiesce``: once no layer is being made ahead, for a caller
+        without the environment's turn)."""
+        if self.m.sessions is None:
+            return
+        if quiesce:
+            self.quiesce()
         session = self.m.sessions.get(env_id)
         if session is None:
             return

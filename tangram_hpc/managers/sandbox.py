@@ -43,7 +43,6 @@ import resource
 import shutil
 import signal
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, NamedTuple
@@ -305,7 +304,7 @@ class SandboxManager:
             return SandboxOutcome(Status.ERROR, None, str(exc))
         live = (self.sessions is not None and not req.concurrent and not req.network and not env.throwaway)
         try:
-            waited, attempt = self._begin(env, spec, cancel_fd, limits.timeout_s, req.concurrent)
+            waited, attempt = self._begin(env, spec, cancel_fd, limits.timeout_s, req.concurrent, live)
         except (EnvError, OSError) as exc:
             self.envs.release(env)
             return SandboxOutcome(Status.ERROR, None, _unsettled(spec.env, exc))
@@ -357,6 +356,7 @@ class SandboxManager:
         except EnvError:
             return
         self.envs.finish_attempt(env, action_id)
+        self.live.ahead(env)
 
     def snapshot(self, env_id: str, generation: int = 0) -> str:
         """Save ``env_id`` and its journal to a tar.gz in ``snapshot_dir``; returns its path.
@@ -365,7 +365,7 @@ class SandboxManager:
         """
         if self.snapshot_dir is None:
             raise EnvError("this sandbox manager has no snapshot_dir")
-        self.live.park(self.envs.get(env_id))
+        self.live.park_idle(self.envs.get(env_id))
         return self.envs.snapshot(env_id, self.snapshot_dir, generation)
 
     def restore(self, env_id: str, snapshot: str) -> None:
@@ -377,7 +377,7 @@ class SandboxManager:
         self.envs.adopt(env_id, source_root)
 
     def drop(self, env_id: str) -> bool:
-        self.live.end(env_id, "its environment was dropped here")
+        self.live.end(env_id, "its environment was dropped here", quiesce=True)
         return self.envs.drop(env_id)
 
     def environments(self) -> frozenset[str]:
@@ -386,18 +386,7 @@ class SandboxManager:
     def gc(self, now: float | None = None) -> list[str]:
         """Remove environments idle past the TTL (``now``: ``time.monotonic()``), and end the live
         sessions idle past theirs or while memory is short (their files stay)."""
-        if self.sessions is not None:
-            for env_id, why in self.sessions.to_reclaim(now, busy=self.live.busy):
-                self.live.end(env_id, why)
-            ttl = self.envs.ttl
-            t = time.monotonic() if now is None else now
-            for env_id in list(self.sessions.live_ids()):
-                try:
-                    env = self.envs.get(env_id)
-                except EnvError:
-                    continue
-                if ttl is not None and env.busy == 0 and t - env.last_used > ttl:
-                    self.live.end(env_id, "its environment expired")
+        self.live.reclaim(now)
         return self.envs.gc(now)
 
     def close(self, keep: tuple[str, ...] | frozenset[str] = ()) -> None:
@@ -405,6 +394,7 @@ class SandboxManager:
         if not self._closed:
             self._closed = True
             if self.sessions is not None:
+                self.live.close()
                 for env_id in list(self.sessions.live_ids()):
                     self.live.end(env_id, "the worker closed")
                 self.sessions.close()
@@ -438,15 +428,16 @@ class SandboxManager:
         return lim if lim.output_bytes <= keep else lim.merged({"output_bytes": keep})
 
     def _begin(self, env: Environment, spec: ActionSpec, cancel_fd: int | None, timeout_s: float | None,
-               concurrent: bool) -> tuple[str | None, Path | None]:
+               concurrent: bool, live: bool = False) -> tuple[str | None, Path | None]:
         """Take ``env``'s turn (not for a concurrent action) and open the attempt's layer where attempts
-        are layered; returns (why the turn was not had, the attempt's directory)."""
+        are layered (``live``: the action runs in the session, which may have it ready); returns (why
+        the turn was not had, the attempt's directory)."""
         if concurrent:
             return None, None
         waited = self.envs.take_turn(env, cancel_fd, timeout_s)
         if waited is None:
             try:
-                self.live.park(env)
+                self.live.park(env, keep_ready=live)
             except BaseException as exc:    # its view may hold a layer not (all) in the environment
                 self.live.end(env.id, f"it could not be brought between actions ({exc})")
                 self.envs.give_turn(env)
@@ -454,7 +445,8 @@ class SandboxManager:
         if waited is not None or self.unlayered_reason is not None or env.throwaway:
             return waited, None
         try:
-            return None, self.envs.begin_attempt(env, spec.id)
+            claimed = self.live.claim(env, spec.id) if live else None
+            return None, claimed or self.envs.begin_attempt(env, spec.id)
         except BaseException:
             self.envs.give_turn(env)
             raise
@@ -466,16 +458,19 @@ class SandboxManager:
         if not held:
             return None
         why = env_layers.check(attempt / "upper", env.path) if attempt is not None else None
+        live = self.sessions.get(env.id) if env.live_layer and self.sessions is not None else None
+        if why is None and live is not None and not self.envs.journaled:
+            live.commit_on_park = True    # nothing will journal it: committed once the session is parked
+            self.envs.give_turn(env)
+            self.live.ahead(env)
+            return None
         if why is None and attempt is not None and self.envs.journaled:
             env.awaiting_journal = action_id
             return None
-        live = self.sessions.get(env.id) if env.live_layer and self.sessions is not None else None
         try:
             if why is not None:
                 self.live.end(env.id, f"its attempt's changes were discarded ({why})")
                 env_layers.discard(self.envs.attempt_path(env))
-            elif live is not None and not self.envs.journaled:
-                live.commit_on_park = True    # nothing will journal it: committed once the session is parked
             elif attempt is not None:
                 self.envs.settle(env, commit=True)
         finally:

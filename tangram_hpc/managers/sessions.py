@@ -102,6 +102,7 @@ class Session:
         self.mount_point = mount_point  # where attempts' layers are mounted (None: it binds the environment)
         self.freezer = freezer if scope is not None and scope.freezer_dir is not None else "sigstop"
         self.layer_mounted = False      # the last attempt's layer is not settled yet
+        self.layer_ready = False        # an empty layer for the next attempt is mounted on top, unclaimed
         self.depth = 0                  # layers stacked on the mount point
         self._grant: tuple | None = None  # the cores and limits its cgroup was last given
         self.frozen = False
@@ -330,7 +331,7 @@ class Session:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             log.warning("session of environment %s did not end", self.env_id)
-        self.layer_mounted = False
+        self.layer_mounted = self.layer_ready = False
 
 
 class Sessions:
