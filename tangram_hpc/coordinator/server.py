@@ -355,6 +355,8 @@ class Coordinator:
                 ledger.worker_leaving(wid, str(body.get("leaving"))[:200], now)
             else:
                 ledger.worker_report(wid, body, now)
+                if self.workers.envs_unknown(w, body):
+                    self._send_ident(ident, P.encode(P.HEARTBEAT, {"coordinator": self.id, "send_envs": True}))
         elif mtype == P.OUTCOMES:
             self._bad_items(ident, "OUTCOMES", ledger.outcomes(wid, body, now))
 
