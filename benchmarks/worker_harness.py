@@ -316,7 +316,7 @@ class Harness:
                     w.sock.send(P.encode(P.HEARTBEAT, {"left": "told to stop", "interrupted": []}), zmq.NOBLOCK)
             elif mtype == P.ERROR:
                 self.errors.append(body)
-            elif mtype == P.HEARTBEAT and body.get("send_envs"):
+            elif mtype == P.HEARTBEAT and "send_envs" in body:
                 w.list_due = True
             # KILL, ENV from the coordinator: nothing to do for a worker that runs nothing
 

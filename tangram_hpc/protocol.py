@@ -21,8 +21,8 @@ RESULT        K->C       ``[result wire list, ...]``
 STATUS        C->K       ``{}`` or ``{"allocations": true}``; reply STATUS with a status map
 POOL          C->K       ``{"op": "pause" | "resume"}`` (worker launches); reply STATUS with
                          the status map after it, ``"pool_op"`` saying what was done
-HEARTBEAT     any        ``{"coordinator": id}`` from K, which adds ``"send_envs": true`` when the
-                         worker's ``envs_v`` names a list it has not received; ``{}`` from C;
+HEARTBEAT     any        ``{"coordinator": id}`` from K, which adds ``"send_envs": n`` when the
+                         worker's ``envs_v`` (n) names a list it has not received; ``{}`` from C;
                          ``{"running": n, "services": [...], "envs_v": n, "envs": [...],
                          "service_counts": {service: [loads, evictions, queued]},
                          "service_costs": {service: [load s, evict s]},

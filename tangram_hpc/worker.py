@@ -412,7 +412,7 @@ class Worker:
                     self._welcomed(body)
                 elif cid != self._coordinator:
                     self._registered = False  # a new coordinator: join it afresh
-                elif body.get("send_envs") and self.boxes is not None:
+                elif "send_envs" in body and self.boxes is not None:
                     self.boxes.send_envs()
             elif mtype == P.KILL:
                 self._on_kill(body)

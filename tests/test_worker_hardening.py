@@ -447,7 +447,7 @@ def test_a_sandbox_worker_lists_its_environments_once_then_only_when_asked(tmp_p
         coord.until(lambda: len(coord.heartbeats) >= 3)
         first, *later = [body for _, body in coord.heartbeats]
         assert first["envs"] == [] and all("envs" not in b and b["envs_v"] == first["envs_v"] for b in later)
-        coord.send(P.HEARTBEAT, {"coordinator": "fake", "send_envs": True})
+        coord.send(P.HEARTBEAT, {"coordinator": "fake", "send_envs": first["envs_v"]})
         n = len(coord.heartbeats)
         coord.until(lambda: any("envs" in b for _, b in coord.heartbeats[n:]))
         listed = next(b for _, b in coord.heartbeats[n:] if "envs" in b)
