@@ -6,8 +6,8 @@
 For each worker count it starts one coordinator as the product starts it (``tangram-hpc
 coordinator --backend none``, its own process, CurveZMQ on) and connects that many simulated
 workers to it from this one process: one DEALER socket each (the identity the coordinator knows
-a worker by), REGISTER, a heartbeat every ``heartbeat_s`` (with the environments each holds, as a
-worker with sandboxes sends them), every ASSIGN answered with DONE after a sampled duration
+a worker by), REGISTER, a heartbeat every ``heartbeat_s`` (listing the environments each holds when they changed,
+as a worker with sandboxes does, else the number of its last list), every ASSIGN answered with DONE after a sampled duration
 (``--duration``: 0 answers in the same turn), an environment's first action answered ``created``.
 One event loop, raw msgpack, one DONE frame per worker per turn, pre-encoded heartbeats: the
 harness costs a few microseconds per action, so the coordinator is what is measured.  A raw
@@ -127,13 +127,15 @@ class CoordinatorProcess:
 
 
 class SimWorker:
-    __slots__ = ("id", "sock", "envs", "hb_frame", "welcomed", "done", "held", "assigned")
+    __slots__ = ("id", "sock", "envs", "envs_v", "list_due", "hb_frame", "welcomed", "done", "held", "assigned")
 
     def __init__(self, wid: str, sock: zmq.Socket):
         self.id = wid
         self.sock = sock
         self.envs: set[str] = set()
-        self.hb_frame: bytes | None = None     # this worker's heartbeat, encoded until its environments change
+        self.envs_v = 0                        # the number of the last environment list sent
+        self.list_due = True                   # the next heartbeat lists the environments
+        self.hb_frame: bytes | None = None     # this worker's heartbeat without the list, encoded once per list
         self.welcomed = False
         self.done: list[list] = []             # DONE items of this turn
         self.held: list[list] = []             # assignments kept unanswered (hold mode)
@@ -222,6 +224,7 @@ class Harness:
             self.pump(50)
 
     def _register(self, w: SimWorker) -> None:
+        w.list_due = True
         w.sock.send(P.encode(P.REGISTER, {
             "id": w.id, "pid": os.getpid(), "cores": self.cores, "mem_mb": 0, "gpus": 0, "gpu_mem_mb": 0,
             "kinds": ["function", "sandbox"], "services": [], "handle": None, "host": "harness",
@@ -279,12 +282,14 @@ class Harness:
             self._hb_sent += 1
             if not w.welcomed:
                 continue
-            if w.hb_frame is None:
-                body = {"running": 0, "busy_cores": 0, "killed_running": []}
-                if w.envs:
-                    body["envs"] = sorted(w.envs)
+            if w.list_due:
+                w.list_due = False
+                w.envs_v += 1
+                body = {"running": 0, "busy_cores": 0, "killed_running": [], "envs_v": w.envs_v}
                 w.hb_frame = P.encode(P.HEARTBEAT, body)
-            w.sock.send(w.hb_frame, zmq.NOBLOCK)
+                w.sock.send(P.encode(P.HEARTBEAT, body | {"envs": sorted(w.envs)}), zmq.NOBLOCK)
+            else:
+                w.sock.send(w.hb_frame, zmq.NOBLOCK)
             self._sent_on.append(w)
         if owed > n:
             self._hb_sent += owed - n
@@ -311,7 +316,9 @@ class Harness:
                     w.sock.send(P.encode(P.HEARTBEAT, {"left": "told to stop", "interrupted": []}), zmq.NOBLOCK)
             elif mtype == P.ERROR:
                 self.errors.append(body)
-            # HEARTBEAT, KILL, ENV from the coordinator: nothing to do for a worker that runs nothing
+            elif mtype == P.HEARTBEAT and "send_envs" in body:
+                w.list_due = True
+            # KILL, ENV from the coordinator: nothing to do for a worker that runs nothing
 
     def _assigned(self, w: SimWorker, items: list) -> None:
         if self.hold:
@@ -329,7 +336,7 @@ class Harness:
                 env_state = "kept" if item[3][1] == P.GRANT_HELD else "created"
                 if env not in w.envs:
                     w.envs.add(env)
-                    w.hb_frame = None
+                    w.list_due = True
             done = [spec["i"], attempt, "ok", None, None, now, now, env_state]
             if mean > 0:
                 if index is None:

@@ -21,12 +21,14 @@ RESULT        K->C       ``[result wire list, ...]``
 STATUS        C->K       ``{}`` or ``{"allocations": true}``; reply STATUS with a status map
 POOL          C->K       ``{"op": "pause" | "resume"}`` (worker launches); reply STATUS with
                          the status map after it, ``"pool_op"`` saying what was done
-HEARTBEAT     any        ``{"coordinator": id}`` from K; ``{}`` from C;
-                         ``{"running": n, "services": [...], "envs": [...],
+HEARTBEAT     any        ``{"coordinator": id}`` from K, which adds ``"send_envs": n`` when the
+                         worker's ``envs_v`` (n) names a list it has not received; ``{}`` from C;
+                         ``{"running": n, "services": [...], "envs_v": n, "envs": [...],
                          "service_counts": {service: [loads, evictions, queued]},
                          "service_costs": {service: [load s, evict s]},
                          "devices": [[device, used MB, budget MB, free MB or -1, [service, ...]], ...]}``
-                         from W, which
+                         from W (``envs``, the environments it holds, only when they changed
+                         since its last list or K asked; ``envs_v`` numbers that list), which
                          adds ``"leaving": reason`` while it leaves, then ``"left": reason,
                          "interrupted": [[action id, attempt], ...]`` as its last message
 ERROR         K->any     ``{"code": str, "message": str}``
@@ -52,7 +54,8 @@ PREFETCH      K->W       ``[service, ...]``: start loading these services now, a
                          calls (the scheduler's prefetch); a hint, never answered
 ============  =========  ======================================================
 
-Version 5 added PREFETCH.  Version 3 added the environment grant, ``env_state`` (DONE, RESULT), CLOSE_ENV, ENV and
+Version 6 made a worker's heartbeat list its environments only when they changed (``envs_v``,
+``send_envs``).  Version 5 added PREFETCH.  Version 3 added the environment grant, ``env_state`` (DONE, RESULT), CLOSE_ENV, ENV and
 OUTCOMES.
 
 A frame that cannot be decoded, has another version, an unknown type or a
@@ -76,7 +79,7 @@ from .errors import ProtocolError, ValidationError
 #: 4: a saved environment (ENV saved, a restore grant) may be a delta over its template's base,
 #:    which a worker speaking 3 would restore without the base.
 #: 5: PREFETCH (coordinator to worker), which a worker speaking 4 would answer as an unknown type.
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 class MsgType(IntEnum):
     """The type of a message (the second element of every frame)."""
@@ -365,11 +368,15 @@ def check_register(body: dict) -> dict:
 
 
 def check_worker_heartbeat(body: dict) -> dict:
-    """A worker's HEARTBEAT: what the coordinator keeps of it (``services``, ``envs``) must be strings."""
+    """A worker's HEARTBEAT: what the coordinator keeps of it (``services``, ``envs``) must be strings,
+    the number of its environment list (``envs_v``) an integer."""
     for key in ("services", "envs"):
         v = body.get(key)
         if v is not None and not (isinstance(v, list) and all(isinstance(s, str) for s in v)):
             raise ProtocolError("malformed", f"HEARTBEAT {key} must be a list of strings")
+    v = body.get("envs_v")
+    if v is not None and (type(v) is not int or not 0 <= v < 1 << 62):
+        raise ProtocolError("malformed", "HEARTBEAT envs_v must be a non-negative integer")
     return body
 
 

@@ -412,6 +412,8 @@ class Worker:
                     self._welcomed(body)
                 elif cid != self._coordinator:
                     self._registered = False  # a new coordinator: join it afresh
+                elif "send_envs" in body and self.boxes is not None:
+                    self.boxes.send_envs()
             elif mtype == P.KILL:
                 self._on_kill(body)
             elif mtype == P.ENV:

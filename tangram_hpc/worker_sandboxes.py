@@ -54,6 +54,10 @@ class WorkerSandboxes:
         # running sandbox action -> write ends of its cancel pipes (two attempts may overlap)
         self._cancel_fds: dict[str, set[int]] = {}
         self._last_gc = time.monotonic()
+        # The environment list as last sent and its number: a heartbeat carries the list only when it
+        # changed or the coordinator asked (at 25,000 environments it is most of a heartbeat's cost).
+        self._envs_sent: list[str] | None = None
+        self._envs_v = 0
 
     # -- executor threads -------------------------------------------------------------
     def run(self, spec: ActionSpec, cpus: list[int]) -> tuple:
@@ -106,6 +110,7 @@ class WorkerSandboxes:
                 pass  # it just finished
 
     def register_fields(self) -> dict:
+        self._envs_sent = None     # a coordinator just (re)met gets the list with the first heartbeat
         return {"envs": self.envs.held(), "env_root": os.path.abspath(self.mgr.root)}
 
     def welcomed(self, result_bytes: int, snapshot_dir: Any) -> None:
@@ -113,8 +118,17 @@ class WorkerSandboxes:
         if not self.cfg.snapshot_dir and isinstance(snapshot_dir, str) and snapshot_dir:
             self.mgr.snapshot_dir = Path(snapshot_dir)
 
+    def send_envs(self) -> None:
+        """The coordinator has not the list this worker's heartbeats name: the next one carries it."""
+        self._envs_sent = None
+
     def heartbeat(self, body: dict) -> None:
-        body["envs"] = sorted(self.mgr.environments())
+        envs = sorted(self.mgr.environments())
+        if envs != self._envs_sent:
+            self._envs_sent = envs
+            self._envs_v += 1
+            body["envs"] = envs
+        body["envs_v"] = self._envs_v
         now = time.monotonic()
         if now - self._last_gc > _GC_EVERY_S:
             self._last_gc = now

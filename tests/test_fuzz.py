@@ -54,7 +54,7 @@ def _seed_bodies(worker_id: str = "w-fuzz") -> list[tuple[int, object]]:
         (P.REGISTER, {"id": worker_id, "pid": 1, "cores": 1, "mem_mb": 0, "gpus": 0, "gpu_mem_mb": 0,
                       "kinds": ["fuzz-nothing"], "services": [], "handle": None, "host": "h",
                       "partition": None, "envs": []}),
-        (P.HEARTBEAT, {"running": 1, "services": ["s"], "envs": ["e1"]}),
+        (P.HEARTBEAT, {"running": 1, "services": ["s"], "envs_v": 1, "envs": ["e1"]}),
         (P.HEARTBEAT, {"leaving": "bye"}),
         (P.DONE, [["0" * 24, 1, "ok", {"x": 1}, None, 1.0, 2.0, None], ["y", 2, "failed", None, "boom", 0, 0, "kept"]]),
         (P.CLOSE_ENV, ["e1", "fuzz-env"]),

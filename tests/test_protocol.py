@@ -285,3 +285,45 @@ def test_a_heartbeat_with_unhashable_services_is_a_bad_frame_not_an_internal_err
         ctx.destroy(0)
     st = c.status()
     assert st["bad_frames"] == 1 and st["internal_errors"] == 0
+
+
+def test_a_worker_lists_its_environments_only_when_they_change_and_again_when_asked(in_process):
+    coord, c = in_process
+    ctx = zmq.Context()
+    probe = 10**6     # a list number the coordinator never received: always asked for
+
+    def asked_for(body: dict) -> list[int]:
+        """The list numbers the coordinator asks for after heartbeat ``body``: sent before a probe, it
+        is handled and answered before the probe (one worker's frames are, in order)."""
+        s.send(P.encode(P.HEARTBEAT, {"running": 0, **body}))
+        s.send(P.encode(P.HEARTBEAT, {"running": 0, "envs_v": probe}))
+        asked: list[int] = []
+        while probe not in asked:
+            reply = P.decode(s.recv(), frozenset({P.HEARTBEAT}))[1]
+            if "send_envs" in reply:    # else one of the coordinator's own heartbeats
+                asked.append(reply["send_envs"])
+        return asked[:-1]
+
+    def envs_of(wid: str) -> int:
+        return next(w["envs"] for w in c.status()["workers"] if w["id"] == wid)
+
+    try:
+        s = _raw(ctx, coord.info.worker_address, identity=b"w-envs")
+        s.send(P.encode(P.REGISTER, {"id": "w-envs", "cores": 1, "kinds": ["raw-only"]}))
+        assert P.decode(s.recv(), frozenset({P.WELCOME}))[0] == P.WELCOME
+        assert asked_for({"envs_v": 1, "envs": ["e1", "e2"]}) == []
+        assert envs_of("w-envs") == 2
+        assert asked_for({"envs_v": 1}) == []                 # the same list: not sent again, still known
+        assert envs_of("w-envs") == 2
+        assert asked_for({"envs_v": 2}) == [2]                # a list the coordinator never got: asked for
+        assert asked_for({"envs_v": 3, "envs": ["e1"]}) == []
+        assert envs_of("w-envs") == 1
+        assert asked_for({"envs": ["e1", "e2", "e3"]}) == []  # no number: the list each time
+        assert envs_of("w-envs") == 3
+        s.send(P.encode(P.HEARTBEAT, {"running": 0, "envs_v": -1}))
+        while (reply := P.decode(s.recv(), frozenset({P.ERROR, P.HEARTBEAT})))[0] != P.ERROR:
+            pass
+        assert reply[1]["code"] == "malformed"
+    finally:
+        ctx.destroy(0)
+    assert c.status()["internal_errors"] == 0

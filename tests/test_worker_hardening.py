@@ -433,3 +433,26 @@ def test_outcomes_sent_just_before_a_long_outage_are_sent_again_once_welcomed(tm
         worker._stop = True
         t.join(10)
         coord.close()
+
+
+def test_a_sandbox_worker_lists_its_environments_once_then_only_when_asked(tmp_path):
+    coord = FakeCoordinator()
+    cfg = WorkerConfig(connection=ConnectionInfo(client_address="", worker_address=coord.address), cores=1,
+                       kinds=("sandbox",), heartbeat_s=HB, run_dir=str(tmp_path), worker_id="w-envs",
+                       unsafe_sandbox=True)
+    worker = Worker(cfg)
+    t = threading.Thread(target=worker.run, daemon=True)
+    t.start()
+    try:
+        coord.until(lambda: len(coord.heartbeats) >= 3)
+        first, *later = [body for _, body in coord.heartbeats]
+        assert first["envs"] == [] and all("envs" not in b and b["envs_v"] == first["envs_v"] for b in later)
+        coord.send(P.HEARTBEAT, {"coordinator": "fake", "send_envs": first["envs_v"]})
+        n = len(coord.heartbeats)
+        coord.until(lambda: any("envs" in b for _, b in coord.heartbeats[n:]))
+        listed = next(b for _, b in coord.heartbeats[n:] if "envs" in b)
+        assert listed["envs"] == [] and listed["envs_v"] > first["envs_v"]
+    finally:
+        worker._stop = True
+        t.join(10)
+        coord.close()

@@ -36,6 +36,7 @@ Workers registering, draining, leaving and lost are :class:`~.membership.WorkerM
 from __future__ import annotations
 
 import heapq
+import sys
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -82,7 +83,7 @@ class _Action:
         self.attempt = 0
         self.worker: str | None = None
         self.cores = 0
-        self.failures: list[str] = []
+        self.failures: list[str] | None = None   # why its attempts failed (None until one did: a list each is 56 B)
         self.waiters: list[tuple[bytes, str]] | None = None  # (client, action id) sharing an idempotency key
         self.held = False       # kept from the policy until its environment can be used
         self.in_env = False     # its running attempt is counted in its environment's record
@@ -90,6 +91,14 @@ class _Action:
         self.assigned = 0.0     # when its current attempt was assigned (actions with an environment)
         self.prepare = 0.0      # seconds its current attempt may take to create or restore its environment
         self.away = 0           # its attempt that may still run on a worker gone silent (0: none)
+
+    def attempt_failed(self, why: str) -> None:
+        if self.failures is None:
+            self.failures = []
+        self.failures.append(why)
+
+    def last_failures(self, n: int) -> list[str]:
+        return self.failures[-n:] if self.failures else []
 
     def share(self, client: bytes, aid: str) -> None:
         """Answer ``client`` too, under ``aid``, when this action has its result."""
@@ -191,6 +200,8 @@ class ActionLedger:
         for w in wires:
             try:
                 spec = ActionSpec.from_wire(w)
+                # one string per kind, not one each (the wire map kept to send is the spec's largest part)
+                w["k"] = spec.kind = sys.intern(spec.kind)
             except ValidationError as e:
                 aid = w.get("i") if isinstance(w, dict) else None
                 answers.reject(client, aid if isinstance(aid, str) and len(aid) <= ID_MAX else None, str(e), now)
@@ -467,7 +478,7 @@ class ActionLedger:
                 # attempt may still be running there, so it is not run again past its time.
                 a.held = False
                 self.envlife.kill_when_back(a)
-                why += f"; its worker stopped answering meanwhile ({'; '.join(a.failures[-1:])})"
+                why += f"; its worker stopped answering meanwhile ({'; '.join(a.last_failures(1))})"
             else:
                 self._kill(a, now)
             self._finalize(a, Status.TIMEOUT, None, why, 0.0, now)

@@ -106,7 +106,7 @@ class EnvironmentLifecycle:
             n = self._prior_attempts.pop(a.spec.id, 0)
             if n:
                 a.attempt = a.away = n      # started under the previous coordinator: it may still run
-                a.failures.append(f"attempt {n} started under the previous coordinator and did not report")
+                a.attempt_failed(f"attempt {n} started under the previous coordinator and did not report")
         rec = self.directory.get(env)
         if env in self._closing or (rec is not None and rec.status not in USABLE):
             a.held = True

@@ -152,12 +152,12 @@ class WorkerMembership:
             env = env_of(a.spec)
             if not dead and env in affected:
                 a.away = a.attempt      # its environment waits for that worker, where it may still run
-            a.failures.append(f"attempt {a.attempt} on {worker_id}: {reason}")
+            a.attempt_failed(f"attempt {a.attempt} on {worker_id}: {reason}")
             if a.attempt >= max_attempts:
                 if a.away == a.attempt:
                     self.envlife.kill_when_back(a)     # given up on, but it may still run on the silent worker
                 self._finalize(a, Status.ERROR, None,
-                               f"gave up after {a.attempt} attempts: " + "; ".join(a.failures[-3:]), 0.0, now)
+                               f"gave up after {a.attempt} attempts: " + "; ".join(a.last_failures(3)), 0.0, now)
             else:
                 self.counters.retried += 1
                 if env is None:

@@ -36,7 +36,7 @@ class WorkerRecord:
 
     __slots__ = ("info", "ident", "last_seen", "running", "busy_cores", "zombies", "state", "drain_reason",
                  "idle_since", "services", "envs", "registered_at", "launched_shape", "launched_at",
-                 "service_counts", "service_costs", "devices", "leaving", "envs_listed")
+                 "service_counts", "service_costs", "devices", "leaving", "envs_v")
 
     def __init__(self, info: WorkerInfo, ident: bytes, now: float):
         self.info = info
@@ -50,7 +50,7 @@ class WorkerRecord:
         self.idle_since: float | None = now
         self.services: frozenset[str] = frozenset()
         self.envs: frozenset[str] = frozenset()
-        self.envs_listed: list = []      # the last heartbeat's list, as it came (``envs`` is its set)
+        self.envs_v: int | None = None   # the number of the worker's list ``envs`` was made from
         self.registered_at = now
         self.launched_shape: WorkerShape | None = None   # set by the pool driver for workers it launched
         self.launched_at: float | None = None            # ... and when it asked the backend for it
@@ -135,12 +135,11 @@ class WorkerRegistry:
             w.services = frozenset(s for s in services if isinstance(s, str))
             changed = True
         envs = body.get("envs")
-        # A worker lists every environment it holds each heartbeat (25,000 each at 100k environments
-        # on 4 workers) and the list seldom changes: compared as it came, in order, it costs a
-        # fraction of hashing each name into a set (their hashes are not cached: fresh strings).
-        if isinstance(envs, list) and envs != w.envs_listed:
-            w.envs_listed = envs
-            held = frozenset(e for e in envs if isinstance(e, str))
+        # A worker lists its environments (25,000 each at 100k environments on 4 workers) only when
+        # they changed, numbered; a heartbeat without them says which list it still holds.
+        if isinstance(envs, list):
+            w.envs_v = body.get("envs_v")
+            held = frozenset(envs)
             if held != w.envs:
                 w.envs = held
                 changed = True
@@ -154,6 +153,13 @@ class WorkerRegistry:
         if isinstance(devices, list):
             w.devices = _devices(devices, w.info.services)
         return changed
+
+    @staticmethod
+    def envs_unknown(w: WorkerRecord, body: dict) -> bool:
+        """Whether a heartbeat names an environment list (``envs_v``) this coordinator has not
+        received (a list lost with a coordinator that restarted, a registration): ask for it."""
+        v = body.get("envs_v")
+        return v is not None and v != w.envs_v
 
     def mark_draining(self, w: WorkerRecord, reason: str, now: float) -> None:
         w.state = WorkerState.DRAINING
