@@ -99,25 +99,11 @@ ensure_packages() {
     return 0
 }
 
-write_config() {
-    mkdir -p "$ETC"
-    if [[ -e $ETC/slurm.conf ]] && ! grep -qF "$MARKER" "$ETC/slurm.conf"; then
-        die "$ETC/slurm.conf exists and was not written by this script; refusing to overwrite it"
-    fi
-    cat >"$ETC/slurm.conf" <<EOF
-$MARKER
-ClusterName=$CLUSTER
-SlurmctldHost=localhost
-SlurmUser=root
+shared_config() {  # the settings both clusters' slurm.conf share
+    cat <<'EOF'
 AuthType=auth/munge
 MailProg=/bin/true
 MpiDefault=none
-StateSaveLocation=$BASE/state
-SlurmdSpoolDir=$BASE/spool
-SlurmctldPidFile=$BASE/run/slurmctld.pid
-SlurmdPidFile=$BASE/run/slurmd.pid
-SlurmctldLogFile=$BASE/log/slurmctld.log
-SlurmdLogFile=$BASE/log/slurmd.log
 SlurmctldDebug=info
 SlurmdDebug=info
 # no cgroups on these machines
@@ -134,13 +120,33 @@ KillWait=5
 MinJobAge=300
 InactiveLimit=0
 MessageTimeout=10
-GresTypes=gpu
 JobAcctGatherType=jobacct_gather/linux
 JobAcctGatherFrequency=5
 AccountingStorageType=accounting_storage/slurmdbd
 AccountingStorageHost=localhost
-AccountingStorageTRES=gres/gpu
 JobCompType=jobcomp/none
+EOF
+}
+
+write_config() {
+    mkdir -p "$ETC"
+    if [[ -e $ETC/slurm.conf ]] && ! grep -qF "$MARKER" "$ETC/slurm.conf"; then
+        die "$ETC/slurm.conf exists and was not written by this script; refusing to overwrite it"
+    fi
+    cat >"$ETC/slurm.conf" <<EOF
+$MARKER
+ClusterName=$CLUSTER
+SlurmctldHost=localhost
+SlurmUser=root
+StateSaveLocation=$BASE/state
+SlurmdSpoolDir=$BASE/spool
+SlurmctldPidFile=$BASE/run/slurmctld.pid
+SlurmdPidFile=$BASE/run/slurmd.pid
+SlurmctldLogFile=$BASE/log/slurmctld.log
+SlurmdLogFile=$BASE/log/slurmd.log
+$(shared_config)
+GresTypes=gpu
+AccountingStorageTRES=gres/gpu
 NodeName=localhost NodeAddr=127.0.0.1 CPUs=$CPUS RealMemory=$MEM_MB Gres=gpu:4 State=UNKNOWN
 PartitionName=cpu Nodes=localhost Default=YES MaxTime=INFINITE State=UP
 PartitionName=gpu Nodes=localhost Default=NO MaxTime=INFINITE State=UP
@@ -299,37 +305,16 @@ FirstJobId=$((${last:-0} + 1))
 SlurmctldHost=localhost(127.0.0.1)
 SlurmctldPort=6917
 SlurmUser=root
-AuthType=auth/munge
-MailProg=/bin/true
-MpiDefault=none
 StateSaveLocation=$MBASE/state
 SlurmdSpoolDir=$MBASE/spool/%n
 SlurmctldPidFile=$MBASE/run/slurmctld.pid
 SlurmdPidFile=$MBASE/run/slurmd-%n.pid
 SlurmctldLogFile=$MBASE/log/slurmctld.log
 SlurmdLogFile=$MBASE/log/slurmd-%n.log
-SlurmctldDebug=info
-SlurmdDebug=info
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core_Memory
-DefMemPerCPU=256
-SlurmdParameters=config_overrides
-ReturnToService=2
-SchedulerParameters=batch_sched_delay=0,sched_min_interval=0
+$(shared_config)
 # a lost node is DOWN, and its jobs NODE_FAIL, within seconds; Slurm does not start them again
 SlurmdTimeout=10
 JobRequeue=0
-KillWait=5
-MinJobAge=300
-InactiveLimit=0
-MessageTimeout=10
-JobAcctGatherType=jobacct_gather/linux
-JobAcctGatherFrequency=5
-AccountingStorageType=accounting_storage/slurmdbd
-AccountingStorageHost=localhost
-JobCompType=jobcomp/none
 EOF
     for ((k = 1; k <= n; k++)); do
         echo "NodeName=n$k NodeAddr=127.0.0.$((k + 1)) Port=$((6920 + k)) CPUs=$MCPUS RealMemory=$MEM_MB State=UNKNOWN" >>"$MCONF"
