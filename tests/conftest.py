@@ -35,13 +35,15 @@ def cluster(tmp_path_factory):
 
 @pytest.fixture
 def hosts(tmp_path):
-    """Makes worker-side environment hosts (``hosts("w1")``) over one snapshot directory, closed after the test."""
+    """Makes worker-side environment hosts (``hosts("w1")``) over one snapshot directory, closed after the test;
+    ``hosts("w1", manager)`` hosts a manager the test made instead."""
     from tangram_hpc.managers import SandboxManager
     from tangram_hpc.managers.env_host import EnvHost
     made = []
 
-    def host(name: str) -> EnvHost:
-        h = EnvHost(SandboxManager(tmp_path / name / "envs", tmp_path / "snapshots"), lambda: None)
+    def host(name: str, manager: SandboxManager | None = None) -> EnvHost:
+        mgr = manager if manager is not None else SandboxManager(tmp_path / name / "envs", tmp_path / "snapshots")
+        h = EnvHost(mgr, lambda: None)
         made.append(h)
         return h
     yield host

@@ -227,17 +227,8 @@ def _zombie(pid: int) -> bool:
 # -- exactly once, with a live session ---------------------------------------------------------
 
 @pytest.fixture
-def session_hosts(tmp_path):
-    made = []
-
-    def host(name: str) -> EnvHost:
-        h = EnvHost(_manager(tmp_path / name), lambda: None)
-        made.append(h)
-        return h
-    yield host
-    for h in made:
-        h.close()
-        h.mgr.close()
+def session_hosts(tmp_path, hosts):
+    return lambda name: hosts(name, _manager(tmp_path / name))
 
 
 def run_in(h: EnvHost, spec, grant: list, *, journal: bool = True):
