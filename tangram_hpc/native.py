@@ -60,6 +60,7 @@ COMPILED = (
     "tangram_hpc.policy.records",
     "tangram_hpc.policy.capacity",
     "tangram_hpc.policy.queues",
+    "tangram_hpc.policy.homes",
     "tangram_hpc.policy.replicas",
     "tangram_hpc.policy.order",
     "tangram_hpc.policy.grants",

@@ -209,23 +209,30 @@ def test_the_docs_picture_puts_every_top_level_module_and_folder_in_its_layer():
         assert picture[label] == (members - {""}) | ({"__init__"} if "" in members else set()), label
 
 
-#: Classes over this many lines and modules over that many need a line in docs/architecture.md
-#: ("Sizes over the limits, and why") naming them.
+#: Classes over this many lines and modules over that many need a row in docs/architecture.md's
+#: table "Sizes over the limits, and why" naming them, with the reason.
 CLASS_LINES, MODULE_LINES = 500, 800
 
 
-def test_every_class_and_module_over_the_size_limits_is_explained_in_the_docs():
+def _size_excuses() -> dict[str, str]:
+    """What the table of "Sizes over the limits, and why" names (its first cell), and the reason given."""
     text = ARCHITECTURE.read_text()
-    why = text[text.index("## Sizes over the limits, and why"):]
-    why = why[:why.index("What moved out")]
+    section = text[text.index("## Sizes over the limits, and why"):]
+    section = section[:section.index("What moved out")]
+    rows = [line.strip().strip("|").split(" | ") for line in section.splitlines() if line.startswith("| `")]
+    return {cells[0].strip(): cells[-1].strip() for cells in rows if len(cells) == 3}
+
+
+def test_every_class_and_module_over_the_size_limits_is_explained_in_the_docs():
+    excuses = _size_excuses()
     unexplained = []
     for module, path in sorted(MODULES.items()):
         src = path.read_text()
         rel = path.relative_to(PACKAGE).as_posix()
-        if src.count("\n") > MODULE_LINES and f"`{rel}`" not in why:
+        if src.count("\n") > MODULE_LINES and not excuses.get(f"`{rel}`"):
             unexplained.append(f"{rel}: {src.count(chr(10))} lines")
         for node in ast.walk(ast.parse(src)):
             if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > CLASS_LINES:
-                if f"`{rel}`, `{node.name}`" not in why:
+                if not excuses.get(f"`{rel}`, `{node.name}`"):
                     unexplained.append(f"{rel}:{node.name}: {node.end_lineno - node.lineno + 1} lines")
     assert not unexplained, "say why in docs/architecture.md, or split: " + "; ".join(unexplained)

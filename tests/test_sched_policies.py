@@ -413,27 +413,27 @@ def test_an_environments_record_lives_while_something_refers_to_it_and_no_longer
     p.finished("a1", 5, run_time=5.0)
     assert [(a.action_id, a.worker_id) for a in p.schedule(5)] == [("a2", "w1")]
     p.finished("a2", 10, run_time=5.0)
-    assert p.env_host("E") == "w1" and "E" in p._envs        # still hosted, its idle time kept
+    assert p.env_host("E") == "w1" and "E" in p.homes.envs        # still hosted, its idle time kept
     p.close_env("E")                                            # the trajectory ended
-    assert p.env_host("E") is None and p._envs == {}
+    assert p.env_host("E") is None and p.homes.envs == {}
     # a pending action that is cancelled takes its environment's record with it
     p.submit(ActionSpec("sandbox", id="big", demand=Demand(1, 1)), 10)
     assert [a.action_id for a in p.schedule(10)] == ["big"]
     p.submit(ActionSpec("sandbox", id="b1", env="F"), 10)
     p.submit(ActionSpec("sandbox", id="b2", env="F"), 10)
-    assert p.schedule(10) == [] and set(p._envs) == {"F"}
+    assert p.schedule(10) == [] and set(p.homes.envs) == {"F"}
     assert p.cancel("b1")                                       # its first action leaves: b2 goes first now
     p.finished("big", 11, run_time=1.0)
     assert [a.action_id for a in p.schedule(11)] == ["b2"] and p.env_host("F") == "w1"
     p.finished("b2", 12, run_time=1.0)
     p.close_env("F")
-    assert p._envs == {}
+    assert p.homes.envs == {}
     # and a worker's loss leaves nothing behind for an environment nobody uses any more
     p.submit(ActionSpec("sandbox", id="c1", env="G"), 12)
     assert [a.action_id for a in p.schedule(12)] == ["c1"]
     assert p.remove_worker("w1", 13) == ["c1"] and p.env_host("G") is None
     p.close_env("G")
-    assert p._envs == {}
+    assert p.homes.envs == {}
 
 
 def test_an_environment_with_an_action_running_is_not_moved():

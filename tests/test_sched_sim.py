@@ -305,8 +305,9 @@ def test_policies_and_simulator_import_no_live_code():
         return out
 
     for f in (root / "policy").glob("*.py"):
-        assert imports(f) <= {"", "base", "records", "capacity", "queues", "replicas", "order", "grants", "loading",
-                              "moves", "placement", "predict", "prefetch", "residency", "..actions", "..resources"}, f
+        assert imports(f) <= {"", "base", "records", "capacity", "queues", "homes", "replicas", "order", "grants",
+                              "loading", "moves", "placement", "predict", "prefetch", "residency", "..actions",
+                              "..resources"}, f
     ledger_core = {"..coordinator.ledger", "..protocol", "..config"}
     for f in (root / "sim").glob("*.py"):
         allowed = {"..actions", "..resources", "..errors"} | (ledger_core if f.name == "ledger_driver.py" else set())

@@ -38,7 +38,7 @@ def test_a_lost_worker_unpins_its_environments():
     p = crowded(True, True)
     assert p.env_moves() == []
     p.remove_worker("w1", 3)
-    assert not p._envs["E"].pinned          # its processes died with w1: wherever E goes next, it may move
+    assert not p.homes.envs["E"].pinned          # its processes died with w1: wherever E goes next, it may move
     p.cancel("e2")
     p.submit(ActionSpec("sandbox", id="e2", env="E", duration_hint=1.0), 4)
     assert [(a.action_id, a.worker_id) for a in p.schedule(4)] == [("e2", "w2")]

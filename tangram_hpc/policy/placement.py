@@ -26,7 +26,8 @@ The state is the policy's records (:mod:`.records`): one :class:`ActionRecord` p
 :class:`WorkerRecord` per worker, one :class:`EnvState` per environment, the :class:`Tally` of
 counts; the placement queues (:mod:`.queues`: waiting actions are never scanned one by one), the
 free-capacity index (:mod:`.capacity`), the services and their replicas with the check of what
-fits the pool at all (:mod:`.replicas`).
+fits the pool at all and the actions that fit nothing (:mod:`.replicas`), where each environment
+lives (:mod:`.homes`).
 
 Cores are granted in two phases.  Every start of a :meth:`~PlacementPolicy.schedule` call first
 takes ``min_cores``; once everything placeable has started, elastic starts grow to their grant
@@ -42,14 +43,15 @@ from ..resources import ResourceClass, ServiceInfo, WorkerInfo, WorkerShape
 from .base import Assignment, SchedulingPolicy, mypyc_attr
 from .capacity import CapacityIndex, fits
 from .grants import Grant, rigid_change
+from .homes import EnvHomes
 from .loading import Layout, LoadAtOnce, Loading
 from .moves import EnvMoves, MoveWhenSooner
 from .order import Order, SubmitOrder
 from .predict import Predictor
 from .prefetch import Prefetch
 from .queues import PlacementQueues
-from .records import (GONE, PENDING, RUNNING, ActionRecord, ActionState, EnvState, KindLoad, OfferedLoad,
-                      PlacementQueue, ServiceReplica, ShapeLimit, Tally, WorkerRecord, water_level)
+from .records import (GONE, PENDING, RUNNING, ActionRecord, ActionState, KindLoad, OfferedLoad, PlacementQueue,
+                      ServiceReplica, ShapeLimit, Tally, WorkerRecord, water_level)
 from .replicas import FitCheck, ServiceTable
 
 __all__ = ["PlacementPolicy", "ActionState", "ActionRecord", "ServiceReplica", "WorkerRecord", "PlacementQueue",
@@ -90,13 +92,12 @@ class PlacementPolicy(SchedulingPolicy):
         self._waiting: dict[str, ActionRecord] = {}    # the pending ones
         self.workers: dict[str, WorkerRecord] = {}
         self._kinds: dict[str, KindLoad] = {}
-        self._envs: dict[str, EnvState] = {}     # environments with a host, a live action or a known idle time
         self._seq = 0
         self._wseq = 0
-        self._unplaceable: dict[str, tuple[ActionRecord, str]] = {}
         self._grow: list[tuple[ActionRecord, WorkerRecord]] = []
         self.offered = OfferedLoad()
         self.queues = PlacementQueues(self)
+        self.homes = EnvHomes(self.queues)
         self.capacity = CapacityIndex(self.workers)
         self.replicas = ServiceTable(self)
         self.fit = FitCheck(self)
@@ -123,20 +124,7 @@ class PlacementPolicy(SchedulingPolicy):
         services the pool's service workers are started with (None: any), so a
         call of another service, or of any when no shape serves, is unplaceable.
         """
-        self.fit.set_shapes(shapes, hosted)
-        for rec in list(self._recs.values()):
-            if rec.state is not PENDING:
-                continue
-            why = self.fit.too_big(rec.spec)
-            aid = rec.aid
-            if why and aid not in self._unplaceable:
-                self.queues.leave(rec)
-                self._unplaceable[aid] = (rec, why)     # held outside every queue until cancelled
-            elif not why and aid in self._unplaceable:
-                del self._unplaceable[aid]
-                if rec.service:
-                    self._note_service(rec)
-                self.queues.route(rec)
+        self.fit.set_shapes(shapes, hosted, list(self._recs.values()))
 
     def set_services(self, services: Mapping[str, ServiceInfo]) -> None:
         """The reward-model services of the run: size, batch limit, known load time.
@@ -147,17 +135,6 @@ class PlacementPolicy(SchedulingPolicy):
         """
         self.replicas.declare(services)
         self.fit.changed()          # a service's size decides where its calls fit
-
-    def _env_state(self, env: str) -> EnvState:
-        es = self._envs.get(env)
-        if es is None:
-            es = self._envs[env] = EnvState(env)
-        return es
-
-    def _forget_env(self, es: EnvState) -> None:
-        """Drop ``es`` once nothing refers to it: no host, no action of it live, no idle time kept."""
-        if es.live == 0 and es.host is None and es.idle < 0 and self._envs.get(es.name) is es:
-            del self._envs[es.name]
 
     def waiting(self, action_id: str) -> ActionRecord | None:
         """The record of a pending action (None: not pending)."""
@@ -182,11 +159,7 @@ class PlacementPolicy(SchedulingPolicy):
         self.tally.free_cores += w.free_cores
         for k in w.kinds:
             self.kind_load(k).capacity += w.cores
-        replicas = self.replicas
-        starts = self.layout.starts_with(info)  # what the worker preloads (what it is configured with)
-        for name, s in replicas.info.items():
-            if name in starts and w.gpu_mem - w.gpu_used >= s.gpu_mem_mb:
-                replicas.make_resident(w, name, s.gpu_mem_mb, now + self.predictor.load_time(name))
+        self.replicas.preload(w, self.layout.starts_with(info), now)
         self._touch(w)
 
     def remove_worker(self, worker_id: str, now: float) -> list[str]:
@@ -207,13 +180,7 @@ class PlacementPolicy(SchedulingPolicy):
                 self.kind_load(k).capacity -= w.cores
         for svc in w.services:
             self.replicas.drop_replica(svc, w)
-        for env in w.envs:
-            es = self._envs.get(env)
-            if es is not None and es.host is w:
-                es.host = None
-                es.pinned = False     # its processes died with the worker
-                self._forget_env(es)
-        w.envs.clear()
+        self.homes.lost(w)
         self.queues.strand(w)
         return lost
 
@@ -229,41 +196,16 @@ class PlacementPolicy(SchedulingPolicy):
 
     def update_worker(self, worker_id: str, *, services: frozenset[str] | None = None,
                       envs: frozenset[str] | None = None, now: float = 0.0) -> None:
-        """Worker-reported state.
-
-        ``services``: the services resident on the worker now.  They are ready
-        from now on; a resident one not reported (and idle) was evicted; one
-        the policy counts as loading stays until its load is due.
-        """
+        """Worker-reported state: the services resident on it (see
+        :meth:`~.replicas.ServiceTable.reported`) and the environments it holds."""
         w = self.workers.get(worker_id)
         if w is None:
             return
         if services is not None:
-            replicas = self.replicas
-            for svc in services:
-                st = w.services.get(svc)
-                if st is None:
-                    replicas.make_resident(w, svc, replicas.mem(svc, 0), now)
-                elif st.ready_at > now:
-                    st.ready_at = now
-            for svc in [s for s, st in w.services.items()
-                        if s not in services and st.running == 0 and st.ready_at <= now]:
-                replicas.evict(w, svc)
+            self.replicas.reported(w, services, now)
             self._touch(w)
         if envs is not None:
-            for env in envs:
-                if env not in w.envs:
-                    es = self._env_state(env)
-                    if es.host is not None:
-                        es.host.envs.discard(env)
-                    es.host = w
-                    w.envs.add(env)
-            for env in [e for e in w.envs if e not in envs]:
-                w.envs.discard(env)
-                gone = self._envs.get(env)
-                if gone is not None and gone.host is w:
-                    gone.host = None
-                    self._forget_env(gone)
+            self.homes.reported(w, envs)
 
     def _touch(self, w: WorkerRecord) -> None:
         """A worker gained capacity (or joined): re-index it and arm the queues it may serve.
@@ -291,7 +233,7 @@ class PlacementPolicy(SchedulingPolicy):
         self._recs[aid] = rec
         self._waiting[aid] = rec
         if action.env is not None:
-            es = rec.envst = self._env_state(action.env)
+            es = rec.envst = self.homes.state(action.env)
             es.live += 1
             if es.idle >= 0:        # the gap between an environment's actions: its agent's think time
                 self.moves.resumed(es, now)
@@ -301,28 +243,21 @@ class PlacementPolicy(SchedulingPolicy):
         if not rec.light:
             rec.work = rec.time_at(rec.min_cores) * rec.min_cores
         rec.key = self.order.key(rec)
-        step = action.step
         replicas = self.replicas
-        if step is not None:
-            replicas.step_seen = True
-            if step > replicas.step:
-                replicas.step = step
+        if action.step is not None:
+            replicas.saw_step(action.step)
         why = self.fit.too_big(action)
         if rec.service and (why is None or rec.service in replicas.info):
             # a refused call of a service nobody knows leaves nothing behind: clients may name any
-            self._note_service(rec)
+            replicas.note(rec)
             self.loading.arrived(rec.service, now)
         self.tally.submitted(rec)
         if not rec.light:
             self.offered.count(rec, self.grant.best_cores(rec), now)
         if why:
-            self._unplaceable[aid] = (rec, why)
+            self.fit.held[aid] = (rec, why)
             return
         self.queues.route(rec)
-
-    def _note_service(self, rec: ActionRecord) -> None:
-        if self.replicas.note(rec):
-            self.fit.changed()      # a learned (or forgotten) size decides where calls fit
 
     @property
     def current_step(self) -> int | None:
@@ -340,11 +275,11 @@ class PlacementPolicy(SchedulingPolicy):
         del self._waiting[rec.aid]
         self.tally.withdrawn(rec)
         es = rec.envst
-        if self._unplaceable.pop(rec.aid, None) is None:       # (one set aside left its environment already)
+        if self.fit.held.pop(rec.aid, None) is None:       # (one set aside left its environment already)
             self.queues.withdraw(rec)
         if es is not None:
             es.live -= 1
-            self._forget_env(es)
+            self.homes.forget(es)
         return True
 
     # -- completion --------------------------------------------------------------
@@ -397,7 +332,7 @@ class PlacementPolicy(SchedulingPolicy):
                 es.busy -= 1
                 if not rec.elastic and rec.cores:
                     rigid_change(w, -rec.cores, now)
-            self._forget_env(es)
+            self.homes.forget(es)
         if w is None:
             return
         w.ends = None
@@ -504,10 +439,8 @@ class PlacementPolicy(SchedulingPolicy):
             if not rec.elastic and rec.cores:
                 rigid_change(w, rec.cores, now)
             es.busy += 1
-            if es.host is None:         # its first action to start: the environment lives here now
-                es.host = w
-                w.envs.add(es.name)
-                self.queues.release_first(es)
+            if es.host is None:
+                self.homes.settle(es, w)
             elif es.first is rec:
                 es.first = None
         if rec.elastic:
@@ -516,9 +449,7 @@ class PlacementPolicy(SchedulingPolicy):
 
     # -- environments ------------------------------------------------------------
     def env_processes(self, env: str, live: bool) -> None:
-        es = self._envs.get(env)
-        if es is not None:
-            es.pinned = live and self.pin_live_envs
+        self.homes.pin(env, live and self.pin_live_envs)
 
     def env_moves(self) -> list[str]:
         return self.moves.take()
@@ -527,24 +458,14 @@ class PlacementPolicy(SchedulingPolicy):
         self.moves.observe(seconds)
 
     def env_host(self, env: str) -> str | None:
-        es = self._envs.get(env)
-        return es.host.id if es is not None and es.host is not None else None
+        w = self.homes.host(env)
+        return w.id if w is not None else None
 
     def close_env(self, env: str) -> None:
         """Stop pinning actions to ``env``: it was destroyed (its trajectory ended), saved for a move,
         or it is only a placement hint the scheduler wants elsewhere.  Its actions still waiting on
         its worker go back to the shared queues (the next to start pins it again)."""
-        es = self._envs.get(env)
-        if es is None:
-            return
-        w = es.host
-        es.host = None
-        es.idle = -1.0
-        self._forget_env(es)
-        if w is None:
-            return
-        w.envs.discard(env)
-        self.queues.reroute_env(es, w)
+        self.homes.close(env)
 
     # -- views -------------------------------------------------------------------
     @property
@@ -556,11 +477,12 @@ class PlacementPolicy(SchedulingPolicy):
         return self.tally.running
 
     def pending_actions(self) -> list[ActionSpec]:
-        return [r.spec for r in self._waiting.values() if r.aid not in self._unplaceable]
+        held = self.fit.held
+        return [r.spec for r in self._waiting.values() if r.aid not in held]
 
     def unplaceable(self, now: float) -> list[tuple[str, str]]:
         """Pending actions larger than every configured shape; they stay pending until cancelled."""
-        return [(aid, why) for aid, (_, why) in self._unplaceable.items()]
+        return [(aid, why) for aid, (_, why) in self.fit.held.items()]
 
     def resident_services(self, worker_id: str) -> frozenset[str]:
         w = self.workers.get(worker_id)

@@ -19,7 +19,7 @@ from ..actions import ActionSpec, Demand
 from ..resources import ServiceInfo, WorkerShape
 from .base import mypyc_attr
 from .capacity import fits
-from .records import ActionRecord, PlacementQueue, ServiceReplica, ShapeLimit, WorkerRecord
+from .records import PENDING, ActionRecord, PlacementQueue, ServiceReplica, ShapeLimit, WorkerRecord
 
 if TYPE_CHECKING:
     from .placement import PlacementPolicy
@@ -76,6 +76,31 @@ class ServiceTable:
         heapq.heappush(self.loads, (ready_at, self._nloads, w))
         return st
 
+    def preload(self, w: WorkerRecord, starts: frozenset[str], now: float) -> None:
+        """``w`` joined, configured to load ``starts``: count those loading that its GPU memory holds."""
+        for name, s in self.info.items():
+            if name in starts and w.gpu_mem - w.gpu_used >= s.gpu_mem_mb:
+                self.make_resident(w, name, s.gpu_mem_mb, now + self._policy.predictor.load_time(name))
+
+    def reported(self, w: WorkerRecord, services: frozenset[str], now: float) -> None:
+        """``w`` reports ``services`` resident: they are ready from now on; a resident one not
+        reported (and idle) was evicted; one counted as loading stays until its load is due."""
+        for svc in services:
+            st = w.services.get(svc)
+            if st is None:
+                self.make_resident(w, svc, self.mem(svc, 0), now)
+            elif st.ready_at > now:
+                st.ready_at = now
+        for svc in [s for s, st in w.services.items()
+                    if s not in services and st.running == 0 and st.ready_at <= now]:
+            self.evict(w, svc)
+
+    def saw_step(self, step: int) -> None:
+        """An action of RL step ``step`` was submitted."""
+        self.step_seen = True
+        if step > self.step:
+            self.step = step
+
     def due_loads(self, now: float) -> list[WorkerRecord]:
         """The workers where a replica placed loading is due by ``now`` (each once, popped)."""
         loads = self.loads
@@ -105,9 +130,9 @@ class ServiceTable:
         """A service somebody waits for, or one this or the previous RL step called (its step's tail will)."""
         return self._policy.tally.service_pending.get(svc, 0) > 0 or self.last_step.get(svc, -10) >= self.step - 1
 
-    def note(self, rec: ActionRecord) -> bool:
-        """``rec`` calls its service: learn the size of an undeclared one, and the step it was last
-        called in.  Returns whether a learned size changed what fits."""
+    def note(self, rec: ActionRecord) -> None:
+        """``rec`` calls its service: learn the size of an undeclared one (which decides where its
+        calls fit), and the step it was last called in."""
         svc = rec.service
         assert svc is not None
         known = self.info.get(svc)
@@ -124,7 +149,8 @@ class ServiceTable:
             changed = True
         step = rec.spec.step
         self.last_step[svc] = self.step if step is None else step
-        return changed
+        if changed:
+            self._policy.fit.changed()
 
     def forget_idle(self) -> None:
         """Forget the undeclared services nothing waits for and no worker holds (their size, last
@@ -225,11 +251,32 @@ class FitCheck:
         # actions of a class share one Demand (the entry holds it, so its id is not reused while
         # the entry stands); by value for a client's actions, which each bring their own.
         self._memo: dict[tuple, tuple[Demand, str | None]] = {}
+        # pending actions that fit nothing, by id, with why: held outside every queue until cancelled
+        # (or until new shapes make them fit)
+        self.held: dict[str, tuple[ActionRecord, str]] = {}
 
-    def set_shapes(self, shapes: Iterable[WorkerShape | ShapeLimit], hosted: Iterable[str] | None) -> None:
+    def set_shapes(self, shapes: Iterable[WorkerShape | ShapeLimit], hosted: Iterable[str] | None,
+                   records: Iterable[ActionRecord] = ()) -> None:
+        """The shapes the pool can provide, and the services they host (None: any); the pending
+        actions among ``records`` are set aside, or routed again, by what fits them now."""
         self.limits = tuple(s if isinstance(s, ShapeLimit) else ShapeLimit.of(s) for s in shapes)
         self.hosted = None if hosted is None else frozenset(hosted)
         self._memo.clear()
+        policy = self._policy
+        held = self.held
+        for rec in records:
+            if rec.state is not PENDING:
+                continue
+            why = self.too_big(rec.spec)
+            aid = rec.aid
+            if why and aid not in held:
+                policy.queues.leave(rec)
+                held[aid] = (rec, why)
+            elif not why and aid in held:
+                del held[aid]
+                if rec.service:
+                    policy.replicas.note(rec)
+                policy.queues.route(rec)
 
     def changed(self) -> None:
         """What fits may have changed (a worker came or went, a service's size is known): forget the answers."""
