@@ -127,6 +127,7 @@ class Session:
         """Wait until every process of the session is frozen; False if that did not happen."""
         if self.dead is not None:
             return True
+        self.freeze()           # not asked for yet when it waits for the action's reply (LiveEnvs.after_reply)
         if self.freezer == "sigstop":
             return self._stop_all(time.monotonic() + _FREEZE_WAIT_S)
         return self.scope is None or self.scope.frozen(_FREEZE_WAIT_S)
