@@ -9,6 +9,9 @@ long-lived thread takes the turn if no one else has it, parks the session and mo
 for the next attempt (owned by no action: discarded if settled so).  The next action claims it by
 writing its id into it and runs at once; anything else that touches the environment first
 discards it.  Nothing runs in it before it is claimed: the session is frozen for certain first.
+A finished layer its action left untouched (:func:`~tangram_hpc.managers.env_layers.untouched`) is
+not settled but kept, mounted, for the next attempt the same way.  In a worker (:attr:`LiveEnvs.after_reply`)
+that thread also asks for the freeze, once the action's outcome is sent.
 """
 from __future__ import annotations
 
@@ -156,7 +159,8 @@ class LiveEnvs:
     def park(self, env: Environment, keep_ready: bool = False) -> None:
         """Bring ``env``'s live session (if any) between actions: frozen for certain, the last
         attempt's layer taken away and settled; a layer made ahead is discarded unless
-        ``keep_ready`` (the next action will :meth:`claim` it).  Called holding the environment's turn."""
+        ``keep_ready`` (the next action will :meth:`claim` it), and with ``keep_ready`` a last layer
+        left untouched is kept for it instead of settled.  Called holding the environment's turn."""
         if self.m.sessions is None:
             return
         session = self.m.sessions.get(env.id)
