@@ -515,6 +515,8 @@ class Worker:
         if self.session.older:
             self._send_older()
         self.frames.flush(self.sock)
+        if self.boxes is not None:
+            self.boxes.replied()
 
     def _item_limit(self) -> int:
         """The largest outcome sent: ``max_output_bytes``, and within the coordinator's frame limit."""

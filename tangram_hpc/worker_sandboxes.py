@@ -45,6 +45,7 @@ class WorkerSandboxes:
                                   result_bytes=cfg.max_output_bytes, **cfg.sandbox_options)
         self.mgr.check()  # no bubblewrap and no explicit --unsafe-sandbox: refuse to start, saying why
         self.envs = EnvHost(self.mgr, wake)
+        self.mgr.live.after_reply = True     # sessions frozen and layers made once DONE is sent: replied()
         live = self.mgr.session_status()
         log.info("sandbox sessions: %s", f"on, frozen by {live['freezer']}" if live.get("off") is None
                  else f"off ({live['off']})")
@@ -108,6 +109,11 @@ class WorkerSandboxes:
                 os.write(fd, b"\0")
             except OSError:
                 pass  # it just finished
+
+    def replied(self) -> None:
+        """The outcomes finished so far have been sent: what waited for that runs now (off their round
+        trips): their sessions are frozen and their next attempts' layers made."""
+        self.mgr.live.replied()
 
     def register_fields(self) -> dict:
         self._envs_sent = None     # a coordinator just (re)met gets the list with the first heartbeat

@@ -342,3 +342,44 @@ def test_an_action_that_does_not_run_in_the_session_discards_the_layer_made_ahea
     wait_until(lambda: s.dead is not None or s.layer_ready or not mgr.envs.get("e").live_layer,
                what="the environment to settle")
     assert ok(mgr.run(act("cat f", env="e"), CPU))["stdout"] == "a\n"
+
+
+def test_a_layer_the_action_left_untouched_serves_the_next_attempt_and_one_it_changed_is_settled(mgr):
+    mounted = []
+    mount = mgr.sessions.mounts.mount_layer
+
+    def recording(*a, **kw):
+        mounted.append(a)
+        return mount(*a, **kw)
+    mgr.sessions.mounts.mount_layer = recording
+    ok(mgr.run(act("echo 1 > n", env="e"), CPU))
+    s = session_of(mgr, "e")
+    wait_until(lambda: s.layer_ready, what="the next layer made ahead")
+    env = mgr.envs.get("e")
+    attempt = mgr.envs.attempt_path(env)
+    before = len(mounted), s.depth
+    assert ok(mgr.run(act("cat n", env="e"), CPU))["stdout"] == "1\n"        # writes nothing
+    wait_until(lambda: s.layer_ready, what="the layer kept for the next attempt")
+    assert (len(mounted), s.depth) == before                    # the same layer: nothing mounted
+    assert not (attempt / "action").exists()                    # owned by no action: discarded if settled so
+    out = ok(mgr.run(act("echo 2 >> n; cat n", env="e"), CPU))
+    assert out["stdout"] == "1\n2\n" and out["processes"] == "kept"
+    # A chmod of the environment's root changes only the layer's root: it is merged, not kept.
+    ok(mgr.run(act("chmod 700 .", env="e"), CPU))
+    wait_until(lambda: s.layer_ready, what="the next layer made ahead")
+    assert len(mounted) > before[0] and (env.path.stat().st_mode & 0o777) == 0o700
+    assert (env.path / "n").read_text() == "1\n2\n"
+
+
+def test_with_after_reply_the_session_is_frozen_once_the_reply_is_sent(mgr):
+    mgr.live.after_reply = True        # as in a worker, which calls replied() once its DONE is sent
+    ok(mgr.run(act("(while :; do :; done) & echo started", env="e"), CPU))
+    s = session_of(mgr, "e")
+    assert not s.frozen                # not before the reply: the action's round trip does not wait for it
+    mgr.live.replied()
+    wait_until(lambda: s.layer_ready, what="the session parked after the reply")
+    pids = s.pids()
+    before = ticks(pids)
+    time.sleep(1.0)                                         # a wait, not a measurement: no CPU may pass
+    assert ticks(pids) - before <= 1, "a frozen session used CPU"
+    assert ok(mgr.run(act("echo ok", env="e"), CPU))["processes"] == "kept"

@@ -82,11 +82,42 @@ def prepare(attempt: Path, env_dir: Path, action_id: str) -> None:
 
 
 def claim(attempt: Path, action_id: str) -> None:
-    """Give the attempt directory prepared ahead for no action (``""``: discarded if settled so)
-    to ``action_id``, before it runs: a crash before the write completes leaves it
+    """Give the attempt directory prepared ahead for no action (its ``action`` file empty or absent:
+    discarded if settled so) to ``action_id``, before it runs: a crash before the write completes leaves it
     discarded, which is right, since nothing ran in it yet."""
-    with open(attempt / "action", "w") as f:
-        f.write(action_id)
+    data = action_id.encode()
+    # Not O_TRUNC: the file is empty or absent here, and truncating costs ext4 a flush (~0.05-2 ms).
+    fd = os.open(attempt / "action", os.O_WRONLY | os.O_CREAT, 0o666)
+    try:
+        os.write(fd, data)
+        if os.fstat(fd).st_size > len(data):
+            os.ftruncate(fd, len(data))
+    finally:
+        os.close(fd)
+
+
+def unclaim(attempt: Path) -> None:
+    """Make the attempt directory owned by no action again (no ``action`` file: discarded if settled
+    so), for a layer that changed nothing and is kept for the next attempt (:func:`untouched`)."""
+    try:
+        os.unlink(attempt / "action")
+    except FileNotFoundError:
+        pass
+
+
+def untouched(attempt: Path, env_dir: Path) -> bool:
+    """Whether the attempt at ``attempt`` changed nothing: its upper layer is empty (no entry, no
+    whiteout) and its root has ``env_dir``'s owner and mode, all a merge would carry over.  Settling
+    it then is a no-op either way, and the layer, still mounted, can serve the next attempt."""
+    try:
+        up = os.stat(attempt / "upper", follow_symlinks=False)
+        low = os.stat(env_dir, follow_symlinks=False)
+        with os.scandir(attempt / "upper") as entries:
+            if next(entries, None) is not None:
+                return False
+    except OSError:
+        return False
+    return (up.st_uid, up.st_gid, up.st_mode) == (low.st_uid, low.st_gid, low.st_mode)
 
 
 def action_of(attempt: Path) -> str | None:

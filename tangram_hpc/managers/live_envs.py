@@ -9,6 +9,9 @@ long-lived thread takes the turn if no one else has it, parks the session and mo
 for the next attempt (owned by no action: discarded if settled so).  The next action claims it by
 writing its id into it and runs at once; anything else that touches the environment first
 discards it.  Nothing runs in it before it is claimed: the session is frozen for certain first.
+A finished layer its action left untouched (:func:`~tangram_hpc.managers.env_layers.untouched`) is
+not settled but kept, mounted, for the next attempt the same way.  In a worker (:attr:`LiveEnvs.after_reply`)
+that thread also asks for the freeze, once the action's outcome is sent.
 """
 from __future__ import annotations
 
@@ -49,6 +52,10 @@ class LiveEnvs:
         self._ahead_lock = threading.Lock()
         self._ahead_idle = threading.Condition(self._ahead_lock)
         self._ahead_pending = 0
+        #: Set by a worker that calls :meth:`replied` once it has sent an action's outcome: the session
+        #: is then frozen, and the next layer made, after the reply (off the action's round trip).
+        self.after_reply = False
+        self._replied: list[str] = []      # environments waiting for :meth:`replied`
 
     def exec(self, env: Environment, argv: list[str], stdin: bytes | None, extra_env: Mapping[str, str],
              limits: Limits, cpus, cancel_fd: int | None, attempt: Path | None):
@@ -83,7 +90,10 @@ class LiveEnvs:
             res = session.run(argv, environ, limits if not mem_in_cgroup else replace(limits, memory_mb=None), cpus, stdin,
                               cancel_fd, quota if quota.active else None)
         finally:
-            session.freeze()
+            if not self.after_reply or session.dead is not None:
+                session.freeze()
+            else:
+                self._wait_reply(env.id)
             if session.dead is not None:
                 # its processes and its mount namespace are gone: the attempt is settled as usual
                 sessions.forget(env.id, session.dead)
@@ -149,7 +159,8 @@ class LiveEnvs:
     def park(self, env: Environment, keep_ready: bool = False) -> None:
         """Bring ``env``'s live session (if any) between actions: frozen for certain, the last
         attempt's layer taken away and settled; a layer made ahead is discarded unless
-        ``keep_ready`` (the next action will :meth:`claim` it).  Called holding the environment's turn."""
+        ``keep_ready`` (the next action will :meth:`claim` it), and with ``keep_ready`` a last layer
+        left untouched is kept for it instead of settled.  Called holding the environment's turn."""
         if self.m.sessions is None:
             return
         session = self.m.sessions.get(env.id)
@@ -157,6 +168,7 @@ class LiveEnvs:
             if env.live_layer:     # the session died meanwhile: its namespace went with it
                 env.live_layer = False
             return
+        session.freeze()           # asked for after the reply (after_reply), and this came first
         if session.layer_ready:
             if not keep_ready:     # owned by no action: discarded, left mounted as any settled layer
                 session.layer_ready = env.live_layer = False
@@ -166,6 +178,13 @@ class LiveEnvs:
             return
         if not session.wait_frozen():
             self.end(env.id, "its processes could not be frozen")
+        attempt = self.m.envs.attempt_path(env)
+        if keep_ready and session.dead is None and env_layers.untouched(attempt, env.path):
+            # Nothing to merge: the layer stays mounted for the next attempt, owned by no action (as one
+            # made ahead), which spares a settle, a new layer and its mount.
+            env_layers.unclaim(attempt)
+            session.layer_mounted, session.layer_ready, session.commit_on_park = False, True, False
+            return
         # Settled under the layer still mounted (frozen: nothing uses it; the next attempt's layer
         # goes on top of it): see session_mounts for why it is not unmounted each time.
         session.layer_mounted = env.live_layer = False
@@ -195,20 +214,47 @@ class LiveEnvs:
         return attempt
 
     def ahead(self, env: Environment) -> None:
-        """``env``'s turn was just given back: make its next attempt's layer in the background."""
-        if self.m.sessions is None or self.m.unlayered_reason is not None or env.throwaway:
+        """``env``'s turn was just given back: freeze its session if that waits (:attr:`after_reply`) and
+        make its next attempt's layer, in the background (with :attr:`after_reply`, once :meth:`replied`)."""
+        if self.m.sessions is None:
             return
         session = self.m.sessions.get(env.id)
-        if session is None or session.mount_point is None or session.layer_ready:
+        if session is None or (session.frozen and not self._layered(env, session)):
+            return
+        if self.after_reply:
+            self._wait_reply(env.id)
             return
         with self._ahead_lock:
-            if self._ahead_thread is None:
-                self._ahead = queue.SimpleQueue()
-                self._ahead_thread = threading.Thread(target=self._serve_ahead, name="session-ahead", daemon=True)
-                self._ahead_thread.start()
-            assert self._ahead is not None
-            self._ahead_pending += 1
-            self._ahead.put(env.id)
+            self._queue(env.id)
+
+    def _wait_reply(self, env_id: str) -> None:
+        with self._ahead_lock:
+            self._replied.append(env_id)
+
+    def replied(self) -> None:
+        """The worker has sent the outcomes of the actions finished so far (:attr:`after_reply`): their
+        sessions are frozen and their next layers made now."""
+        if not self._replied:
+            return
+        with self._ahead_lock:
+            waiting, self._replied = self._replied, []
+            for env_id in dict.fromkeys(waiting):
+                self._queue(env_id)
+
+    def _layered(self, env: Environment, session: Session) -> bool:
+        """Whether ``env``'s next attempt gets a layer made ahead."""
+        return self.m.unlayered_reason is None and not env.throwaway and session.mount_point is not None \
+            and not session.layer_ready
+
+    def _queue(self, env_id: str) -> None:
+        """Hand ``env_id`` to the thread that parks sessions ahead (holding ``_ahead_lock``)."""
+        if self._ahead_thread is None:
+            self._ahead = queue.SimpleQueue()
+            self._ahead_thread = threading.Thread(target=self._serve_ahead, name="session-ahead", daemon=True)
+            self._ahead_thread.start()
+        assert self._ahead is not None
+        self._ahead_pending += 1
+        self._ahead.put(env_id)
 
     def quiesce(self, timeout: float = 30.0) -> None:
         """Wait until no layer is being made ahead (before a reclaim or a drop, which take no turn)."""
@@ -240,11 +286,10 @@ class LiveEnvs:
             self.m.envs.give_turn(env)
 
     def _make_ready(self, env: Environment) -> None:
-        self.park(env)
+        self.park(env, keep_ready=True)
         sessions = self.m.sessions
         session = sessions.get(env.id) if sessions is not None else None
-        if session is None or session.dead is not None or session.mount_point is None or session.layer_ready \
-                or env.live_layer:
+        if session is None or session.dead is not None or not self._layered(env, session) or env.live_layer:
             return
         attempt = self.m.envs.attempt_path(env)
         if os.path.lexists(attempt):

@@ -7,8 +7,9 @@ message to that server, which forks the command: a message and a fork instead of
 What a command leaves running (a shell, a kernel, a server) is there for the next action.
 
 Between actions the session's cgroup is **frozen**: its processes hold their memory but get no
-CPU and can write nothing.  The freeze is asked for when the command exits and waited for when the
-environment is next touched (the next action, a save, a reclaim), so no action waits for it;
+CPU and can write nothing.  The freeze is asked for when the command exits (in a worker: once its
+outcome is sent, see :attr:`~tangram_hpc.managers.live_envs.LiveEnvs.after_reply`) and waited for
+when the environment is next touched (the next action, a save, a reclaim), so no action waits for it;
 until then its processes may still run for a few milliseconds, inside the finished attempt's
 layer.  The next action thaws it with the cores it was granted (cpuset, affinity), its memory
 and process limits.  How the freeze is done (:attr:`Sessions.freezer`): cgroup v2
@@ -127,6 +128,7 @@ class Session:
         """Wait until every process of the session is frozen; False if that did not happen."""
         if self.dead is not None:
             return True
+        self.freeze()           # not asked for yet when it waits for the action's reply (LiveEnvs.after_reply)
         if self.freezer == "sigstop":
             return self._stop_all(time.monotonic() + _FREEZE_WAIT_S)
         return self.scope is None or self.scope.frozen(_FREEZE_WAIT_S)
