@@ -30,6 +30,7 @@ from .fs_inside import EnvError
 from .limits import WRAPPER_ENVIRON, Limits, wrapper_argv
 from .session_mounts import STACK_MAX, MountError
 from .sessions import KEPT, STARTED, Session, SessionError, Spawn, server_limits
+from .session_pool import SessionPool
 
 if TYPE_CHECKING:
     from .sandbox import SandboxManager
@@ -49,6 +50,14 @@ class LiveEnvs:
         self._ahead_lock = threading.Lock()
         self._ahead_idle = threading.Condition(self._ahead_lock)
         self._ahead_pending = 0
+        #: sessions started ahead for new environments (None: none are; see :meth:`prestart`)
+        self.pool: SessionPool | None = None
+
+    def prestart(self, size: int) -> None:
+        """Keep ``size`` sessions started ahead for new environments (0: none)."""
+        if size > 0 and self.m.sessions is not None and self.m.unlayered_reason is None:
+            self.pool = SessionPool(self, size)
+            self.pool.kick()
 
     def exec(self, env: Environment, argv: list[str], stdin: bytes | None, extra_env: Mapping[str, str],
              limits: Limits, cpus, cancel_fd: int | None, attempt: Path | None):
@@ -115,10 +124,25 @@ class LiveEnvs:
         return _Ran(res, enforced, note, round(quota.last.mb, 3) if quota.active else None, state)
 
     def start(self, env: Environment, limits: Limits, cpus) -> Session:
+        """``env``'s new session: a pre-started one it can claim (:mod:`.session_pool`), else one
+        started now."""
+        if self.pool is not None:
+            session = self.pool.claim(env, limits)
+            if session is not None:
+                return session
+        mount_point = None
+        if self.m.unlayered_reason is None:
+            mount_point = self.m.envs.root / ".live" / env.path.name
+            mount_point.mkdir(parents=True, exist_ok=True)
+        return self.launch(env.id, env.uid, env.path, mount_point, limits, cpus)
+
+    def launch(self, name: str, uid: int | None, env_dir: Path, mount_point: Path | None, limits: Limits, cpus,
+               register: bool = True) -> Session:
+        """Start a session as ``uid`` whose ``/sandbox`` is ``env_dir`` (bound shared at ``mount_point``
+        when attempts are layered); ``register``: as the session of environment ``name``."""
         from .sandbox import _join_cgroups
         scope = self.m.cgroups.scope(limits.memory_mb, limits.nproc, cpus, freezer=True) \
             if self.m.cgroups is not None else None
-        uid = env.uid
         puid = uid if uid is not None else os.getuid()
         pgid = uid if uid is not None else os.getgid()
         fds = [memfd("passwd", f"sandbox:x:{puid}:{pgid}:sandbox:{SANDBOX_DIR}:/bin/sh\n"
@@ -126,12 +150,8 @@ class LiveEnvs:
                memfd("group", f"sandbox:x:{pgid}:\nnogroup:x:65534:\n")]
         if self.m.seccomp_program is not None:
             fds.append(memfd("seccomp", self.m.seccomp_program))
-        mount_point = None
-        if self.m.unlayered_reason is None:
-            mount_point = self.m.envs.root / ".live" / env.path.name
-            mount_point.mkdir(parents=True, exist_ok=True)
-        sandbox = self.m.layout.argv(mount_point or env.path, network=False, tmp_mb=limits.tmp_mb, passwd_fd=fds[0],
-                                   group_fd=fds[1], seccomp_fd=fds[2] if len(fds) > 2 else None)
+        sandbox = self.m.layout.argv(mount_point or env_dir, network=False, tmp_mb=limits.tmp_mb, passwd_fd=fds[0],
+                                     group_fd=fds[1], seccomp_fd=fds[2] if len(fds) > 2 else None)
         sandbox += wrapper_argv(server_limits(limits), uid, uid, dict(WRAPPER_ENVIRON), sys.executable)
         prefix = _join_cgroups(scope) if scope is not None else []
 
@@ -139,8 +159,9 @@ class LiveEnvs:
             for fd in fds:
                 os.close(fd)
         try:
-            return self.m.sessions.start(env.id, uid, Spawn(env.path, mount_point, sandbox, prefix, fds,
-                                                          list(cpus) if cpus else None, close), scope)
+            return self.m.sessions.start(name, uid, Spawn(env_dir, mount_point, sandbox, prefix, fds,
+                                                          list(cpus) if cpus else None, close), scope,
+                                         register=register)
         except SessionError:
             if scope is not None:
                 self.m.cgroups.release(scope)
@@ -196,6 +217,8 @@ class LiveEnvs:
 
     def ahead(self, env: Environment) -> None:
         """``env``'s turn was just given back: make its next attempt's layer in the background."""
+        if self.pool is not None:
+            self.pool.kick()
         if self.m.sessions is None or self.m.unlayered_reason is not None or env.throwaway:
             return
         session = self.m.sessions.get(env.id)
@@ -262,6 +285,8 @@ class LiveEnvs:
         session.layer_ready = env.live_layer = True
 
     def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
         with self._ahead_lock:
             thread, self._ahead_thread = self._ahead_thread, None
             if thread is not None and self._ahead is not None:
@@ -288,6 +313,8 @@ class LiveEnvs:
         if sessions is None:
             return
         self.quiesce()
+        if self.pool is not None:     # the unclaimed first: no one's processes are lost with them
+            self.pool.reclaim(now)
         for env_id, why in sessions.to_reclaim(now, busy=self.busy):
             self.end(env_id, why)
         ttl = self.m.envs.ttl
