@@ -218,7 +218,7 @@ class LiveEnvs:
     def ahead(self, env: Environment) -> None:
         """``env``'s turn was just given back: make its next attempt's layer in the background."""
         if self.pool is not None:
-            self.pool.kick()
+            self.pool.kick_if_short()
         if self.m.sessions is None or self.m.unlayered_reason is not None or env.throwaway:
             return
         session = self.m.sessions.get(env.id)

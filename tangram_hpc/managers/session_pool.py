@@ -34,6 +34,7 @@ import logging
 import os
 import threading
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from .environments import Environment
@@ -76,10 +77,9 @@ class SessionPool:
         with self._cond:
             return len(self._ready)
 
-    def uids(self) -> list[int | None]:
-        """The uids the unclaimed sessions run as."""
+    def unclaimed(self) -> list[Session]:
         with self._cond:
-            return [s.uid for s, _ in self._ready]
+            return [s for s, _ in self._ready]
 
     def kick(self) -> None:
         """Top the pool up in the background (if it lacks any)."""
@@ -90,6 +90,14 @@ class SessionPool:
                 self._thread = threading.Thread(target=self._serve, name="session-prestart", daemon=True)
                 self._thread.start()
             self._cond.notify_all()
+
+    def kick_if_short(self) -> None:
+        """:meth:`kick` if the pool lacks a session (called when an action's turn is given back: in
+        the steady state of existing environments nothing is woken)."""
+        with self._cond:
+            short = not self._closed and self._spare() < self.size
+        if short:
+            self.kick()
 
     def wait_full(self, timeout: float) -> bool:
         """Wait until the pool holds ``size`` sessions no environment has been offered (tests)."""
@@ -110,8 +118,7 @@ class SessionPool:
         if session is not None:
             self.live.m.sessions.adopt(env.id, session)
             self.claimed += 1
-        self.kick()
-        return session
+        return session     # replaced once the action is over (kick_if_short), not on its path
 
     # -- keeping it full -------------------------------------------------------------------
     def _spare(self) -> int:
@@ -119,20 +126,29 @@ class SessionPool:
         builds = self.live.m.envs.builds
         return sum(1 for s, _ in self._ready if s.uid is None or builds.spare(s.uid))
 
-    def _wanted(self) -> bool:
-        """Whether one more session should be started now (under the lock)."""
-        return (not self._closed and self._spare() < self.size and len(self._ready) < 2 * self.size
-                and time.monotonic() >= self._retry_at and _available_mb() >= self.live.m.sessions.min_free_mb)
+    def _wait_s(self) -> float | None:
+        """How long to wait before starting one more session (0: now; None: until a kick), under the lock."""
+        if self._spare() >= self.size or len(self._ready) >= 2 * self.size:
+            return None
+        now = time.monotonic()
+        if now < self._retry_at:
+            return self._retry_at - now
+        if _available_mb() < self.live.m.sessions.min_free_mb:
+            return _RETRY_S
+        if self.live.m.envs.active:     # sandbox actions run: their cores are theirs
+            return _BUSY_S
+        return 0
 
     def _serve(self) -> None:
         while True:
             with self._cond:
-                while not self._wanted() or self.live.m.envs.active:
+                while True:
                     if self._closed:
                         return
-                    # while sandbox actions run (or after a failure) look again in a while; else on a kick
-                    busy = self.live.m.envs.active or time.monotonic() < self._retry_at
-                    self._cond.wait(_BUSY_S if busy else None)
+                    wait = self._wait_s()
+                    if wait == 0:
+                        break
+                    self._cond.wait(wait)
             try:
                 self._start_one()
             except (OSError, SessionError) as exc:
@@ -150,6 +166,16 @@ class SessionPool:
             # the worker's cores for now (so the session has a cpuset); the action's at the claim
             session = self.live.launch(mount_point.name, uid, mount_point, mount_point, m.default_limits,
                                        sorted(os.sched_getaffinity(0)), register=False)
+            # one command first, in the empty /sandbox: the server's own first request costs
+            # ~2 ms more than later ones (its code paths and the namespace's first exec)
+            lim = m.default_limits
+            if session.scope is not None and session.scope.memory_dir is not None:
+                lim = replace(lim, memory_mb=None)     # as an action's: its memory is the cgroup's
+            warm = session.run(["true"], {"PATH": "/usr/bin:/bin"}, lim, None, None, None)
+            if warm.returncode != 0:
+                self._discard(session, "its first command failed")
+                raise SessionError(f"a pre-started session could not run true: {warm.stderr[-200:]!r}")
+            session.actions = 0
         except BaseException:
             builds.free_uid(uid)
             try:
