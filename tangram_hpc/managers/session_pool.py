@@ -112,8 +112,8 @@ class SessionPool:
         with self._cond:
             found = next((i for i, (s, k) in enumerate(self._ready) if s.uid == env.uid and k == key), None)
             session = self._ready.pop(found)[0] if found is not None else None
-        if session is not None and session.dead is not None:
-            self._discard(session, session.dead)
+        if session is not None and (session.dead is not None or session.proc.poll() is not None):
+            self._discard(session, session.dead or "its exec server exited before it was claimed")
             session = None
         if session is not None:
             self.live.m.sessions.adopt(env.id, session)
