@@ -333,6 +333,8 @@ class LiveEnvs:
         if self.m.sessions is None:
             return
         if quiesce:
+            if self.m.sessions.get(env_id) is None:
+                return      # no layer is made ahead without a session: a new environment waits for no other's
             self.quiesce()
         session = self.m.sessions.get(env_id)
         if session is None:
