@@ -138,6 +138,21 @@ def test_unclaimed_sessions_are_reclaimed_when_no_one_will_claim_them_and_under_
     assert pool.wait_full(WAIT_S)
 
 
+def test_a_session_offered_but_not_claimed_is_reclaimed_after_the_idle_time_and_the_pool_kept(mgr):
+    pool = mgr.live.pool
+    ok(mgr.run(act("true", env="c", concurrent=True), CPU))   # an environment made without a session
+    uid = mgr.envs.get("c").uid
+    if uid is None:
+        pytest.skip("environments have no uid of their own here (not root)")
+    offered = next(s for s in pool.unclaimed() if s.uid == uid)
+    assert pool.wait_full(WAIT_S)
+    spare = [s for s in pool.unclaimed() if s is not offered]
+    mgr.gc(now=offered.last_used + mgr.sessions.idle_s + 1)
+    assert offered not in pool.unclaimed() and gone(offered.proc)
+    assert all(s in pool.unclaimed() for s in spare)          # the pool itself is not reclaimed for idling
+    assert mgr.envs.has("c")
+
+
 def test_closing_the_manager_ends_the_unclaimed_sessions(tmp_path):
     m = _manager(tmp_path)
     assert m.live.pool.wait_full(WAIT_S)

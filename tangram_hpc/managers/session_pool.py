@@ -26,7 +26,7 @@ path, and only while no sandbox action runs on the worker (so it takes no cores 
 granted; the worker's function actions are not seen here).  None is started while memory is short
 (``min_free_mb``), and under memory pressure the unclaimed ones go first.  A session offered but
 never claimed (its environment ran no action in a session, or went) is ended by the next reclaim
-once its uid is no environment's, or once it is idle past ``idle_s``.
+once its uid is no environment's, or ``idle_s`` after it started.
 """
 from __future__ import annotations
 
@@ -210,9 +210,11 @@ class SessionPool:
         now = time.monotonic() if now is None else now
         short = _available_mb() < sessions.min_free_mb
         with self._cond:
+            # offered to an environment (its uid no longer spare) that has not claimed it in idle_s
             gone = [(s, k) for s, k in self._ready
                     if short or s.dead is not None or (s.uid is not None and not builds.uid_held(s.uid))
-                    or (sessions.idle_s is not None and now - s.last_used > sessions.idle_s)]
+                    or (s.uid is not None and not builds.spare(s.uid) and sessions.idle_s is not None
+                        and now - s.last_used > sessions.idle_s)]
             for entry in gone:
                 self._ready.remove(entry)
         for s, _ in gone:
