@@ -49,7 +49,7 @@ __all__ = ["SessionPool"]
 log = logging.getLogger(__name__)
 
 _RETRY_S = 5.0      # after a failed start
-_BUSY_S = 0.1       # how often a deficit is looked at again while sandbox actions run
+_BUSY_S = 0.5       # a deficit looked at again while sandbox actions run (each one ending kicks too)
 
 
 def _key(limits: Limits) -> tuple:
@@ -151,7 +151,7 @@ class SessionPool:
                     self._cond.wait(wait)
             try:
                 self._start_one()
-            except (OSError, SessionError) as exc:
+            except Exception as exc:    # the pool is an optimisation: new environments start their own meanwhile
                 log.warning("could not pre-start a live session (%s); retrying in %.0fs", exc, _RETRY_S)
                 with self._cond:
                     self._retry_at = time.monotonic() + _RETRY_S
@@ -161,6 +161,7 @@ class SessionPool:
         builds = m.envs.builds
         uid = builds.reserve_uid()
         mount_point = m.envs.root / ".live" / f".pre-{os.urandom(6).hex()}"
+        session: Session | None = None
         try:
             mount_point.mkdir(parents=True)
             # the worker's cores for now (so the session has a cpuset); the action's at the claim
@@ -173,10 +174,11 @@ class SessionPool:
                 lim = replace(lim, memory_mb=None)     # as an action's: its memory is the cgroup's
             warm = session.run(["true"], {"PATH": "/usr/bin:/bin"}, lim, None, None, None)
             if warm.returncode != 0:
-                self._discard(session, "its first command failed")
                 raise SessionError(f"a pre-started session could not run true: {warm.stderr[-200:]!r}")
             session.actions = 0
         except BaseException:
+            if session is not None:
+                self._discard(session, "it could not be made ready")
             builds.free_uid(uid)
             try:
                 mount_point.rmdir()
