@@ -260,6 +260,8 @@ class SandboxSettings:
                                 "environment)", minimum=0)
     session_min_free_mb: int = key(1024, "below this much available memory, idle sessions are ended (their "
                                    "files stay)", minimum=0)
+    session_prestart: int = key(2, "live sessions kept started ahead for new environments, claimed by their "
+                                "first action (0: none)", minimum=0, env="TANGRAM_SANDBOX_PRESTART")
     # 0 turns a limit off; the defaults are Limits' own (managers/limits.py).
     timeout_s: float = key(_LIMITS_DEFAULTS["timeout_s"], "seconds an action may run when it names no timeout (0: none)",
                            flag="--sandbox-timeout", minimum=0)

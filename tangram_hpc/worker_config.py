@@ -100,6 +100,7 @@ def config_from_settings(settings: Settings) -> WorkerConfig:
                                          "env_ttl": ss.env_ttl_s, "seccomp": ss.seccomp,
                                          "sessions": ss.sessions, "session_idle_s": ss.session_idle_s or None,
                                          "session_min_free_mb": ss.session_min_free_mb,
+                                         "session_prestart": ss.session_prestart,
                                          "default_limits": sandbox_limits(ss), **sandbox_templates(ss)})
 
 

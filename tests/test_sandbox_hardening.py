@@ -72,13 +72,19 @@ __attribute__((constructor)) static void probe(void) {
 """
 
 
-@pytest.fixture(params=["per-action", "session"])
+@pytest.fixture(params=["per-action", "session", "pre-started"])
 def mgr(request, tmp_path):
-    """Each case against a sandbox per action and against a live session of its environment."""
-    with SandboxManager(tmp_path / "envs", tmp_path / "snapshots", sessions=request.param == "session",
-                        default_limits=Limits(timeout_s=30, nproc=128)) as m:
-        if request.param == "session" and m.sessions is None:
+    """Each case against a sandbox per action, against a live session of its environment, and against
+    a session pre-started for no environment that its first action claims (managers/session_pool.py)."""
+    prestart = request.param == "pre-started"
+    with SandboxManager(tmp_path / "envs", tmp_path / "snapshots", sessions=request.param != "per-action",
+                        default_limits=Limits(timeout_s=30, nproc=128), session_prestart=2 if prestart else 0) as m:
+        if request.param != "per-action" and m.sessions is None:
             pytest.skip(f"no live sessions here: {m.sessionless_reason}")
+        if prestart:
+            if m.live.pool is None:
+                pytest.skip(f"no pre-started sessions here: {m.unlayered_reason}")
+            assert m.live.pool.wait_full(60), "the pool did not fill"
         yield m
 
 

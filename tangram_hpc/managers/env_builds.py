@@ -51,6 +51,7 @@ class EnvBuilds:
         self.warm_dir = warm_dir
         self._lock = threading.Condition()
         self._uids: set[int] = set()
+        self._spare_uids: list[int] = []    # reserved, run as by pre-started sessions, for new environments
         self._warm: dict[str, list[tuple[Path, int | None, BaseRef | None]]] = {t: [] for t in self.templates}
         self._bases: dict[str, Base] = {}            # fingerprint -> pristine base held here
         self._template_base: dict[str, str] = {}     # template -> fingerprint of its base here
@@ -70,6 +71,17 @@ class EnvBuilds:
 
     # -- uids ------------------------------------------------------------------
     def new_uid(self) -> int | None:
+        """A uid for a new environment: one a pre-started session runs as, if one is offered
+        (:meth:`offer_uid`), so that the environment's first action can claim that session."""
+        if not self.drop_privileges:
+            return None
+        with self._lock:
+            if self._spare_uids:
+                return self._spare_uids.pop()
+        return self.reserve_uid()
+
+    def reserve_uid(self) -> int | None:
+        """A uid no environment has (held until :meth:`free_uid`)."""
         if not self.drop_privileges:
             return None
         with self._lock:
@@ -79,10 +91,32 @@ class EnvBuilds:
                     self._uids.add(uid)
                     return uid
 
+    def offer_uid(self, uid: int) -> None:
+        """Give the reserved ``uid`` to the next new environment (a pre-started session runs as it)."""
+        with self._lock:
+            self._spare_uids.append(uid)
+
+    def spare(self, uid: int | None) -> bool:
+        """Whether ``uid`` is offered and not yet given to an environment."""
+        with self._lock:
+            return uid in self._spare_uids
+
+    def withdraw_uid(self, uid: int | None) -> None:
+        """``uid`` is no longer offered; freed unless an environment has it already."""
+        with self._lock:
+            if uid in self._spare_uids:
+                self._spare_uids.remove(uid)
+                self._uids.discard(uid)
+
     def free_uid(self, uid: int | None) -> None:
         if uid is not None:
             with self._lock:
                 self._uids.discard(uid)
+
+    def uid_held(self, uid: int | None) -> bool:
+        """Whether ``uid`` is reserved or an environment's."""
+        with self._lock:
+            return uid in self._uids
 
     # -- bases -------------------------------------------------------------------
     def base(self, fingerprint: str) -> Base | None:

@@ -89,6 +89,8 @@ class EnvStore:
         self._lock = threading.RLock()
         self._envs: dict[str, Environment] = {}
         self._closed = False
+        #: actions holding an environment now (acquired, not yet released)
+        self.active = 0
         #: whether the outcomes of actions are journaled (a worker's EnvHost): then an attempt's layer
         #: is committed by its journal record (env_layers), else as soon as its command ended
         self.journaled = False
@@ -128,6 +130,7 @@ class EnvStore:
                                   throwaway, busy=1)
                 self._envs[key] = env
                 creator = True
+            self.active += 1
         if creator:
             try:
                 if env.path.exists():  # left behind by an earlier manager on this root
@@ -141,12 +144,15 @@ class EnvStore:
                 env.failure = exc
                 with self._lock:
                     self._envs.pop(key, None)
+                    self.active -= 1
                 env.ready.set()
                 raise EnvError(f"cannot create environment {key!r} from template {template!r}: {exc}") from exc
             env.ready.set()
         else:
             env.ready.wait()
             if env.failure is not None:
+                with self._lock:
+                    self.active -= 1
                 raise EnvError(f"environment {key!r} failed to be created: {env.failure}")
         return env
 
@@ -176,6 +182,7 @@ class EnvStore:
     def release(self, env: Environment) -> None:
         with self._lock:
             env.busy -= 1
+            self.active -= 1
             env.last_used = time.monotonic()
             gone = env.throwaway and env.busy == 0
             if gone:

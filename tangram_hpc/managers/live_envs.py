@@ -33,6 +33,7 @@ from .fs_inside import EnvError
 from .limits import WRAPPER_ENVIRON, Limits, wrapper_argv
 from .session_mounts import STACK_MAX, MountError
 from .sessions import KEPT, STARTED, Session, SessionError, Spawn, server_limits
+from .session_pool import SessionPool
 
 if TYPE_CHECKING:
     from .sandbox import SandboxManager
@@ -56,6 +57,14 @@ class LiveEnvs:
         #: is then frozen, and the next layer made, after the reply (off the action's round trip).
         self.after_reply = False
         self._replied: list[str] = []      # environments waiting for :meth:`replied`
+        #: sessions started ahead for new environments (None: none are; see :meth:`prestart`)
+        self.pool: SessionPool | None = None
+
+    def prestart(self, size: int) -> None:
+        """Keep ``size`` sessions started ahead for new environments (0: none)."""
+        if size > 0 and self.m.sessions is not None and self.m.unlayered_reason is None:
+            self.pool = SessionPool(self, size)
+            self.pool.kick()
 
     def exec(self, env: Environment, argv: list[str], stdin: bytes | None, extra_env: Mapping[str, str],
              limits: Limits, cpus, cancel_fd: int | None, attempt: Path | None):
@@ -125,10 +134,25 @@ class LiveEnvs:
         return _Ran(res, enforced, note, round(quota.last.mb, 3) if quota.active else None, state)
 
     def start(self, env: Environment, limits: Limits, cpus) -> Session:
+        """``env``'s new session: a pre-started one it can claim (:mod:`.session_pool`), else one
+        started now."""
+        if self.pool is not None:
+            session = self.pool.claim(env, limits)
+            if session is not None:
+                return session
+        mount_point = None
+        if self.m.unlayered_reason is None:
+            mount_point = self.m.envs.root / ".live" / env.path.name
+            mount_point.mkdir(parents=True, exist_ok=True)
+        return self.launch(env.id, env.uid, env.path, mount_point, limits, cpus)
+
+    def launch(self, name: str, uid: int | None, env_dir: Path, mount_point: Path | None, limits: Limits, cpus,
+               register: bool = True) -> Session:
+        """Start a session as ``uid`` whose ``/sandbox`` is ``env_dir`` (bound shared at ``mount_point``
+        when attempts are layered); ``register``: as the session of environment ``name``."""
         from .sandbox import _join_cgroups
         scope = self.m.cgroups.scope(limits.memory_mb, limits.nproc, cpus, freezer=True) \
             if self.m.cgroups is not None else None
-        uid = env.uid
         puid = uid if uid is not None else os.getuid()
         pgid = uid if uid is not None else os.getgid()
         fds = [memfd("passwd", f"sandbox:x:{puid}:{pgid}:sandbox:{SANDBOX_DIR}:/bin/sh\n"
@@ -136,12 +160,8 @@ class LiveEnvs:
                memfd("group", f"sandbox:x:{pgid}:\nnogroup:x:65534:\n")]
         if self.m.seccomp_program is not None:
             fds.append(memfd("seccomp", self.m.seccomp_program))
-        mount_point = None
-        if self.m.unlayered_reason is None:
-            mount_point = self.m.envs.root / ".live" / env.path.name
-            mount_point.mkdir(parents=True, exist_ok=True)
-        sandbox = self.m.layout.argv(mount_point or env.path, network=False, tmp_mb=limits.tmp_mb, passwd_fd=fds[0],
-                                   group_fd=fds[1], seccomp_fd=fds[2] if len(fds) > 2 else None)
+        sandbox = self.m.layout.argv(mount_point or env_dir, network=False, tmp_mb=limits.tmp_mb, passwd_fd=fds[0],
+                                     group_fd=fds[1], seccomp_fd=fds[2] if len(fds) > 2 else None)
         sandbox += wrapper_argv(server_limits(limits), uid, uid, dict(WRAPPER_ENVIRON), sys.executable)
         prefix = _join_cgroups(scope) if scope is not None else []
 
@@ -149,8 +169,9 @@ class LiveEnvs:
             for fd in fds:
                 os.close(fd)
         try:
-            return self.m.sessions.start(env.id, uid, Spawn(env.path, mount_point, sandbox, prefix, fds,
-                                                          list(cpus) if cpus else None, close), scope)
+            return self.m.sessions.start(name, uid, Spawn(env_dir, mount_point, sandbox, prefix, fds,
+                                                          list(cpus) if cpus else None, close), scope,
+                                         register=register)
         except SessionError:
             if scope is not None:
                 self.m.cgroups.release(scope)
@@ -216,6 +237,8 @@ class LiveEnvs:
     def ahead(self, env: Environment) -> None:
         """``env``'s turn was just given back: freeze its session if that waits (:attr:`after_reply`) and
         make its next attempt's layer, in the background (with :attr:`after_reply`, once :meth:`replied`)."""
+        if self.pool is not None:
+            self.pool.kick_if_short()
         if self.m.sessions is None:
             return
         session = self.m.sessions.get(env.id)
@@ -307,6 +330,8 @@ class LiveEnvs:
         session.layer_ready = env.live_layer = True
 
     def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
         with self._ahead_lock:
             thread, self._ahead_thread = self._ahead_thread, None
             if thread is not None and self._ahead is not None:
@@ -333,6 +358,8 @@ class LiveEnvs:
         if sessions is None:
             return
         self.quiesce()
+        if self.pool is not None:     # the unclaimed first: no one's processes are lost with them
+            self.pool.reclaim(now)
         for env_id, why in sessions.to_reclaim(now, busy=self.busy):
             self.end(env_id, why)
         ttl = self.m.envs.ttl
@@ -351,6 +378,8 @@ class LiveEnvs:
         if self.m.sessions is None:
             return
         if quiesce:
+            if self.m.sessions.get(env_id) is None:
+                return      # no layer is made ahead without a session: a new environment waits for no other's
             self.quiesce()
         session = self.m.sessions.get(env_id)
         if session is None:

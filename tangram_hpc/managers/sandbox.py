@@ -204,6 +204,7 @@ class SandboxManager:
         and environment-less actions still get a sandbox of their own.
     session_idle_s: seconds an idle session is kept (None: until its environment goes).
     session_min_free_mb: below this much available memory, idle sessions are ended.
+    session_prestart: sessions kept started ahead for new environments (:mod:`.session_pool`; 0: none).
     """
 
     def __init__(self, root: Path | str, snapshot_dir: Path | str | None = None, *,
@@ -213,7 +214,7 @@ class SandboxManager:
                  bwrap: str = "bwrap", allow_network: bool = False, use_cgroups: bool = True,
                  extra_ro_binds: tuple[str, ...] = (), seccomp: bool = True,
                  result_bytes: int = RESULT_BYTES, transactional: bool = True, sessions: bool = False,
-                 session_idle_s: float | None = 600.0, session_min_free_mb: int = 1024):
+                 session_idle_s: float | None = 600.0, session_min_free_mb: int = 1024, session_prestart: int = 0):
         self.root = Path(root)
         self.result_bytes = result_bytes
         self.snapshot_dir = Path(snapshot_dir) if snapshot_dir is not None else None
@@ -250,6 +251,7 @@ class SandboxManager:
                 self.sessions = live
             else:
                 self.sessionless_reason = "no way to freeze a session here (no freezer cgroup, not root)"
+        self.live.prestart(session_prestart)
         self._closed = False
 
     # -- public API ---------------------------------------------------------------
@@ -266,7 +268,7 @@ class SandboxManager:
         """Live sessions here, how they are frozen, or why there are none (for status)."""
         if self.sessions is None:
             return {"sessions": 0, "freezer": None, "off": self.sessionless_reason}
-        return self.sessions.status()
+        return {**self.sessions.status(), "prestarted": self.live.pool.count() if self.live.pool is not None else 0}
 
     def processes_kept(self, env_id: str) -> bool:
         """Whether the last action of ``env_id`` ran beside processes its earlier actions left."""

@@ -385,18 +385,24 @@ class Sessions:
             if s is not None:
                 self._lost[env_id] = why
         if s is not None:
-            s.end(why)
-            if s.mount_point is not None:
-                try:
-                    if self.mounts is not None and s.depth:
-                        self.mounts.forget(s.proc.pid)
-                    s.mount_point.rmdir()
-                except OSError:
-                    pass
+            self.end(s, why)
+
+    def end(self, s: Session, why: str) -> None:
+        """End ``s`` (its processes killed) and take its mount point away; its cgroups stay the caller's."""
+        s.end(why)
+        if s.mount_point is not None:
+            try:
+                if self.mounts is not None and s.depth:
+                    self.mounts.forget(s.proc.pid)
+                s.mount_point.rmdir()
+            except OSError:
+                pass
 
     # -- starting ----------------------------------------------------------------------
-    def start(self, env_id: str, uid: int | None, spawn: Spawn, scope: CgroupScope | None) -> Session:
-        """Start the session of ``env_id`` from ``spawn`` (its process tree is started by one
+    def start(self, env_id: str, uid: int | None, spawn: Spawn, scope: CgroupScope | None,
+              register: bool = True) -> Session:
+        """Start the session of ``env_id`` from ``spawn`` (``register``: as that environment's; else
+        it is :meth:`adopt`-ed later, see :mod:`.session_pool`; its process tree is started by one
         long-lived thread: the parent-death signal the sandbox holds fires when the *thread* that
         started it ends, and an executor thread may end before the environment does)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -430,9 +436,16 @@ class Sessions:
                                f"{err.decode(errors='replace').strip() or f'exit code {proc.returncode}'}")
         if proc.stderr is not None:
             proc.stderr.close()
+        if register:
+            self.adopt(env_id, session)
+        return session
+
+    def adopt(self, env_id: str, session: Session) -> None:
+        """Make ``session`` (started for no environment, never used) ``env_id``'s."""
+        session.env_id = env_id
+        session.last_used = time.monotonic()
         with self._lock:
             self._live[env_id] = session
-        return session
 
     def _spawn(self, argv: list[str], pass_fds: list[int], cpus) -> subprocess.Popen:
         with self._lock:
