@@ -511,7 +511,7 @@ def test_aging_follows_the_queue_drain_time():
     # behind fifty queued actions on one core the clock runs at 1/50: sizes decide, shortest first
     assert _burst_order() == "B"
     # the wait stays bounded: by the floor's rate
-    assert ElasticScheduler(aging_floor=0.01).wait_bound(1.0, 0) == pytest.approx(100.0)
+    assert ElasticScheduler(aging=0.05, aging_floor=0.01).wait_bound(1.0, 0) == pytest.approx(100.0)
     with pytest.raises(ValueError, match="aging_floor"):
         ElasticScheduler(aging_floor=0)
 
