@@ -511,7 +511,7 @@ def test_aging_follows_the_queue_drain_time():
     # behind fifty queued actions on one core the clock runs at 1/50: sizes decide, shortest first
     assert _burst_order() == "B"
     # the wait stays bounded: by the floor's rate
-    assert ElasticScheduler(aging_floor=0.01).wait_bound(1.0, 0) == pytest.approx(100.0)
+    assert ElasticScheduler(aging=0.05, aging_floor=0.01).wait_bound(1.0, 0) == pytest.approx(100.0)
     with pytest.raises(ValueError, match="aging_floor"):
         ElasticScheduler(aging_floor=0)
 
@@ -1004,3 +1004,37 @@ def test_cores_that_memory_leaves_idle_go_to_the_actions_that_fit():
     for i in range(6):
         q.submit(ActionSpec("sandbox", id=f"m{i}", demand=Demand(1, 4, 9000), duration_hint=10.0), 0)
     assert [a.cores for a in q.schedule(0)] == [1] * 6
+
+
+def _busy_rm_beside_judge(judge_called: bool) -> ElasticScheduler:
+    """g1 holds "rm", g2 "judge"; a second "rm" fits g2 only by evicting "judge".  Requests for rm
+    then come every second, 8 s each, against 4 slots: the throughput rule wants a second replica."""
+    rm, judge = Demand(1, 1, 0, 500, "rm"), Demand(1, 1, 0, 600, "judge")
+    p = ElasticScheduler(services={"rm": ServiceInfo(500, max_batch=4, load_s=60.0),
+                                   "judge": ServiceInfo(600, max_batch=4, load_s=60.0)},
+                         gpu_layout=[["rm"], ["judge"]])
+    p.add_worker(WorkerInfo("g1", 8, 0, 1, 1000, kinds=GPU), 0)
+    p.add_worker(WorkerInfo("g2", 8, 0, 1, 1000, kinds=GPU), 0)
+    p.schedule(60.0)            # both loaded at start
+    if judge_called:
+        p.submit(ActionSpec("reward", id="j", demand=judge, duration_hint=1.0), 60.0)
+        [a] = p.schedule(60.0)
+        p.finished(a.action_id, 61.0, run_time=1.0)
+    running: list[tuple[float, str]] = []
+    for i in range(40):
+        t = 62.0 + i
+        for end, aid in [x for x in running if x[0] <= t]:
+            p.finished(aid, end, run_time=8.0)
+            running.remove((end, aid))
+        p.submit(ActionSpec("reward", id=f"r{i}", demand=rm, duration_hint=8.0), t)
+        running += [(t + 8.0, a.action_id) for a in p.schedule(t)]
+    return p
+
+
+def test_a_further_replica_does_not_evict_the_only_replica_of_a_service_in_use():
+    # judge was called this step: its only replica stays, rm queues on its one replica
+    kept = _busy_rm_beside_judge(judge_called=True)
+    assert kept.resident_services("g2") == {"judge"}
+    # judge unused: the throughput rule loads rm over it
+    swapped = _busy_rm_beside_judge(judge_called=False)
+    assert "rm" in swapped.resident_services("g2")

@@ -130,6 +130,11 @@ class ServiceTable:
         """A service somebody waits for, or one this or the previous RL step called (its step's tail will)."""
         return self._policy.tally.service_pending.get(svc, 0) > 0 or self.last_step.get(svc, -10) >= self.step - 1
 
+    def _only_replica(self, svc: str, w: WorkerRecord) -> bool:
+        """``w`` holds the only replica of ``svc``."""
+        reps = self.where.get(svc)
+        return reps is None or len(reps) == 1 and w.id in reps
+
     def note(self, rec: ActionRecord) -> None:
         """``rec`` calls its service: learn the size of an undeclared one (which decides where its
         calls fit), and the step it was last called in."""
@@ -220,6 +225,10 @@ class ServiceTable:
             waited_for = sum(1 for s in ev if pending.get(s, 0) > 0)
             if waited_for:
                 continue        # somebody waits for a victim: loading here would only trade places
+            if reps and any(self.needed_soon(s) and self._only_replica(s, w) for s in ev):
+                # a replica more of a service that has one must not take the only one of a service
+                # still in use: its next call would wait a whole load for what this one saves
+                continue
             rank = (sum(1 for s in ev if self.needed_soon(s)), len(ev), -(w.gpu_mem - w.gpu_used),
                     -w.free_cores, w.seq)
             if choice is None or rank < choice[0]:
