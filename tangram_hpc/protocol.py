@@ -14,15 +14,18 @@ type          direction  body
 HELLO         C->K       ``{"name": str}``
 WELCOME       K->C/W     ``{"coordinator": incarnation id, "limits": {...}}`` to a client;
                          ``{"coordinator", "heartbeat_s", "snapshot_dir", "max_frame_bytes"}``
-                         to a worker (frames it sends stay within that limit)
+                         to a worker (frames it sends stay within that limit; it heartbeats every
+                         ``heartbeat_s`` at least, see :func:`heartbeat_interval`)
 SUBMIT        C->K       ``[action wire map, ...]``
 CANCEL        C->K       ``[action id, ...]``
 RESULT        K->C       ``[result wire list, ...]``
 STATUS        C->K       ``{}`` or ``{"allocations": true}``; reply STATUS with a status map
 POOL          C->K       ``{"op": "pause" | "resume"}`` (worker launches); reply STATUS with
                          the status map after it, ``"pool_op"`` saying what was done
-HEARTBEAT     any        ``{"coordinator": id}`` from K, which adds ``"send_envs": n`` when the
-                         worker's ``envs_v`` (n) names a list it has not received; ``{}`` from C;
+HEARTBEAT     any        ``{"coordinator": id, "heartbeat_s": s}`` from K to a worker (``s``: the
+                         interval the coordinator chose for its number of workers), which adds
+                         ``"send_envs": n`` when the worker's ``envs_v`` (n) names a list it has not
+                         received; ``{"coordinator": id}`` to a client; ``{}`` from C;
                          ``{"running": n, "services": [...], "envs_v": n, "envs": [...],
                          "service_counts": {service: [loads, evictions, queued]},
                          "service_costs": {service: [load s, evict s]},
@@ -54,7 +57,8 @@ PREFETCH      K->W       ``[service, ...]``: start loading these services now, a
                          calls (the scheduler's prefetch); a hint, never answered
 ============  =========  ======================================================
 
-Version 6 made a worker's heartbeat list its environments only when they changed (``envs_v``,
+Version 7 made the coordinator's ``heartbeat_s`` (WELCOME, its heartbeats) the interval its
+workers heartbeat at, chosen from the number of workers.  Version 6 made a worker's heartbeat list its environments only when they changed (``envs_v``,
 ``send_envs``).  Version 5 added PREFETCH.  Version 3 added the environment grant, ``env_state`` (DONE, RESULT), CLOSE_ENV, ENV and
 OUTCOMES.
 
@@ -79,7 +83,10 @@ from .errors import ProtocolError, ValidationError
 #: 4: a saved environment (ENV saved, a restore grant) may be a delta over its template's base,
 #:    which a worker speaking 3 would restore without the base.
 #: 5: PREFETCH (coordinator to worker), which a worker speaking 4 would answer as an unknown type.
-PROTOCOL_VERSION = 6
+#: 6: a worker's heartbeat lists its environments only when they changed (envs_v, send_envs).
+#: 7: workers heartbeat at the interval the coordinator tells them (WELCOME, its HEARTBEAT), which
+#:    grows with the number of workers; a worker speaking 6 would keep its own and be lost.
+PROTOCOL_VERSION = 7
 
 class MsgType(IntEnum):
     """The type of a message (the second element of every frame)."""
@@ -378,6 +385,19 @@ def check_worker_heartbeat(body: dict) -> dict:
     if v is not None and (type(v) is not int or not 0 <= v < 1 << 62):
         raise ProtocolError("malformed", "HEARTBEAT envs_v must be a non-negative integer")
     return body
+
+
+#: The longest heartbeat interval a worker accepts from a coordinator (a larger one is ignored).
+MAX_HEARTBEAT_S = 3600.0
+
+
+def heartbeat_interval(body: dict) -> float | None:
+    """The ``heartbeat_s`` of a coordinator's WELCOME or HEARTBEAT, if it is a usable interval
+    (a finite number of seconds in (0, :data:`MAX_HEARTBEAT_S`]); else None (the worker keeps its own)."""
+    v = body.get("heartbeat_s")
+    if type(v) not in (int, float) or not 0 < v <= MAX_HEARTBEAT_S:    # NaN fails the comparison
+        return None
+    return float(v)
 
 
 def _env_gen_pair(e: Any) -> bool:

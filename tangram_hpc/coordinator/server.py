@@ -29,6 +29,7 @@ from ..runlog import RunLog
 from ..security import CurveKeys
 from .environments import EnvironmentDirectory
 from .faults import FrameFaults
+from .heartbeats import HeartbeatPace
 from .ledger import ActionLedger
 from .metrics import CoordinatorMetrics
 from .outbox import Outbox
@@ -92,6 +93,7 @@ class Coordinator:
         self.faults = FrameFaults(self.ledger)
         self._unreachable: set[str] = set()     # workers a send failed to: lost after their last frames
         self._next_heartbeat = 0.0              # time.time() of the next heartbeat to the workers
+        self.pace = HeartbeatPace(config.heartbeat_s, config.worker_timeout_s, config.heartbeats_per_s)
         self._heard_until = time.time()         # every frame workers sent before then has been read
 
     # -- sockets -----------------------------------------------------------
@@ -335,10 +337,10 @@ class Coordinator:
             w = ledger.add_worker(info, ident, now)
             if self.pool_driver is not None:
                 self.pool_driver.joined(w)
-            self._send_ident(ident, P.encode(P.WELCOME, {"coordinator": self.id,
-                                                         "heartbeat_s": self.config.heartbeat_s,
-                                                         "snapshot_dir": str(self.state.snapshots),
-                                                         "max_frame_bytes": self.config.max_frame_bytes}))
+            self.pace.update(len(self.workers), now)     # the others hear a new interval at the next tick
+            self._send_ident(ident, P.encode(P.WELCOME, {
+                "coordinator": self.id, "heartbeat_s": self.pace.interval, "snapshot_dir": str(self.state.snapshots),
+                "max_frame_bytes": self.config.max_frame_bytes}))
             log.info("worker %s registered: %d cores, %d GPUs, handle %s", wid, info.cores, info.gpus, info.handle)
             if self._closing:
                 # its job started while this coordinator stops (a launch just before the stop):
@@ -458,13 +460,16 @@ class Coordinator:
 
     # -- periodic work -------------------------------------------------------
     def _tick(self, now: float) -> None:
-        timeout = self.config.worker_timeout_s
-        # Ticks come twice per heartbeat_s; each worker hears from us once per heartbeat_s (at 2,000
-        # workers the sends are most of what an idle coordinator does).
+        # Ticks come twice per heartbeat_s; each worker hears from us once per interval, which grows
+        # with the number of workers (coordinator/heartbeats.py), and so does the silence that loses one.
+        pace = self.pace
+        if pace.update(len(self.workers), now):
+            self._next_heartbeat = 0.0          # a new interval: told now
+        timeout = pace.lost_after(now)
         hb = None
         if now >= self._next_heartbeat:
-            self._next_heartbeat = now + self.config.heartbeat_s * 0.95
-            hb = P.encode(P.HEARTBEAT, {"coordinator": self.id})
+            self._next_heartbeat = now + pace.interval * 0.95
+            hb = P.encode(P.HEARTBEAT, {"coordinator": self.id, "heartbeat_s": pace.interval})
         # Silence counts until the last instant all workers' frames were read: after a long turn
         # (a large batch dispatched, a status at 2,000 workers) their heartbeats wait unread.
         heard = min(now, self._heard_until)
