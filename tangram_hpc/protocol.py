@@ -267,6 +267,56 @@ def encode_packed(mtype: int, items: list[bytes]) -> bytes:
                      p.pack_array_header(len(items)), *items))
 
 
+class PackedList(list):
+    """A list body decoded with each item as it was packed (``packed[i]``: the bytes of item ``i``),
+    so a receiver may keep an item as those bytes and send it on unchanged (:func:`encode_assign`)."""
+
+    __slots__ = ("packed",)
+
+    def __init__(self, items: list, packed: list[bytes]):
+        super().__init__(items)
+        self.packed = packed
+
+
+def with_packed_items(frame: bytes, body: list) -> PackedList:
+    """``body``, the list body :func:`decode` read from ``frame``, with each item's bytes in the frame
+    (a walk that skips over each item: about a tenth of decoding it)."""
+    u = msgpack.Unpacker(max_buffer_size=len(frame) or 1)
+    u.feed(frame)
+    u.read_array_header()
+    u.skip()                     # the version
+    u.skip()                     # the type
+    u.read_array_header()
+    tell, skip = u.tell, u.skip
+    packed = []
+    start = tell()
+    for _ in range(len(body)):
+        skip()
+        end = tell()
+        packed.append(frame[start:end])
+        start = end
+    return PackedList(body, packed)
+
+
+_ASSIGN3 = _packer.pack_array_header(3)
+
+
+def encode_assign(items: list) -> bytes:
+    """An ASSIGN frame.  An item's action map may be bytes, packed as its SUBMIT carried it: it is
+    spliced in as it is (what a coordinator keeps of a waiting action is those bytes, not the map)."""
+    parts = []
+    pack = _packer.pack
+    for item in items:
+        wire = item[0]
+        if type(wire) is not bytes:
+            parts.append(pack(item))
+        elif len(item) == 3 and 0 <= item[1] < 128 and 0 <= item[2] < 128:   # one byte each (positive fixint)
+            parts.append(b"".join((_ASSIGN3, wire, bytes((item[1], item[2])))))
+        else:
+            parts.append(b"".join((_packer.pack_array_header(len(item)), wire, *map(pack, item[1:]))))
+    return encode_packed(ASSIGN, parts)
+
+
 def encode_packed_within(mtype: int, items: list[bytes], max_bytes: int) -> list[bytes]:
     """Packed items as frames of at most ``max_bytes`` each (one item larger than that alone)."""
     if sum(map(len, items)) <= max_bytes - 16:     # the common case: one frame

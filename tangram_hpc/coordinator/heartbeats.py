@@ -4,10 +4,12 @@ Each heartbeat is a frame each way, and what a frame costs (libzmq's I/O thread,
 a decode and an answer) does not shrink with its size: at 2,000 workers and one heartbeat a
 second the heartbeats alone were 7-8 % of the coordinator's core.  So the interval grows with
 the number of workers past ``heartbeat_s x heartbeats_per_s`` of them, keeping the heartbeats
-a worker sends, all together, at ``heartbeats_per_s`` a second (and the coordinator's to them
-as many).  Workers learn the interval from WELCOME and from every heartbeat of the coordinator;
-both sides wait as many times longer before they declare the other lost, so a silence of the
-same number of missed heartbeats means the same thing at any size.
+the workers send, all together, at ``heartbeats_per_s`` a second.  The coordinator's heartbeat
+to a worker goes every other interval (``to_worker_s``): it only tells the worker that the
+coordinator is there, and a worker waits 5 intervals (``coordinator_timeout_s`` by default)
+before it registers again.  Workers learn the interval from WELCOME and from every heartbeat of
+the coordinator; both sides wait as many times longer before they declare the other lost, so a
+silence of the same number of missed heartbeats means the same thing at any size.
 
 Socket-free and clock-free: the loop hands in the number of workers and the time.
 """
@@ -53,6 +55,11 @@ class HeartbeatPace:
             self._wider_until = now + self.lost_after(now) + 2 * self.interval
         self.interval = want
         return True
+
+    @property
+    def to_worker_s(self) -> float:
+        """Seconds between the coordinator's heartbeats to one worker."""
+        return 2 * self.interval
 
     def lost_after(self, now: float) -> float:
         """Seconds of silence after which a worker is lost: ``worker_timeout_s`` scaled as the interval."""

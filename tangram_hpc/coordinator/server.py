@@ -285,6 +285,8 @@ class Coordinator:
     # -- frames in ---------------------------------------------------------------
     def _decode_client(self, ident: bytes, frame: bytes) -> tuple[P.MsgType, object]:
         mtype, body = P.decode(frame, P.CLIENT_TYPES, self.config.max_frame_bytes)
+        if mtype == P.SUBMIT:   # each action kept packed as it came until it is assigned (ActionLedger.submit)
+            return mtype, P.with_packed_items(frame, body)
         if mtype == P.CANCEL or mtype == P.CLOSE_ENV:
             P.check_ids(mtype, body)
         return mtype, body
@@ -431,7 +433,7 @@ class Coordinator:
         for wid, items in out.items():
             w = workers.get(wid)
             if w is not None:  # lost since: its actions went back to the policy
-                self._send_worker(w, P.encode(mtype, items))
+                self._send_worker(w, P.encode_assign(items) if mtype == P.ASSIGN else P.encode(mtype, items))
 
     def _send_worker(self, w: WorkerRecord, frame: bytes) -> None:
         if not self._send_ident(w.ident, frame) and w.info.id in self.workers.by_id:
@@ -460,7 +462,7 @@ class Coordinator:
 
     # -- periodic work -------------------------------------------------------
     def _tick(self, now: float) -> None:
-        # Ticks come twice per heartbeat_s; each worker hears from us once per interval, which grows
+        # Ticks come twice per heartbeat_s; each worker hears from us every other interval, which grows
         # with the number of workers (coordinator/heartbeats.py), and so does the silence that loses one.
         pace = self.pace
         if pace.update(len(self.workers), now):
@@ -468,7 +470,7 @@ class Coordinator:
         timeout = pace.lost_after(now)
         hb = None
         if now >= self._next_heartbeat:
-            self._next_heartbeat = now + pace.interval * 0.95
+            self._next_heartbeat = now + pace.to_worker_s * 0.95
             hb = P.encode(P.HEARTBEAT, {"coordinator": self.id, "heartbeat_s": pace.interval})
         # Silence counts until the last instant all workers' frames were read: after a long turn
         # (a large batch dispatched, a status at 2,000 workers) their heartbeats wait unread.
