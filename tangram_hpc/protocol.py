@@ -14,8 +14,8 @@ type          direction  body
 HELLO         C->K       ``{"name": str}``
 WELCOME       K->C/W     ``{"coordinator": incarnation id, "limits": {...}}`` to a client;
                          ``{"coordinator", "heartbeat_s", "snapshot_dir", "max_frame_bytes"}``
-                         to a worker (frames it sends stay within that limit; it heartbeats every
-                         ``heartbeat_s`` at least, see :func:`heartbeat_interval`)
+                         to a worker (frames it sends stay within that limit; it heartbeats at
+                         ``heartbeat_s``, or its own interval where longer: :func:`heartbeat_interval`)
 SUBMIT        C->K       ``[action wire map, ...]``
 CANCEL        C->K       ``[action id, ...]``
 RESULT        K->C       ``[result wire list, ...]``
@@ -58,8 +58,8 @@ PREFETCH      K->W       ``[service, ...]``: start loading these services now, a
 ============  =========  ======================================================
 
 Version 7 made the coordinator's ``heartbeat_s`` (WELCOME, its heartbeats) the interval its
-workers heartbeat at, chosen from the number of workers.  Version 6 made a worker's heartbeat list its environments only when they changed (``envs_v``,
-``send_envs``).  Version 5 added PREFETCH.  Version 3 added the environment grant, ``env_state`` (DONE, RESULT), CLOSE_ENV, ENV and
+workers heartbeat at, chosen from the number of workers.  Version 6 made a worker's heartbeat
+list its environments only when they changed (``envs_v``, ``send_envs``).  Version 5 added PREFETCH.  Version 3 added the environment grant, ``env_state`` (DONE, RESULT), CLOSE_ENV, ENV and
 OUTCOMES.
 
 A frame that cannot be decoded, has another version, an unknown type or a

@@ -259,7 +259,8 @@ class Predictor:
         hint = spec.duration_hint
         if hint is not None and hint > 0:
             p = self.parallel_fraction(spec, st)
-            h1 = hint / ((1.0 - p) + p / max(1, spec.demand.min_cores))
+            # the hint itself where there is nothing to scale: a float is 24 B of each queued action
+            h1 = hint / ((1.0 - p) + p / max(1, spec.demand.min_cores)) if p else hint
             if st is not None and st.hint_n:
                 return h1 * math.exp(st.hint_bias)
             return h1
