@@ -583,7 +583,7 @@ def scale_run(args, workers: int, envs: list[int], rows: list[dict], say) -> Non
                     t = time.monotonic()
                     h.run(env_action, level - made, batch=args.batch)   # each action a new environment
                     row["envs_s"] = (level - made) / (time.monotonic() - t)
-                    h.idle(1.5)      # every worker has reported its environments since
+                    h.idle(1.5 * h.heartbeat_s)   # every worker has reported its environments since
                     row["kib_env"] = (coord.rss_kib() - rss0) / (level - made)
                     made = level
                 measure(h, coord, args, row)
