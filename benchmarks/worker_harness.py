@@ -6,7 +6,8 @@
 For each worker count it starts one coordinator as the product starts it (``tangram-hpc
 coordinator --backend none``, its own process, CurveZMQ on) and connects that many simulated
 workers to it from this one process: one DEALER socket each (the identity the coordinator knows
-a worker by), REGISTER, a heartbeat every ``heartbeat_s`` (listing the environments each holds when they changed,
+a worker by), REGISTER, a heartbeat every ``heartbeat_s`` as the coordinator tells it (the interval
+grows with the number of workers; listing the environments each holds when they changed,
 as a worker with sandboxes does, else the number of its last list), every ASSIGN answered with DONE after a sampled duration
 (``--duration``: 0 answers in the same turn), an environment's first action answered ``created``.
 One event loop, raw msgpack, one DONE frame per worker per turn, pre-encoded heartbeats: the
@@ -151,7 +152,8 @@ class Harness:
         self.ctx = zmq.Context(io_threads=1)
         self.ctx.max_sockets = 100_000          # one socket per simulated worker (the default stops at 1023)
         self.cores = cores
-        self.heartbeat_s = heartbeat_s
+        self.own_heartbeat_s = heartbeat_s
+        self.heartbeat_s = heartbeat_s          # the interval the coordinator told (WELCOME, its heartbeats)
         self.duration = duration               # mean of the exponential run time of an action (0: none)
         self.rng = random.Random(seed)
         self.workers: list[SimWorker] = []
@@ -164,8 +166,9 @@ class Harness:
         self.due: list[tuple[float, int, int, list]] = []   # (when, seq, worker index, DONE item)
         self._seq = 0
         self.hold = False
-        self._hb_t0 = time.monotonic()
-        self._hb_sent = 0
+        self._hb_at = time.monotonic()          # heartbeats owed are counted up to then
+        self._hb_owed = 0.0
+        self._hb_next = 0                       # the index of the worker whose heartbeat is next
         self.client = self._socket(b"harness-client", info.client_address)
         self._watch(self.client, None)
         self.sent: dict[str, float] = {}        # action id -> when submitted, until answered
@@ -276,10 +279,13 @@ class Harness:
         n = len(self.workers)
         if not n:
             return
-        owed = int((now - self._hb_t0) / self.heartbeat_s * n) - self._hb_sent
-        for _ in range(min(owed, n)):
-            w = self.workers[self._hb_sent % n]
-            self._hb_sent += 1
+        self._hb_owed = min(self._hb_owed + (now - self._hb_at) / self.heartbeat_s * n, n)
+        self._hb_at = now
+        owed = int(self._hb_owed)
+        self._hb_owed -= owed
+        for _ in range(owed):
+            w = self.workers[self._hb_next % n]
+            self._hb_next += 1
             if not w.welcomed:
                 continue
             if w.list_due:
@@ -291,8 +297,6 @@ class Harness:
             else:
                 w.sock.send(w.hb_frame, zmq.NOBLOCK)
             self._sent_on.append(w)
-        if owed > n:
-            self._hb_sent += owed - n
 
     def _worker_in(self, w: SimWorker) -> None:
         sock = w.sock
@@ -305,7 +309,12 @@ class Harness:
             _, mtype, body = unpack(frame, raw=False)
             if mtype == P.ASSIGN:
                 self._assigned(w, body)
-            elif mtype == P.WELCOME:
+                continue
+            if mtype == P.HEARTBEAT or mtype == P.WELCOME:
+                told = P.heartbeat_interval(body)     # as a worker does (never shorter than its own)
+                if told is not None:
+                    self.heartbeat_s = max(self.own_heartbeat_s, told)
+            if mtype == P.WELCOME:
                 w.welcomed = True
             elif mtype == P.STOP:
                 if body.get("reregister"):
@@ -475,6 +484,7 @@ def measure(h: Harness, coord: CoordinatorProcess, args, row: dict) -> dict:
     idle_rate = (coord.cpu() - cpu0) / (time.monotonic() - t0)
     w = len(h.workers)
     row["hb_core_pct"] = 100 * idle_rate
+    row["hb_s"] = h.heartbeat_s
     row["hb_us"] = 1e6 * idle_rate * h.heartbeat_s / w if w else None
     h.rtts = []
     cpu0, own0 = coord.cpu(), _cpu_seconds(os.getpid())
@@ -553,7 +563,8 @@ def queued_memory(h: Harness, coord: CoordinatorProcess, queued: int) -> float:
 
 def scale_run(args, workers: int, envs: list[int], rows: list[dict], say) -> None:
     with tempfile.TemporaryDirectory(prefix="tangram-harness-") as tmp:
-        coord = CoordinatorProcess(Path(tmp), "--heartbeat", str(args.heartbeat), insecure=args.insecure)
+        pace = ["--heartbeats-per-s", str(args.heartbeats_per_s)] if args.heartbeats_per_s is not None else []
+        coord = CoordinatorProcess(Path(tmp), "--heartbeat", str(args.heartbeat), *pace, insecure=args.insecure)
         h = Harness(coord.info, cores=args.cores, heartbeat_s=args.heartbeat, duration=args.duration)
         try:
             placement = placement_cost(workers, args.placement, args.cores)
@@ -572,7 +583,7 @@ def scale_run(args, workers: int, envs: list[int], rows: list[dict], say) -> Non
                     t = time.monotonic()
                     h.run(env_action, level - made, batch=args.batch)   # each action a new environment
                     row["envs_s"] = (level - made) / (time.monotonic() - t)
-                    h.idle(1.5)      # every worker has reported its environments since
+                    h.idle(1.5 * h.heartbeat_s)   # every worker has reported its environments since
                     row["kib_env"] = (coord.rss_kib() - rss0) / (level - made)
                     made = level
                 measure(h, coord, args, row)
@@ -598,7 +609,7 @@ _COLUMNS = [("workers", "workers", "{:.0f}"), ("envs", "envs", "{:.0f}"), ("acti
             ("harness_us_action", "harness µs/act", "{:.1f}"),
             ("place_light_us", "place µs light", "{:.1f}"), ("place_core_us", "place µs core", "{:.1f}"),
             ("rtt_p50_ms", "rtt p50 ms", "{:.1f}"), ("rtt_p99_ms", "rtt p99 ms", "{:.1f}"),
-            ("hb_core_pct", "hb %core", "{:.1f}"), ("hb_us", "µs/hb", "{:.0f}"),
+            ("hb_core_pct", "hb %core", "{:.1f}"), ("hb_s", "hb s", "{:.2f}"), ("hb_us", "µs/hb", "{:.0f}"),
             ("kib_worker", "KiB/worker", "{:.1f}"), ("kib_env", "KiB/env", "{:.2f}"),
             ("kib_queued", "KiB/queued", "{:.2f}"), ("status_ms", "status ms", "{:.1f}"),
             ("top_ms", "top ms", "{:.1f}"), ("rss_mib", "RSS MiB", "{:.0f}"),
@@ -623,6 +634,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--placement", type=int, default=20_000, help="actions through the placement policy alone")
     ap.add_argument("--cores", type=int, default=8, help="cores each simulated worker registers")
     ap.add_argument("--heartbeat", type=float, default=1.0, help="heartbeat_s of the coordinator and the workers")
+    ap.add_argument("--heartbeats-per-s", type=float, default=None,
+                    help="the coordinator's bound on the workers' heartbeats a second (default: its own)")
     ap.add_argument("--duration", type=float, default=0.0, help="mean run time of an action in seconds (exponential)")
     ap.add_argument("--idle", type=float, default=3.0, help="seconds of heartbeats alone per row")
     ap.add_argument("--batch", type=int, default=1000, help="actions per SUBMIT frame")

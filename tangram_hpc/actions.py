@@ -128,6 +128,36 @@ def _demand_from_wire(d: Any) -> Demand:
     return demand
 
 
+#: Payload summaries, one per distinct summary.  Bounded, as a client may send any number of programs.
+PAYLOAD_SUMMARIES_KEPT = 4096
+_payload_summaries: dict[tuple, dict] = {}
+
+
+def payload_summary(payload: Any) -> dict | None:
+    """What a coordinator keeps of an action's payload while it keeps the action itself as it was sent
+    (packed, for the worker): the fields its scheduler classes actions by (``feature_key`` in
+    ``policy/predict.py``: a command's program and first argument, else a function's target), in one
+    dict shared by every action with the same.  ``tests/test_ledger.py`` checks that the classes
+    come out the same."""
+    if not isinstance(payload, dict):
+        return None
+    key: tuple = ()
+    cmd = payload.get("cmd")
+    words = cmd.split(None, 2) if isinstance(cmd, str) else None
+    if words:
+        key = ("cmd", " ".join(words[:2]))
+    else:
+        fn = payload.get("fn")
+        if isinstance(fn, str):
+            key = ("fn", fn)
+    summary = _payload_summaries.get(key)
+    if summary is None:
+        if len(_payload_summaries) >= PAYLOAD_SUMMARIES_KEPT:
+            _payload_summaries.clear()
+        summary = _payload_summaries[key] = dict([key]) if key else {}
+    return summary
+
+
 @dataclass(slots=True)
 class ActionSpec:
     """One external call of an RL rollout.
@@ -225,6 +255,8 @@ class ActionSpec:
             if kind == "sandbox":
                 check_sandbox_cores(demand.min_cores)
         hint = _opt_num(w, "h", "duration_hint")
+        if hint is not None:    # a class's actions share one hint, and a float each is 24 B of a queued action
+            hint = _hints.get(hint) or _shared_hint(hint)
         timeout = _opt_num(w, "t", "timeout")
         if timeout is not None and timeout <= 0:
             raise ValidationError("timeout must be positive")
@@ -240,6 +272,16 @@ class ActionSpec:
             label=_opt_str(w, "l", "label", _LABEL_MAX), idempotency_key=_opt_str(w, "x", "idempotency_key"),
             id=aid,
         )
+
+
+_hints: dict[float, float] = {}      # duration hints decoded from the wire, by value (bounded)
+
+
+def _shared_hint(hint: float) -> float:
+    if len(_hints) >= WIRE_DEMANDS_KEPT:
+        _hints.clear()
+    _hints[hint] = hint
+    return hint
 
 
 def check_sandbox_cores(min_cores: int) -> None:

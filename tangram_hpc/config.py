@@ -135,6 +135,10 @@ class CoordinatorSettings:
     worker_timeout_s: float = key(5.0, "seconds of silence before a worker is lost", flag="--worker-timeout",
                                   minimum=0.1)
     heartbeat_s: float = key(1.0, "seconds between heartbeats to workers", flag="--heartbeat", minimum=0.01)
+    heartbeats_per_s: float = key(1000.0, "the most heartbeats per second the workers send together: past "
+                                  "heartbeat_s x this many workers the coordinator tells them a longer "
+                                  "interval and waits as much longer before it loses one (0: no bound)",
+                                  flag="--heartbeats-per-s", minimum=0)
     timeout_grace_s: float = key(5.0, "seconds past an action's timeout before the coordinator times it out "
                                  "itself (the worker kills it at its timeout)", flag="--timeout-grace", minimum=0)
     env_prepare_s: float = key(120.0, "seconds the coordinator allows for creating or restoring an action's "

@@ -14,15 +14,18 @@ type          direction  body
 HELLO         C->K       ``{"name": str}``
 WELCOME       K->C/W     ``{"coordinator": incarnation id, "limits": {...}}`` to a client;
                          ``{"coordinator", "heartbeat_s", "snapshot_dir", "max_frame_bytes"}``
-                         to a worker (frames it sends stay within that limit)
+                         to a worker (frames it sends stay within that limit; it heartbeats at
+                         ``heartbeat_s``, or its own interval where longer: :func:`heartbeat_interval`)
 SUBMIT        C->K       ``[action wire map, ...]``
 CANCEL        C->K       ``[action id, ...]``
 RESULT        K->C       ``[result wire list, ...]``
 STATUS        C->K       ``{}`` or ``{"allocations": true}``; reply STATUS with a status map
 POOL          C->K       ``{"op": "pause" | "resume"}`` (worker launches); reply STATUS with
                          the status map after it, ``"pool_op"`` saying what was done
-HEARTBEAT     any        ``{"coordinator": id}`` from K, which adds ``"send_envs": n`` when the
-                         worker's ``envs_v`` (n) names a list it has not received; ``{}`` from C;
+HEARTBEAT     any        ``{"coordinator": id, "heartbeat_s": s}`` from K to a worker (``s``: the
+                         interval the coordinator chose for its number of workers), which adds
+                         ``"send_envs": n`` when the worker's ``envs_v`` (n) names a list it has not
+                         received; ``{"coordinator": id}`` to a client; ``{}`` from C;
                          ``{"running": n, "services": [...], "envs_v": n, "envs": [...],
                          "service_counts": {service: [loads, evictions, queued]},
                          "service_costs": {service: [load s, evict s]},
@@ -54,8 +57,9 @@ PREFETCH      K->W       ``[service, ...]``: start loading these services now, a
                          calls (the scheduler's prefetch); a hint, never answered
 ============  =========  ======================================================
 
-Version 6 made a worker's heartbeat list its environments only when they changed (``envs_v``,
-``send_envs``).  Version 5 added PREFETCH.  Version 3 added the environment grant, ``env_state`` (DONE, RESULT), CLOSE_ENV, ENV and
+Version 7 made the coordinator's ``heartbeat_s`` (WELCOME, its heartbeats) the interval its
+workers heartbeat at, chosen from the number of workers.  Version 6 made a worker's heartbeat
+list its environments only when they changed (``envs_v``, ``send_envs``).  Version 5 added PREFETCH.  Version 3 added the environment grant, ``env_state`` (DONE, RESULT), CLOSE_ENV, ENV and
 OUTCOMES.
 
 A frame that cannot be decoded, has another version, an unknown type or a
@@ -79,7 +83,10 @@ from .errors import ProtocolError, ValidationError
 #: 4: a saved environment (ENV saved, a restore grant) may be a delta over its template's base,
 #:    which a worker speaking 3 would restore without the base.
 #: 5: PREFETCH (coordinator to worker), which a worker speaking 4 would answer as an unknown type.
-PROTOCOL_VERSION = 6
+#: 6: a worker's heartbeat lists its environments only when they changed (envs_v, send_envs).
+#: 7: workers heartbeat at the interval the coordinator tells them (WELCOME, its HEARTBEAT), which
+#:    grows with the number of workers; a worker speaking 6 would keep its own and be lost.
+PROTOCOL_VERSION = 7
 
 class MsgType(IntEnum):
     """The type of a message (the second element of every frame)."""
@@ -260,6 +267,56 @@ def encode_packed(mtype: int, items: list[bytes]) -> bytes:
                      p.pack_array_header(len(items)), *items))
 
 
+class PackedList(list):
+    """A list body decoded with each item as it was packed (``packed[i]``: the bytes of item ``i``),
+    so a receiver may keep an item as those bytes and send it on unchanged (:func:`encode_assign`)."""
+
+    __slots__ = ("packed",)
+
+    def __init__(self, items: list, packed: list[bytes]):
+        super().__init__(items)
+        self.packed = packed
+
+
+def with_packed_items(frame: bytes, body: list) -> PackedList:
+    """``body``, the list body :func:`decode` read from ``frame``, with each item's bytes in the frame
+    (a walk that skips over each item: about a tenth of decoding it)."""
+    u = msgpack.Unpacker(max_buffer_size=len(frame) or 1)
+    u.feed(frame)
+    u.read_array_header()
+    u.skip()                     # the version
+    u.skip()                     # the type
+    u.read_array_header()
+    tell, skip = u.tell, u.skip
+    packed = []
+    start = tell()
+    for _ in range(len(body)):
+        skip()
+        end = tell()
+        packed.append(frame[start:end])
+        start = end
+    return PackedList(body, packed)
+
+
+_ASSIGN3 = _packer.pack_array_header(3)
+
+
+def encode_assign(items: list) -> bytes:
+    """An ASSIGN frame.  An item's action map may be bytes, packed as its SUBMIT carried it: it is
+    spliced in as it is (what a coordinator keeps of a waiting action is those bytes, not the map)."""
+    parts = []
+    pack = _packer.pack
+    for item in items:
+        wire = item[0]
+        if type(wire) is not bytes:
+            parts.append(pack(item))
+        elif len(item) == 3 and 0 <= item[1] < 128 and 0 <= item[2] < 128:   # one byte each (positive fixint)
+            parts.append(b"".join((_ASSIGN3, wire, bytes((item[1], item[2])))))
+        else:
+            parts.append(b"".join((_packer.pack_array_header(len(item)), wire, *map(pack, item[1:]))))
+    return encode_packed(ASSIGN, parts)
+
+
 def encode_packed_within(mtype: int, items: list[bytes], max_bytes: int) -> list[bytes]:
     """Packed items as frames of at most ``max_bytes`` each (one item larger than that alone)."""
     if sum(map(len, items)) <= max_bytes - 16:     # the common case: one frame
@@ -378,6 +435,19 @@ def check_worker_heartbeat(body: dict) -> dict:
     if v is not None and (type(v) is not int or not 0 <= v < 1 << 62):
         raise ProtocolError("malformed", "HEARTBEAT envs_v must be a non-negative integer")
     return body
+
+
+#: The longest heartbeat interval a worker accepts from a coordinator (a larger one is ignored).
+MAX_HEARTBEAT_S = 3600.0
+
+
+def heartbeat_interval(body: dict) -> float | None:
+    """The ``heartbeat_s`` of a coordinator's WELCOME or HEARTBEAT, if it is a usable interval
+    (a finite number of seconds in (0, :data:`MAX_HEARTBEAT_S`]); else None (the worker keeps its own)."""
+    v = body.get("heartbeat_s")
+    if type(v) not in (int, float) or not 0 < v <= MAX_HEARTBEAT_S:    # NaN fails the comparison
+        return None
+    return float(v)
 
 
 def _env_gen_pair(e: Any) -> bool:

@@ -98,6 +98,10 @@ class Worker:
         self._handoff: deque = deque()   # attempts to start that a thread left when it lost the role
         self._finished = threading.Event()
         self._max_frame = P.MAX_FRAME_BYTES           # the coordinator's frame limit (its WELCOME says)
+        # The heartbeat interval and the coordinator's silence limit: this worker's own, or longer where the
+        # coordinator says so (it lengthens the interval with the number of workers; the limit follows).
+        self._hb_s = cfg.heartbeat_s
+        self._silence_s = cfg.coordinator_timeout_s
         self._last_heard_wall = time.time()
         self._leave_deadline: float | None = None   # leaving: when its next step is due
         self._handed_back: threading.Event | None = None
@@ -239,7 +243,6 @@ class Worker:
     def _io_loop(self) -> int | None:
         """The I/O loop; returns the worker's exit code, or None when the I/O role was taken over."""
         s = self.sock
-        hb = self.cfg.heartbeat_s
         try:
             while not self._stop:
                 while self._handoff:
@@ -247,6 +250,7 @@ class Worker:
                     if starts[0].gen == self.session.generation:
                         self._start(starts)
                 now = time.monotonic()
+                hb = self._hb_s
                 if not self._registered and now - self._last_register > hb and self.session.leaving is None:
                     self._register()
                     self._last_register = now
@@ -260,9 +264,9 @@ class Worker:
                         return 3
                     if self.session.killed and self.session.leaving is None and self.cfg.stuck_leave_s:
                         self._leave_if_stuck(now)
-                    if silent > self.cfg.coordinator_timeout_s and self._follow_moved_coordinator():
+                    if silent > self._silence_s and self._follow_moved_coordinator():
                         s = self.sock
-                    elif self._registered and silent > self.cfg.coordinator_timeout_s:
+                    elif self._registered and silent > self._silence_s:
                         log.warning("coordinator silent for %.1fs: registering again", silent)
                         self._registered = False
                 wait_s = self._next_hb - now
@@ -408,6 +412,8 @@ class Worker:
                 self._on_assign(body)
             elif mtype == P.HEARTBEAT or mtype == P.WELCOME:
                 cid = body.get("coordinator")
+                if "heartbeat_s" in body:
+                    self._paced(body)
                 if mtype == P.WELCOME:
                     self._welcomed(body)
                 elif cid != self._coordinator:
@@ -438,6 +444,20 @@ class Worker:
                 else:
                     log.warning("coordinator error: %s", body.get("message"))
         return heard
+
+    def _paced(self, body: dict) -> None:
+        """The interval the coordinator wants (it grows with the number of workers): never shorter than this
+        worker's own, and the coordinator's silence limit as many times longer."""
+        told = P.heartbeat_interval(body)
+        if told is None:
+            log.warning("ignored a heartbeat interval from the coordinator: %.40r", body.get("heartbeat_s"))
+            return
+        cfg = self.cfg
+        hb = max(cfg.heartbeat_s, told)
+        if hb != self._hb_s:
+            self._next_hb = min(self._next_hb, time.monotonic() + hb)
+            self._hb_s = hb
+            self._silence_s = cfg.coordinator_timeout_s * hb / cfg.heartbeat_s
 
     def _on_prefetch(self, body: list) -> None:
         """The scheduler's prefetch: load these services now (a hint; names this worker does not host

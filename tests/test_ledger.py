@@ -7,6 +7,8 @@ live here, so they are tested here, case by case.
 from __future__ import annotations
 
 
+import msgpack
+
 from tangram_hpc import protocol as P
 from tangram_hpc.actions import ActionSpec, Demand, Status, function
 from tangram_hpc.config import CoordinatorSettings
@@ -462,3 +464,29 @@ def test_a_reward_call_that_found_the_gpu_held_by_loads_starts_once_they_are_due
     ledger.worker_report("g", {"services": []}, 11.0)
     ledger.dirty = True                              # the loop's tick
     assert take_assign(ledger, now=11.0) == {"g": [("c1", 1, 1)]}
+
+
+def test_a_packed_submit_is_kept_packed_sent_as_it_came_and_classed_as_its_payload_says():
+    from tangram_hpc.actions import payload_summary
+    from tangram_hpc.policy.predict import feature_key
+    specs = [sleep(0.1, label=None), ActionSpec(kind="sandbox", payload={"cmd": "python3 -m pytest -x tests/a.py"},
+                                                demand=Demand(1, 1)),
+             ActionSpec(kind="sandbox", payload={"cmd": "   ", "fn": "odd"}, demand=Demand(1, 1)),
+             ActionSpec(kind="sandbox", payload={"cmd": "/usr/bin/bash run.sh --fast"}, demand=Demand(1, 1)),
+             ActionSpec(kind="function", payload=["not", "a", "map"]), ActionSpec(kind="function", payload=None)]
+    for s in specs:     # the scheduler classes an action by its payload's summary as by the payload
+        summary = ActionSpec(kind=s.kind, payload=payload_summary(s.payload), demand=s.demand, id=s.id)
+        assert feature_key(summary) == feature_key(s), s.payload
+    ledger = make()
+    join(ledger, "w1", cores=8)
+    frame = P.encode(P.SUBMIT, [s.to_wire() for s in specs[:4]])
+    _, body = P.decode(frame, P.CLIENT_TYPES)
+    ledger.submit(C1, P.with_packed_items(frame, body), 0.0)
+    ledger.dispatch(0.0)
+    items = ledger.outbox.assign["w1"]
+    assert sorted(msgpack.unpackb(it[0], raw=False)["i"] for it in items) == sorted(s.id for s in specs[:4])
+    sent = msgpack.unpackb(P.encode_assign(items), raw=False)[2]
+    assert {w["i"]: w for w, *_ in sent} == {s.id: s.to_wire() for s in specs[:4]}
+    for wire, attempt, *_ in sent:
+        assert done(ledger, "w1", wire["i"], attempt) == 0
+    assert sorted(r[0] for r in take_results(ledger)[C1]) == sorted(s.id for s in specs[:4])

@@ -327,3 +327,43 @@ def test_a_worker_lists_its_environments_only_when_they_change_and_again_when_as
     finally:
         ctx.destroy(0)
     assert c.status()["internal_errors"] == 0
+
+
+def test_a_coordinators_heartbeat_interval_is_read_only_when_it_is_a_usable_number_of_seconds():
+    assert P.heartbeat_interval({"heartbeat_s": 2}) == 2.0
+    assert P.heartbeat_interval({"heartbeat_s": 0.25}) == 0.25
+    for bad in (None, 0, -1.0, float("nan"), float("inf"), P.MAX_HEARTBEAT_S * 2, True, "2", [2]):
+        assert P.heartbeat_interval({"heartbeat_s": bad}) is None, bad
+    assert P.heartbeat_interval({}) is None
+
+
+def test_the_heartbeat_interval_grows_with_the_workers_and_the_silence_that_loses_one_with_it():
+    from tangram_hpc.coordinator.heartbeats import HeartbeatPace
+    pace = HeartbeatPace(heartbeat_s=1.0, worker_timeout_s=5.0, per_s=1000)
+    assert not pace.update(1000, now=0.0)                 # up to 1,000 workers: the configured interval
+    assert (pace.interval, pace.lost_after(0.0)) == (1.0, 5.0)
+    assert pace.update(2000, now=1.0)                     # 2,000 workers: 1,000 heartbeats a second still
+    assert (pace.interval, pace.lost_after(1.0)) == (2.0, 10.0)
+    assert pace.update(2100, now=2.0) and pace.interval == 2.25   # in quarter steps
+    assert not pace.update(2050, now=3.0)
+    # fewer workers: a shorter interval at once, but workers not yet told it are not lost for that
+    assert pace.update(500, now=4.0) and pace.interval == 1.0
+    assert pace.lost_after(5.0) == 5.0 * 2.25
+    assert pace.lost_after(4.0 + 5.0 * 2.25 + 2 * 2.25 + 0.1) == 5.0
+    unbounded = HeartbeatPace(heartbeat_s=1.0, worker_timeout_s=5.0, per_s=0)
+    assert not unbounded.update(100_000, now=0.0) and unbounded.interval == 1.0
+
+
+def test_a_submit_keeps_each_action_as_packed_and_its_assign_carries_those_bytes_unchanged():
+    specs = [function("tangram_hpc.handlers:noop", i, cores=1 + i % 2).to_wire() for i in range(5)]
+    specs[1]["e"], specs[1]["k"], specs[1]["p"] = "env-1", "sandbox", {"cmd": "echo é", "stdin": b"\x00\xff"}
+    frame = P.encode(P.SUBMIT, specs)
+    mtype, body = P.decode(frame, P.CLIENT_TYPES)
+    body = P.with_packed_items(frame, body)
+    assert body == specs and [msgpack.unpackb(b, raw=False) for b in body.packed] == specs
+    grant = [3, P.GRANT_HELD, None]
+    for items in ([[b, 1, 1] for b in body.packed],                          # the one-byte path
+                  [[body.packed[0], 200, 1], [body.packed[1], 1, 1000, grant]],   # the general one
+                  [[specs[2], 1, 1], [body.packed[2], 2, 2]]):              # a map (in-process) beside bytes
+        as_maps = [[msgpack.unpackb(it[0], raw=False) if type(it[0]) is bytes else it[0], *it[1:]] for it in items]
+        assert P.encode_assign(items) == P.encode(P.ASSIGN, as_maps)

@@ -397,6 +397,29 @@ def test_a_killed_reward_request_still_queued_ends_at_once_and_is_no_stuck_call(
         coord.close()
 
 
+def test_the_worker_heartbeats_at_the_interval_its_coordinator_tells_it_never_shorter_than_its_own(
+        coord_and_worker):
+    coord, worker = coord_and_worker
+    timeout = worker.cfg.coordinator_timeout_s
+
+    def told(interval) -> None:
+        coord.send(P.HEARTBEAT, {"coordinator": "fake", "heartbeat_s": interval})
+
+    told(4 * HB)    # a coordinator with many workers: a longer interval, and a longer silence before it is lost
+    coord.until(lambda: worker._hb_s == 4 * HB)
+    assert worker._silence_s == pytest.approx(4 * timeout)
+    for bad in (float("nan"), -1.0, 0, "1", P.MAX_HEARTBEAT_S * 10):   # refused at the edge: nothing changes
+        told(bad)
+    told(2 * HB)    # frames are handled in order: once this one is, so were those before it
+    coord.until(lambda: worker._hb_s == 2 * HB)
+    assert worker._silence_s == pytest.approx(2 * timeout)
+    told(HB / 4)    # shorter than the worker's own: its own
+    coord.until(lambda: worker._hb_s == HB)
+    assert worker._silence_s == pytest.approx(timeout) and worker._registered
+    n = len(coord.heartbeats)
+    coord.until(lambda: len(coord.heartbeats) >= n + 3)      # it goes on heartbeating
+
+
 def test_outcomes_sent_just_before_a_long_outage_are_sent_again_once_welcomed(tmp_path):
     coord = FakeCoordinator()
     cfg = WorkerConfig(connection=ConnectionInfo(client_address="", worker_address=coord.address), cores=1,

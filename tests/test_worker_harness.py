@@ -1,6 +1,7 @@
 """The worker harness (benchmarks/worker_harness.py) at a small size, against a real coordinator
 process, so that the scale benchmark keeps speaking the protocol the coordinator speaks."""
 import importlib.util
+import time
 from pathlib import Path
 
 import pytest
@@ -60,6 +61,27 @@ def test_simulated_workers_register_answer_each_action_once_and_report_environme
         assert h.answered == 455 and h.duplicates == 0 and not h.failed and not h.errors
         st, _ = h.status()
         assert st["completed"] == 455 and st["workers_lost"] == 0 and st["bad_frames"] == 0
+    finally:
+        coord.close(h)
+        h.close()
+    assert coord.proc.returncode == 0
+
+
+def test_past_its_heartbeat_bound_the_coordinator_tells_its_workers_a_longer_interval_and_loses_none(wh, tmp_path):
+    # 0.2 s heartbeats from 6 workers are 30 a second; a bound of 10 a second asks for 0.6 s
+    coord = wh.CoordinatorProcess(tmp_path, "--heartbeat", "0.2", "--heartbeats-per-s", "10")
+    h = wh.Harness(coord.info, cores=1, heartbeat_s=0.2)
+    try:
+        h.add_workers(2)
+        assert h.heartbeat_s == 0.2                  # 2 workers: 10 heartbeats a second, within the bound
+        h.add_workers(4)
+        deadline = time.monotonic() + 60
+        while h.heartbeat_s != 0.6:                 # told with the coordinator's next heartbeats
+            assert time.monotonic() < deadline, f"the workers were told {h.heartbeat_s} s"
+            h.idle(0.1)
+        h.run(wh.noop, 100, batch=20)
+        st, _ = h.status()
+        assert len(st["workers"]) == 6 and st["workers_lost"] == 0 and h.answered == 100 and not h.errors
     finally:
         coord.close(h)
         h.close()

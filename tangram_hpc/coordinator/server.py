@@ -29,6 +29,7 @@ from ..runlog import RunLog
 from ..security import CurveKeys
 from .environments import EnvironmentDirectory
 from .faults import FrameFaults
+from .heartbeats import HeartbeatPace
 from .ledger import ActionLedger
 from .metrics import CoordinatorMetrics
 from .outbox import Outbox
@@ -92,6 +93,7 @@ class Coordinator:
         self.faults = FrameFaults(self.ledger)
         self._unreachable: set[str] = set()     # workers a send failed to: lost after their last frames
         self._next_heartbeat = 0.0              # time.time() of the next heartbeat to the workers
+        self.pace = HeartbeatPace(config.heartbeat_s, config.worker_timeout_s, config.heartbeats_per_s)
         self._heard_until = time.time()         # every frame workers sent before then has been read
 
     # -- sockets -----------------------------------------------------------
@@ -283,6 +285,8 @@ class Coordinator:
     # -- frames in ---------------------------------------------------------------
     def _decode_client(self, ident: bytes, frame: bytes) -> tuple[P.MsgType, object]:
         mtype, body = P.decode(frame, P.CLIENT_TYPES, self.config.max_frame_bytes)
+        if mtype == P.SUBMIT:   # each action kept packed as it came until it is assigned (ActionLedger.submit)
+            return mtype, P.with_packed_items(frame, body)
         if mtype == P.CANCEL or mtype == P.CLOSE_ENV:
             P.check_ids(mtype, body)
         return mtype, body
@@ -335,10 +339,10 @@ class Coordinator:
             w = ledger.add_worker(info, ident, now)
             if self.pool_driver is not None:
                 self.pool_driver.joined(w)
-            self._send_ident(ident, P.encode(P.WELCOME, {"coordinator": self.id,
-                                                         "heartbeat_s": self.config.heartbeat_s,
-                                                         "snapshot_dir": str(self.state.snapshots),
-                                                         "max_frame_bytes": self.config.max_frame_bytes}))
+            self.pace.update(len(self.workers), now)     # the others hear a new interval at the next tick
+            self._send_ident(ident, P.encode(P.WELCOME, {
+                "coordinator": self.id, "heartbeat_s": self.pace.interval, "snapshot_dir": str(self.state.snapshots),
+                "max_frame_bytes": self.config.max_frame_bytes}))
             log.info("worker %s registered: %d cores, %d GPUs, handle %s", wid, info.cores, info.gpus, info.handle)
             if self._closing:
                 # its job started while this coordinator stops (a launch just before the stop):
@@ -429,7 +433,7 @@ class Coordinator:
         for wid, items in out.items():
             w = workers.get(wid)
             if w is not None:  # lost since: its actions went back to the policy
-                self._send_worker(w, P.encode(mtype, items))
+                self._send_worker(w, P.encode_assign(items) if mtype == P.ASSIGN else P.encode(mtype, items))
 
     def _send_worker(self, w: WorkerRecord, frame: bytes) -> None:
         if not self._send_ident(w.ident, frame) and w.info.id in self.workers.by_id:
@@ -458,13 +462,16 @@ class Coordinator:
 
     # -- periodic work -------------------------------------------------------
     def _tick(self, now: float) -> None:
-        timeout = self.config.worker_timeout_s
-        # Ticks come twice per heartbeat_s; each worker hears from us once per heartbeat_s (at 2,000
-        # workers the sends are most of what an idle coordinator does).
+        # Ticks come twice per heartbeat_s; each worker hears from us every other interval, which grows
+        # with the number of workers (coordinator/heartbeats.py), and so does the silence that loses one.
+        pace = self.pace
+        if pace.update(len(self.workers), now):
+            self._next_heartbeat = 0.0          # a new interval: told now
+        timeout = pace.lost_after(now)
         hb = None
         if now >= self._next_heartbeat:
-            self._next_heartbeat = now + self.config.heartbeat_s * 0.95
-            hb = P.encode(P.HEARTBEAT, {"coordinator": self.id})
+            self._next_heartbeat = now + pace.to_worker_s * 0.95
+            hb = P.encode(P.HEARTBEAT, {"coordinator": self.id, "heartbeat_s": pace.interval})
         # Silence counts until the last instant all workers' frames were read: after a long turn
         # (a large batch dispatched, a status at 2,000 workers) their heartbeats wait unread.
         heard = min(now, self._heard_until)

@@ -25,7 +25,7 @@ import msgpack
 
 from ..envfiles import NOFOLLOW_DIR, env_dirname, snapshot_identity
 from ..runlog import read_records
-from .environments import EnvironmentDirectory, EnvStatus
+from .environments import EnvironmentDirectory
 
 log = logging.getLogger("tangram.coordinator")
 
@@ -138,7 +138,7 @@ class StateDir:
     def scan_snapshots(self, directory: EnvironmentDirectory) -> list[str]:
         """Snapshots of awaited environments written while no coordinator heard of them (a worker
         stopping as its coordinator shut down); returns the environments found."""
-        awaited = [r for r in directory.envs.values() if r.status is EnvStatus.AWAITED]
+        awaited = directory.awaited()
         if not awaited:
             return []
         try:
