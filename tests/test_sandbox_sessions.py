@@ -383,3 +383,19 @@ def test_with_after_reply_the_session_is_frozen_once_the_reply_is_sent(mgr):
     time.sleep(1.0)                                         # a wait, not a measurement: no CPU may pass
     assert ticks(pids) - before <= 1, "a frozen session used CPU"
     assert ok(mgr.run(act("echo ok", env="e"), CPU))["processes"] == "kept"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="an environment's processes are found by its own uid, given as root")
+def test_deleted_files_a_kept_process_holds_are_measured_while_frozen_and_count_from_the_next_start(mgr):
+    # A kept process holds an 8 MiB file it deleted: measured once its session is frozen, that figure
+    # is the next action's start, so an action that adds nothing passes a 4 MiB quota and one that grows
+    # the environment past it is stopped.
+    hold = ("head -c 8388608 /dev/zero > big; exec 3<big; sleep 1000 >/dev/null 2>&1 & "
+            "exec 3<&-; rm big; echo held")
+    assert ok(mgr.run(act(hold, env="e", limits={"disk_mb": 64}), CPU))["stdout"] == "held\n"
+    s = session_of(mgr, "e")
+    wait_until(lambda: s.layer_ready, what="the session parked")
+    assert s.held_deleted is not None and s.held_deleted >= 8 << 20
+    assert ok(mgr.run(act("true", env="e", limits={"disk_mb": 4}), CPU))["processes"] == "kept"
+    r = mgr.run(act("head -c 2097152 /dev/zero > more", env="e", limits={"disk_mb": 4}), CPU)
+    assert r.status == Status.FAILED and "deleted but still open" in r.error, r

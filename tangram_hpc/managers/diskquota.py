@@ -264,14 +264,20 @@ class QuotaWatch:
 
 
 def held_outside(journal_bytes: Callable[[], int], uid: int | None, inside: str,
-                 pids: Callable[[], list[str]] | None) -> Callable[[], int]:
+                 pids: Callable[[], list[str]] | None, deleted_first: int | None = None) -> Callable[[], int]:
     """What counts against an environment's disk quota beside its tree, as a function for
     :class:`QuotaWatch`'s ``outside``: its journal (``journal_bytes()``), and the files its commands
     deleted but hold open (:func:`held_deleted`: by the environment's ``uid``, which only it runs
-    as, among ``pids()``, the action's cgroup, or else in all of ``/proc``)."""
+    as, among ``pids()``, the action's cgroup, or else in all of ``/proc``).  ``deleted_first``: the
+    latter already known for the first call (measured while the session's processes were frozen)."""
+    known = [deleted_first]
+
     def held() -> int:
         n = journal_bytes()
         if uid is None:
+            return n
+        if known[0] is not None:
+            n, known[0] = n + known[0], None
             return n
         return n + held_deleted(uid, inside, pids() if pids is not None else None)
     return held

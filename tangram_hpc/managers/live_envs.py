@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Mapping
 
 from . import env_layers
 from .bwrap import SANDBOX_DIR, memfd
-from .diskquota import QuotaWatch
+from .diskquota import QuotaWatch, held_deleted
 from .environments import Environment
 from .fs_inside import EnvError
 from .limits import WRAPPER_ENVIRON, Limits, wrapper_argv
@@ -90,8 +90,10 @@ class LiveEnvs:
             raise
         session.thaw(cpus, limits.memory_mb, limits.nproc)
         scope = session.scope
+        deleted, session.held_deleted = session.held_deleted, None
         quota = QuotaWatch(env.path, limits.disk_mb, limits.disk_files, env.disk,
-                           outside=self.m._held_outside(env, scope), layer=attempt / "upper" if attempt else None)
+                           outside=self.m._held_outside(env, scope, deleted),
+                           layer=attempt / "upper" if attempt else None)
         mem_in_cgroup = scope is not None and scope.memory_dir is not None and bool(limits.memory_mb)
         environ = self.m._environ(SANDBOX_DIR, len(cpus) if cpus else 1, env)
         environ.update(extra_env)
@@ -199,6 +201,11 @@ class LiveEnvs:
             return
         if not session.wait_frozen():
             self.end(env.id, "its processes could not be frozen")
+        elif env.uid is not None and session.dead is None:
+            # Frozen, its processes can neither open, delete nor close a file until the next action's
+            # thaw: measured now, off the action's path, it is exactly what they hold at that start.
+            session.held_deleted = held_deleted(env.uid, self.m._quota_inside(env),
+                                                session.scope.pids() if session.scope is not None else None)
         attempt = self.m.envs.attempt_path(env)
         if keep_ready and session.dead is None and env_layers.untouched(attempt, env.path):
             # Nothing to merge: the layer stays mounted for the next attempt, owned by no action (as one

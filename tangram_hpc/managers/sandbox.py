@@ -483,7 +483,7 @@ class SandboxManager:
               extra_env: Mapping[str, str], limits: Limits, cpus, network: bool,
               cancel_fd: int | None = None, attempt: Path | None = None) -> _Ran:
         ncpus = len(cpus) if cpus else 1
-        inside = SANDBOX_DIR if self.layout is not None else str(env.path)
+        inside = self._quota_inside(env)
         environ = self._environ(inside, ncpus, env)
         environ.update(extra_env)
         uid = env.uid
@@ -580,11 +580,14 @@ class SandboxManager:
         disk_mb = round(quota.last.mb, 3) if quota.active else None
         return _Ran(res, enforced, note, disk_mb)
 
-    def _held_outside(self, env: Environment, scope: CgroupScope | None):
+    def _held_outside(self, env: Environment, scope: CgroupScope | None, deleted_first: int | None = None):
         """What counts against ``env``'s disk quota beside its tree (:func:`diskquota.held_outside`)."""
-        return held_outside(lambda: self.envs.journal_bytes(env), env.uid,
-                            SANDBOX_DIR if self.layout is not None else str(env.path),
-                            scope.pids if scope is not None else None)
+        return held_outside(lambda: self.envs.journal_bytes(env), env.uid, self._quota_inside(env),
+                            scope.pids if scope is not None else None, deleted_first)
+
+    def _quota_inside(self, env: Environment) -> str:
+        """``env``'s directory as its commands see it (the paths of files they deleted start with it)."""
+        return SANDBOX_DIR if self.layout is not None else str(env.path)
 
     def _environ(self, inside: str, ncpus: int, env: Environment) -> dict[str, str]:
         pybin = os.path.dirname(sys.executable)

@@ -130,7 +130,9 @@ def main(fd: int) -> None:
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
-    commands: set[int] = set()
+    # A command's stdout and stderr (the server's copies), closed once its exit is sent: the worker
+    # then learns of both at one wake-up instead of waking for the end of its output first.
+    commands: dict[int, list[int]] = {}
     fd_size = struct.calcsize("i")
     sock.send(REPLY.pack(b"R", os.getpid(), 0, 0.0, 0.0, 0))
     while True:
@@ -149,8 +151,10 @@ def main(fd: int) -> None:
                 if pid == 0:
                     break
                 if pid in commands:
-                    commands.discard(pid)
+                    outputs = commands.pop(pid)
                     sock.send(REPLY.pack(b"X", pid, status, ru.ru_utime, ru.ru_stime, ru.ru_maxrss))
+                    for f in outputs:
+                        os.close(f)
         if sock.fileno() in ready:
             msg, anc, _, _ = sock.recvmsg(1 << 20, socket.CMSG_SPACE(3 * fd_size))
             if not msg:
@@ -171,10 +175,12 @@ def main(fd: int) -> None:
                     sock.send(REPLY.pack(b"E", 0, exc.errno or 0, 0.0, 0.0, 0))
                 if pid == 0:
                     _child(argv, environ, rlimits, cpus, fds)
+            kept = fds[1:] if pid > 0 and len(fds) == 3 else []
             for f in fds:
-                os.close(f)
+                if f not in kept:
+                    os.close(f)
             if pid > 0:
-                commands.add(pid)
+                commands[pid] = kept
 
 
 if __name__ == "__main__":

@@ -112,6 +112,9 @@ class Session:
         self.actions = 0
         self.last_state = STARTED       # what its last action found: KEPT, STARTED, or why not kept
         self.commit_on_park = False     # its mounted layer is committed without a journal record
+        #: bytes of deleted files its processes held open, measured once all were frozen (None: not
+        #: since the last thaw); the next action's disk quota starts from it (LiveEnvs.park)
+        self.held_deleted: int | None = None
 
     # -- freezing --------------------------------------------------------------------
     def freeze(self) -> None:
@@ -138,6 +141,7 @@ class Session:
         if self.scope is not None and grant != self._grant:   # most actions of an environment repeat it
             self.scope.retarget(memory_mb, nproc, cpus)
             self._grant = grant
+            self.held_deleted = None    # a lower memory.max may OOM-kill a holder before the thaw
         if not self.frozen:
             return
         self.frozen = False
