@@ -130,12 +130,23 @@ def warm_services(client: Any, w: Workload) -> dict[str, dict[str, Any]]:
     for name in services_by_demand(w):
         if name not in start:
             st = call(name)
-    for _ in range(2 * len(w.services)):
+    # A call to a missing starting service evicts the resident of least value (cost to reload over
+    # time unused, policy/residency.py): a costly service loaded above can outvalue a cheap starting
+    # one for as long as its reload cost outweighs its idle time, and two starting services then evict
+    # each other.  Waiting between rounds lets the unused one age out (what the value's LRU part is
+    # for), so the warm-up ends by the residency rule, whatever the machine's load did to the costs.
+    deadline, pause = time.monotonic() + 300, 0.5
+    while True:
         missing = [n for n in start if n not in resident(st)]
         if not missing:
             return _service_moves(st)
-        st = call(missing[0])
-    raise RuntimeError(f"the reward worker did not keep {start} resident")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the reward worker did not keep {start} resident in 300s")
+        for name in missing:
+            st = call(name)
+        if [n for n in start if n not in resident(st)]:
+            time.sleep(pause)
+            pause = min(2 * pause, 16.0)
 
 
 def reported_since(client: Any, since: float, timeout_s: float = 30.0) -> dict:
