@@ -44,8 +44,9 @@ sys.path.insert(0, str(REPO))
 from tangram_hpc import Client, sandbox  # noqa: E402
 
 LAUNCH = REPO / "scripts" / "launch-coordinator.sh"
-#: sigstop: SIGSTOP a worker running actions for 20 s, then SIGCONT; scancel / sigkill: a worker running
-#: actions; drain: workers reach their time limit under continuous load; restart: scancel the
+#: sigstop: SIGSTOP a worker running actions until the coordinator has lost it and retried an action,
+#: then SIGCONT; scancel / sigkill: a worker running actions; drain: the first workers reach their
+#: time limit under continuous load, which lasts until each of them has left; restart: scancel the
 #: coordinator's job and launch it again (a new run directory, as the script does); crash-restart:
 #: SIGKILL the coordinator process, then launch it again on the same run directory.
 FAULTS = ("sigstop", "scancel", "sigkill", "drain", "restart", "crash-restart")
@@ -274,6 +275,39 @@ def _busy_worker(client: Client, timeout: float = 120.0) -> dict:
     raise AssertionError("no worker ran actions within the timeout")
 
 
+def _pump_while(traj: Trajectories, going, timeout: float) -> None:
+    """Keep the trajectories going (continuous load) while ``going()`` holds, ``timeout`` at most."""
+    deadline = time.monotonic() + timeout
+    while going() and time.monotonic() < deadline:
+        traj.pump(min(deadline, time.monotonic() + 0.5))
+
+
+def _lost_and_retried(client: Client) -> dict | None:
+    """The coordinator's status once it has lost a worker and retried an action, else None."""
+    st = client.status()
+    return st if st["workers_lost"] >= 1 and st["retried"] >= 1 else None
+
+
+class _FirstWorkers:
+    """The workers that registered before any of them began to drain (or left), and whether each
+    of them has left since: the drain scenario keeps the load on until then."""
+
+    def __init__(self, client: Client):
+        self.client = client
+        self.ids: set[str] = set()
+        self.frozen = False
+
+    def not_all_left(self) -> bool:
+        workers = self.client.status()["workers"]
+        here = {w["id"] for w in workers}
+        if not self.frozen:
+            if any(w["state"] != "ok" for w in workers if w["id"] in self.ids) or self.ids - here:
+                self.frozen = True        # the first drain began: later workers are its replacements
+            else:
+                self.ids |= {w["id"] for w in workers if w["state"] == "ok"}
+        return not self.frozen or bool(self.ids & here)
+
+
 def run_fault(fault: str, workdir: Path, *, envs: int = 50, steps: int = 3, sleep_s: float = 0.5,
               half_way: bool = False, keep: bool = False, log=print) -> Outcome:
     """One scenario; ``workdir`` must be on a filesystem the Slurm jobs see (the loopback cluster: any)."""
@@ -318,7 +352,7 @@ def run_fault(fault: str, workdir: Path, *, envs: int = 50, steps: int = 3, slee
                 f"holding {victim.get('envs')} environments")
             if fault == "sigstop":
                 os.kill(victim["pid"], signal.SIGSTOP)
-                traj.pump(time.monotonic() + 20)
+                _pump_while(traj, lambda: _lost_and_retried(client) is None, 120)
                 os.kill(victim["pid"], signal.SIGCONT)
             elif fault == "scancel":
                 job = _worker_job(victim["handle"])
@@ -333,10 +367,10 @@ def run_fault(fault: str, workdir: Path, *, envs: int = 50, steps: int = 3, slee
                 os.kill(victim["pid"], signal.SIGKILL)
             traj.pump(time.monotonic() + 300, more=False)
         elif fault == "drain":
-            traj.pump(time.monotonic() + 95, more=True)   # past the first workers' drains
+            _pump_while(traj, _FirstWorkers(client).not_all_left, 240)   # past the first workers' drains
             st = client.status()
-            log(f"[drain] after 95s: {len(st['workers'])} workers, lost {st['workers_lost']}, "
-                f"environments {st['environments']}")
+            log(f"[drain] after {time.monotonic() - t0:.0f}s: {len(st['workers'])} workers, lost "
+                f"{st['workers_lost']}, environments {st['environments']}")
             traj.pump(time.monotonic() + 300, more=False)
         else:
             _busy_worker(client)                                                 # part way through

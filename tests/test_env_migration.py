@@ -100,10 +100,13 @@ def test_scheduler_moves_an_environment_off_a_busy_worker_with_its_state(tmp_pat
             st = c.status()
             assert st["env_moves"] == 1 and st["environments"].get("live") == 2
             assert "1 moved by the scheduler" in format_status(st)
-            # the restore is measured (ASSIGN to DONE less the command's own time, which the worker
-            # starts once the environment is there) and counts in what the next move is expected to take
-            assert st["env_restore_s"] is not None and st["env_restore_s"] > r.finished - r.started
-            assert st["env_move_s"] > st["env_restore_s"] * 0.2    # 0.8 x the first guess + 0.2 x (save + restore)
+            # the restore is measured: ASSIGN to DONE less the command's own time (which the worker
+            # starts once the environment is there), so within the action's life at the coordinator
+            # (how it compares with the command's time is the machine's load, not a property)
+            assert st["env_restore_s"] is not None and 0 < st["env_restore_s"] <= time.time() - r.submitted
+            # and the move was learned from: 0.8 x the first guess (0.01 s) + 0.2 x (its save, twice,
+            # as no restore was seen when the save was)
+            assert st["env_move_s"] > 0.8 * 0.01
             # one live copy: the next action sees what the moved one wrote, on the same worker
             again = c.submit(sandbox("cat notes.txt", env="moved")).result(30)
             assert again.ok and again.worker == r.worker and again.env_state == kept_state()

@@ -133,7 +133,8 @@ def test_a_reward_model_whose_score_never_returns_makes_its_worker_leave_for_a_f
     models = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "models")
     monkeypatch.setenv("PYTHONPATH", models + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cfg = tmp_path / "tangram.toml"
-    cfg.write_text("[worker]\nstuck_leave_s = 2\n")
+    # short graces: the stuck call's timeout and the worker's leaving are what this shows, not their waits
+    cfg.write_text("[coordinator]\ntimeout_grace_s = 0.5\n[worker]\nstuck_leave_s = 2\nleave_grace_s = 0.5\n")
     with LocalCluster(workers=0, reward_workers=1, services=["judge=stuck_models:hangs,memory_mb=1,max_wait_ms=1"],
                       run_dir=tmp_path / "run", extra_args=["--config", str(cfg)]) as cl, cl.client() as c:
         first = c.status()["workers"][0]["id"]

@@ -255,7 +255,9 @@ def test_a_session_attempt_cut_off_before_its_record_leaves_nothing_and_its_retr
     assert run_in(w1, spec, [1, P.GRANT_HELD, None], journal=False)[0] == Status.OK   # the worker dies here
     st, state = run_in(w2, spec, [2, P.GRANT_ADOPT, str(w1.mgr.root)])                  # the retry
     assert st == Status.OK and state == EnvState.ADOPTED
-    assert w2.mgr.run(act("cat log", env="e"), CPU).output["stdout"] == "base\nonce\n"
+    read = act("cat log", env="e")
+    assert w2.mgr.run(read, CPU).output["stdout"] == "base\nonce\n"
+    w2.end("e", read.id)    # its attempt held the turn for a journal record (the save below waited 30 s for it)
     env = w2.mgr.envs.get("e")
     w2.mgr.live.park_idle(env)       # the layer is merged once the session is between actions
     assert (env.path / "log").read_text() == "base\nonce\n"

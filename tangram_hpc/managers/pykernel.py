@@ -385,6 +385,15 @@ def serve(path: str, ready_fd: int | None) -> None:
     srv.bind(path)
     srv.listen(8)
     srv.settimeout(2.0)
+    # A cell's os.fork() must not take the kernel's sockets with it: a child left running would hold
+    # the driver's connection open, so a kernel that then died (os._exit) went unnoticed until the
+    # request's timeout, instead of at its end of file.
+    held = [srv]
+
+    def drop_held_in_child() -> None:
+        for s in held:
+            s.close()
+    os.register_at_fork(after_in_child=drop_held_in_child)
     kernel = Kernel()
     sys.path[0] = ""                       # the cells import from the environment, as in Jupyter
     for fd in (0, 1, 2):
@@ -403,6 +412,7 @@ def serve(path: str, ready_fd: int | None) -> None:
             if _orphaned(path, kernel.home):
                 return
             continue
+        held.append(conn)
         with conn:
             conn.settimeout(None)
             try:
@@ -412,6 +422,7 @@ def serve(path: str, ready_fd: int | None) -> None:
                                                 int(req.get("keep", 1 << 20)), int(req.get("kill", 1 << 26))))
             except (OSError, ValueError):
                 pass                       # that driver went away or spoke nonsense: wait for the next
+        held.remove(conn)
 
 
 def _orphaned(path: str, home: str) -> bool:
