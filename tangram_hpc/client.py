@@ -641,7 +641,7 @@ class AsyncClient(_ClientBase):
             return
         on_frame = self._session.on_frame
         got = False
-        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # type: ignore[arg-type]  # an int (the stubs: int | bytes | str)
+        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # type: ignore[arg-type,operator]  # an int (the stubs: int | bytes | str)
             try:
                 frame = sock.recv(zmq.NOBLOCK)
             except zmq.Again:
