@@ -12,13 +12,16 @@ disk quota is watched by :mod:`tangram_hpc.managers.diskquota`.
 """
 from __future__ import annotations
 
+import os
 import resource
 import shutil
 import sys
 from dataclasses import dataclass, fields, replace
+from pathlib import Path
 from typing import Any, Mapping
 
 from ..errors import TangramError
+from .fs_inside import is_plain_dir
 
 __all__ = ["Limits", "LimitsError", "wrapper_argv", "WRAPPER_ENVIRON"]
 
@@ -159,3 +162,25 @@ def wrapper_argv(limits: Limits, uid: int | None, gid: int | None, environ: Mapp
     vals = [str(int(v)) if v else "-" for v in rl.values()]
     vals += [str(uid) if uid is not None else "-", str(gid) if gid is not None else "-"]
     return [python, "-I", "-S", "-c", _python_wrapper_code(), *vals, "--"] + tail
+
+
+_THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS",
+                "PYTEST_XDIST_AUTO_NUM_WORKERS", "TANGRAM_NCPUS")
+
+
+def command_environ(inside: str, ncpus: int, env_path: Path) -> dict[str, str]:
+    """The variables a command starts with in the environment at ``env_path`` (``inside`` as it sees
+    it), before the action's own: a fixed set, PATH with the environment's venv if it has one, and
+    thread counts and make's jobs from its ``ncpus`` cores."""
+    pybin = os.path.dirname(sys.executable)
+    path = f"{pybin}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+    environ = {"HOME": inside, "USER": "sandbox", "LOGNAME": "sandbox", "SHELL": "/bin/sh",
+               "LANG": "C.UTF-8", "TMPDIR": "/tmp", "TANGRAM_SANDBOX": "1"}
+    if is_plain_dir(env_path, ".venv/bin"):
+        environ["VIRTUAL_ENV"] = f"{inside}/.venv"
+        path = f"{inside}/.venv/bin:{path}"
+    environ["PATH"] = path
+    for var in _THREAD_VARS:
+        environ[var] = str(ncpus)
+    environ["MAKEFLAGS"] = f"-j{ncpus}"
+    return environ

@@ -30,7 +30,7 @@ from .bwrap import SANDBOX_DIR, memfd
 from .diskquota import QuotaWatch, held_deleted
 from .environments import Environment
 from .fs_inside import EnvError
-from .limits import WRAPPER_ENVIRON, Limits, wrapper_argv
+from .limits import WRAPPER_ENVIRON, Limits, command_environ, wrapper_argv
 from .session_mounts import STACK_MAX, MountError
 from .sessions import KEPT, STARTED, Session, SessionError, Spawn, server_limits
 from .session_pool import SessionPool
@@ -95,7 +95,7 @@ class LiveEnvs:
                            outside=self.m._held_outside(env, scope, deleted),
                            layer=attempt / "upper" if attempt else None)
         mem_in_cgroup = scope is not None and scope.memory_dir is not None and bool(limits.memory_mb)
-        environ = self.m._environ(SANDBOX_DIR, len(cpus) if cpus else 1, env)
+        environ = command_environ(SANDBOX_DIR, len(cpus) if cpus else 1, env.path)
         environ.update(extra_env)
         try:
             res = session.run(argv, environ, limits if not mem_in_cgroup else replace(limits, memory_mb=None), cpus, stdin,

@@ -57,8 +57,8 @@ from .diskquota import QuotaWatch, held_outside
 from . import env_layers
 from .env_templates import UnknownTemplate
 from .environments import EnvStore, Environment
-from .fs_inside import EnvError, is_plain_dir
-from .limits import WRAPPER_ENVIRON, Limits, LimitsError, wrapper_argv
+from .fs_inside import EnvError
+from .limits import WRAPPER_ENVIRON, Limits, LimitsError, command_environ, wrapper_argv
 from .process import ProcResult, run_bounded
 from .live_envs import LiveEnvs
 from .sessions import KEPT, Sessions
@@ -74,8 +74,6 @@ _LOADER_VARS = frozenset({"GCONV_PATH", "GETCONF_DIR", "GLIBC_TUNABLES", "HOSTAL
                           "LOCPATH", "MALLOC_TRACE", "NIS_PATH", "NLSPATH", "RESOLV_HOST_CONF",
                           "RES_OPTIONS"})
 _PAYLOAD_KEYS = ("cmd", "stdin", "environ", "files", "template", "network", "limits", "concurrent")
-_THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS",
-                "PYTEST_XDIST_AUTO_NUM_WORKERS", "TANGRAM_NCPUS")
 #: The largest result a worker sends unless told otherwise (the coordinator's default ``max_output_bytes``).
 RESULT_BYTES = 8 << 20
 _unsafe_warned = False
@@ -484,7 +482,7 @@ class SandboxManager:
               cancel_fd: int | None = None, attempt: Path | None = None) -> _Ran:
         ncpus = len(cpus) if cpus else 1
         inside = self._quota_inside(env)
-        environ = self._environ(inside, ncpus, env)
+        environ = command_environ(inside, ncpus, env.path)
         environ.update(extra_env)
         uid = env.uid
         scope: CgroupScope | None = None
@@ -588,20 +586,6 @@ class SandboxManager:
     def _quota_inside(self, env: Environment) -> str:
         """``env``'s directory as its commands see it (the paths of files they deleted start with it)."""
         return SANDBOX_DIR if self.layout is not None else str(env.path)
-
-    def _environ(self, inside: str, ncpus: int, env: Environment) -> dict[str, str]:
-        pybin = os.path.dirname(sys.executable)
-        path = f"{pybin}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-        environ = {"HOME": inside, "USER": "sandbox", "LOGNAME": "sandbox", "SHELL": "/bin/sh",
-                   "LANG": "C.UTF-8", "TMPDIR": "/tmp", "TANGRAM_SANDBOX": "1"}
-        if is_plain_dir(env.path, ".venv/bin"):
-            environ["VIRTUAL_ENV"] = f"{inside}/.venv"
-            path = f"{inside}/.venv/bin:{path}"
-        environ["PATH"] = path
-        for var in _THREAD_VARS:
-            environ[var] = str(ncpus)
-        environ["MAKEFLAGS"] = f"-j{ncpus}"
-        return environ
 
     def _run_jupyter(self, spec: ActionSpec, cpus, cancel_fd: int | None = None) -> SandboxOutcome:
         """Cells in the environment's kernel: its driver runs as the step of a run_code (:mod:`.pykernel`)."""
