@@ -50,7 +50,9 @@ def coordinator(tmp_path_factory, dev_cluster):
     subprocess.run(["scancel", job])     # a no-op after test_graceful_stop_ends_the_job_completed
     view = CliClusterView()
     # the trap drains the coordinator, which cancels its workers; the connection file goes
-    wait_until(lambda: not [j for j in view.jobs(name_prefix="tgw-") if j.active]
+    # its own workers only: another run on the same cluster (the fault runs, a second checkout) has
+    # tgw- jobs of its own
+    wait_until(lambda: not worker_jobs(view, info)
                and not [j for j in view.jobs([int(job)]) if j.active], 60, what="coordinator and workers gone")
     assert not os.path.exists(conn)
 
