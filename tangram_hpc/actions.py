@@ -121,11 +121,17 @@ def _demand_from_wire(d: Any) -> Demand:
     key = (lo, hi, mem, gpu, svc)
     demand = _wire_demands.get(key)
     if demand is None:
-        demand = Demand(lo, hi, mem, gpu, svc)
-        if len(_wire_demands) >= WIRE_DEMANDS_KEPT:
-            _wire_demands.clear()
-        _wire_demands[key] = demand
+        demand = _keep(_wire_demands, key, Demand(lo, hi, mem, gpu, svc), WIRE_DEMANDS_KEPT)
     return demand
+
+
+def _keep(cache: dict, key: Any, value: Any, kept: int) -> Any:
+    """Add ``value`` to one of the caches of values decoded from the wire, shared by the actions that
+    carry the same (emptied whole when it holds ``kept``, as a client may send any number)."""
+    if len(cache) >= kept:
+        cache.clear()
+    cache[key] = value
+    return value
 
 
 #: Payload summaries, one per distinct summary.  Bounded, as a client may send any number of programs.
@@ -152,9 +158,7 @@ def payload_summary(payload: Any) -> dict | None:
             key = ("fn", fn)
     summary = _payload_summaries.get(key)
     if summary is None:
-        if len(_payload_summaries) >= PAYLOAD_SUMMARIES_KEPT:
-            _payload_summaries.clear()
-        summary = _payload_summaries[key] = dict([key]) if key else {}
+        summary = _keep(_payload_summaries, key, dict([key]) if key else {}, PAYLOAD_SUMMARIES_KEPT)
     return summary
 
 
@@ -256,7 +260,7 @@ class ActionSpec:
                 check_sandbox_cores(demand.min_cores)
         hint = _opt_num(w, "h", "duration_hint")
         if hint is not None:    # a class's actions share one hint, and a float each is 24 B of a queued action
-            hint = _hints.get(hint) or _shared_hint(hint)
+            hint = _hints.get(hint) or _keep(_hints, hint, hint, WIRE_DEMANDS_KEPT)
         timeout = _opt_num(w, "t", "timeout")
         if timeout is not None and timeout <= 0:
             raise ValidationError("timeout must be positive")
@@ -275,13 +279,6 @@ class ActionSpec:
 
 
 _hints: dict[float, float] = {}      # duration hints decoded from the wire, by value (bounded)
-
-
-def _shared_hint(hint: float) -> float:
-    if len(_hints) >= WIRE_DEMANDS_KEPT:
-        _hints.clear()
-    _hints[hint] = hint
-    return hint
 
 
 def check_sandbox_cores(min_cores: int) -> None:
